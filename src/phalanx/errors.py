@@ -1,0 +1,20 @@
+"""The one exception type users see.
+
+A :class:`PhalanxError` is bad input or a broken environment that the user can fix. Its message
+is one line that names the problem and the fix; the CLI prints it without a traceback and exits
+with status 2. Anything else that escapes is a bug in phalanx (or in the user's model) and keeps
+its traceback.
+"""
+
+
+class PhalanxError(Exception):
+    """Bad input or environment, with a message that names the fix."""
+
+
+class WorkerFailed(PhalanxError):
+    """A worker process died or raised; the job was brought down."""
+
+    def __init__(self, rank: int, detail: str):
+        self.rank = rank
+        self.detail = detail
+        super().__init__(f"worker {rank} failed: {detail}")
