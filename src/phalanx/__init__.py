@@ -1,7 +1,13 @@
 """phalanx: train one PyTorch model on many devices."""
 
 from .devices import resolve_devices
-from .errors import PhalanxError, WorkerFailed
+from .errors import PhalanxError, TrainingDiverged, WorkerFailed
+from .launch import WorkerContext, launch
+from .strategies import Strategy, Sync
+from .train import Schedule, TrainConfig, Trainer
 
-__all__ = ["PhalanxError", "WorkerFailed", "resolve_devices"]
+__all__ = [
+    "PhalanxError", "Schedule", "Strategy", "Sync", "TrainConfig", "Trainer", "TrainingDiverged",
+    "WorkerContext", "WorkerFailed", "launch", "resolve_devices",
+]
 __version__ = "0.1.0"

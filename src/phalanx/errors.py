@@ -10,9 +10,19 @@ its traceback.
 class PhalanxError(Exception):
     """Bad input or environment, with a message that names the fix."""
 
+    exit_code = 2
+
+
+class TrainingDiverged(PhalanxError):
+    """The loss became NaN or infinite; training stopped before saving a bad checkpoint."""
+
+    exit_code = 1
+
 
 class WorkerFailed(PhalanxError):
     """A worker process died or raised; the job was brought down."""
+
+    exit_code = 1
 
     def __init__(self, rank: int, detail: str):
         self.rank = rank

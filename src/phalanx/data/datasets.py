@@ -1,0 +1,184 @@
+"""Data sets held in memory: scikit-learn's digits, CIFAR-10 from its binary files, synthetic.
+
+A data set here is a pair of :class:`ArrayDataset` (train, test). Examples are stored raw
+(uint8 pixels for CIFAR-10) and turned into model inputs one batch at a time by a transform,
+so augmentation draws fresh crops and flips every epoch without copying the whole set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from ..errors import PhalanxError
+
+# (batch of raw examples, per-example augmentation parameters or None) -> model-ready float batch
+Transform = Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+
+CIFAR_TRAIN_FILES = [f"data_batch_{i}.bin" for i in range(1, 6)]
+CIFAR_TEST_FILE = "test_batch.bin"
+CIFAR_CROP = 24
+
+
+def _identity(x: torch.Tensor, params: Optional[torch.Tensor]) -> torch.Tensor:
+    return x
+
+
+@dataclasses.dataclass
+class ArrayDataset:
+    """Examples as one tensor ``x`` (first dimension: examples) and integer labels ``y``."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    transform: Transform = _identity
+    #: Draws per-example augmentation parameters: (count, generator) -> tensor, or None.
+    augment_params: Optional[Callable[[int, torch.Generator], torch.Tensor]] = None
+
+    def __post_init__(self) -> None:
+        if len(self.x) != len(self.y):
+            raise PhalanxError(f"data set has {len(self.x)} inputs but {len(self.y)} labels")
+        self.y = self.y.long()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+
+@dataclasses.dataclass
+class DataBundle:
+    name: str
+    train: ArrayDataset
+    test: ArrayDataset
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+
+def load_digits(seed: int = 0) -> DataBundle:
+    """scikit-learn's 1,797 real 8×8 digits; a fixed stratified split of 1,437 / 360."""
+    from sklearn.datasets import load_digits as _load
+    from sklearn.model_selection import train_test_split
+
+    d = _load()
+    x = torch.from_numpy((d.images / 16.0).astype(np.float32)).unsqueeze(1)
+    y = torch.from_numpy(d.target.astype(np.int64))
+    idx_train, idx_test = train_test_split(
+        np.arange(len(y)), test_size=0.2, random_state=seed, stratify=d.target
+    )
+    mean, std = x[idx_train].mean(), x[idx_train].std()
+    x = (x - mean) / std
+    return DataBundle(
+        "digits", ArrayDataset(x[idx_train], y[idx_train]), ArrayDataset(x[idx_test], y[idx_test]),
+        (1, 8, 8), 10,
+    )
+
+
+def _read_cifar(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    raw = np.fromfile(path, dtype=np.uint8)
+    record = 1 + 3 * 32 * 32
+    if raw.size == 0 or raw.size % record:
+        raise PhalanxError(
+            f"{path} is not a CIFAR-10 binary file ({raw.size} bytes is not a whole number of "
+            f"{record}-byte records); download the 'CIFAR-10 binary version' and point --data-dir at it"
+        )
+    raw = raw.reshape(-1, record)
+    return torch.from_numpy(raw[:, 1:].reshape(-1, 3, 32, 32).copy()), torch.from_numpy(raw[:, 0].astype(np.int64))
+
+
+def cifar_augment_params(count: int, gen: torch.Generator) -> torch.Tensor:
+    """Per image: crop top, crop left, flip (0/1)."""
+    span = 32 - CIFAR_CROP + 1
+    return torch.stack(
+        [torch.randint(0, span, (count,), generator=gen), torch.randint(0, span, (count,), generator=gen),
+         torch.randint(0, 2, (count,), generator=gen)], dim=1,
+    )
+
+
+def standardize(x: torch.Tensor) -> torch.Tensor:
+    """Per-image standardization: zero mean, unit variance (floor on the std as TF does)."""
+    flat = x.flatten(1)
+    mean = flat.mean(1, keepdim=True)
+    floor = 1.0 / flat.shape[1] ** 0.5
+    std = flat.std(1, unbiased=False, keepdim=True).clamp_min(floor)
+    return ((flat - mean) / std).view_as(x)
+
+
+def cifar_train_transform(x: torch.Tensor, params: Optional[torch.Tensor]) -> torch.Tensor:
+    """Random 24×24 crop and horizontal flip (parameters drawn per image), then standardize."""
+    assert params is not None
+    rows = params[:, 0, None] + torch.arange(CIFAR_CROP)  # (N, 24)
+    cols = params[:, 1, None] + torch.arange(CIFAR_CROP)
+    flip = params[:, 2].bool()
+    cols = torch.where(flip[:, None], cols.flip(1), cols)
+    n = torch.arange(len(x))[:, None, None, None]
+    c = torch.arange(3)[None, :, None, None]
+    crops = x[n, c, rows[:, None, :, None], cols[:, None, None, :]]
+    return standardize(crops.float())
+
+
+def cifar_eval_transform(x: torch.Tensor, params: Optional[torch.Tensor]) -> torch.Tensor:
+    off = (32 - CIFAR_CROP) // 2
+    return standardize(x[:, :, off:off + CIFAR_CROP, off:off + CIFAR_CROP].float())
+
+
+def check_cifar10_files(data_dir: str | os.PathLike | None) -> Path:
+    """The CIFAR-10 directory, once every binary file is known to be there (else a clear error)."""
+    expected = ", ".join(CIFAR_TRAIN_FILES + [CIFAR_TEST_FILE])
+    if data_dir is None:
+        raise PhalanxError(f"--data cifar10 needs --data-dir DIR holding {expected}")
+    root = Path(data_dir)
+    missing = [f for f in CIFAR_TRAIN_FILES + [CIFAR_TEST_FILE] if not (root / f).is_file()]
+    if missing:
+        raise PhalanxError(
+            f"CIFAR-10 files missing in {root}: {', '.join(missing)} (expected {expected}, "
+            "from the 'CIFAR-10 binary version' archive)"
+        )
+    return root
+
+
+def load_cifar10(data_dir: str | os.PathLike | None) -> DataBundle:
+    """CIFAR-10 from its binary distribution (``data_batch_1.bin`` … ``test_batch.bin``)."""
+    root = check_cifar10_files(data_dir)
+    parts = [_read_cifar(root / f) for f in CIFAR_TRAIN_FILES]
+    x_train, y_train = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    x_test, y_test = _read_cifar(root / CIFAR_TEST_FILE)
+    return DataBundle(
+        "cifar10",
+        ArrayDataset(x_train, y_train, cifar_train_transform, cifar_augment_params),
+        ArrayDataset(x_test, y_test, cifar_eval_transform),
+        (3, CIFAR_CROP, CIFAR_CROP), 10,
+    )
+
+
+def load_synthetic(shape: tuple[int, ...] = (3, 24, 24), num_classes: int = 10, size: int = 4096,
+                   seed: int = 0) -> DataBundle:
+    """Random inputs labelled by a fixed random linear teacher: learnable, and free to make."""
+    if size < 2 or any(s < 1 for s in shape) or num_classes < 2:
+        raise PhalanxError(f"synthetic data needs size >= 2, positive shape and >= 2 classes; got "
+                           f"size {size}, shape {tuple(shape)}, {num_classes} classes")
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, *shape, generator=gen)
+    teacher = torch.randn(int(np.prod(shape)), num_classes, generator=gen)
+    y = (x.flatten(1) @ teacher).argmax(1)
+    n_test = max(1, size // 5)
+    return DataBundle(
+        "synthetic", ArrayDataset(x[n_test:], y[n_test:]), ArrayDataset(x[:n_test], y[:n_test]),
+        tuple(shape), num_classes,
+    )
+
+
+DATASETS = ("digits", "cifar10", "synthetic")
+
+
+def load_data(name: str, data_dir: str | None = None, synthetic_shape: tuple[int, ...] = (3, 24, 24),
+              synthetic_size: int = 4096, seed: int = 0) -> DataBundle:
+    if name == "digits":
+        return load_digits(seed)
+    if name == "cifar10":
+        return load_cifar10(data_dir)
+    if name == "synthetic":
+        return load_synthetic(synthetic_shape, 10, synthetic_size, seed)
+    raise PhalanxError(f"unknown data set {name!r}: choose one of {', '.join(DATASETS)}")

@@ -1,0 +1,154 @@
+"""Deterministic sharding of batches across workers, and a bounded prefetch queue.
+
+Every global step ``s`` of epoch ``e`` takes the slice ``[s·G, (s+1)·G)`` of that epoch's
+shuffle (G = batch per worker × workers); worker ``r`` takes the ``r``-th piece of it. So every
+worker sees a different part, the union over workers is exactly what one process with batch G
+would see (this is what makes Sync equal to one large batch), and the position in the data is
+a pure function of the global step: resuming at step s needs nothing but s.
+
+The last ``len(data) mod G`` examples of each epoch's shuffle are left out (a different few
+each epoch): every worker then takes the same number of equal-sized steps, so the collectives
+stay in lockstep and no ``Join`` is needed.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Iterator, Optional
+
+import torch
+
+from ..errors import PhalanxError
+from .datasets import ArrayDataset
+
+
+def epoch_generator(seed: int, epoch: int, stream: int) -> torch.Generator:
+    """A generator for one (seed, epoch, purpose): the same on every worker and every run."""
+    return torch.Generator().manual_seed(((seed * 1_000_003 + epoch) * 7 + stream) % (2**63))
+
+
+class ShardedBatches:
+    """This worker's batches, global step by global step, from any starting step."""
+
+    def __init__(self, data: ArrayDataset, batch_size: int, rank: int = 0, world_size: int = 1,
+                 seed: int = 0, shuffle: bool = True, augment: bool = True):
+        self.data, self.batch_size, self.rank, self.world = data, batch_size, rank, world_size
+        self.seed, self.shuffle, self.augment = seed, shuffle, augment
+        self.global_batch = batch_size * world_size
+        self.steps_per_epoch = len(data) // self.global_batch
+        if self.steps_per_epoch == 0:
+            raise PhalanxError(
+                f"global batch {self.global_batch} ({batch_size} per worker x {world_size} workers) "
+                f"is larger than the {len(data)} training examples; use a smaller --batch-size"
+            )
+
+    def _epoch_plan(self, epoch: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        n = len(self.data)
+        perm = torch.randperm(n, generator=epoch_generator(self.seed, epoch, 0)) if self.shuffle else torch.arange(n)
+        params = None
+        if self.augment and self.data.augment_params is not None:
+            # Drawn for every example of the epoch at once, indexed by example: the same crop
+            # for an example whatever the worker count or the step we resumed from.
+            params = self.data.augment_params(n, epoch_generator(self.seed, epoch, 1))
+        return perm, params
+
+    def indices(self, step: int, perm: torch.Tensor) -> torch.Tensor:
+        start = (step % self.steps_per_epoch) * self.global_batch + self.rank * self.batch_size
+        return perm[start:start + self.batch_size]
+
+    def batch(self, idx: torch.Tensor, params: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.data.transform(self.data.x[idx], None if params is None else params[idx])
+        return x, self.data.y[idx]
+
+    def __call__(self, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        step, epoch, plan = start_step, None, None
+        while True:
+            if step // self.steps_per_epoch != epoch:
+                epoch = step // self.steps_per_epoch
+                plan = self._epoch_plan(epoch)
+            perm, params = plan
+            yield self.batch(self.indices(step, perm), params)
+            step += 1
+
+
+def eval_batches(data: ArrayDataset, batch_size: int, rank: int = 0, world_size: int = 1
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This worker's contiguous share of an evaluation set (shares differ by at most one example)."""
+    n = len(data)
+    lo, hi = rank * n // world_size, (rank + 1) * n // world_size
+    for start in range(lo, hi, batch_size):
+        idx = torch.arange(start, min(start + batch_size, hi))
+        yield data.transform(data.x[idx], None), data.y[idx]
+
+
+_DONE = object()
+
+
+class Prefetcher:
+    """Produce batches on a background thread, at most ``depth`` ahead of the consumer.
+
+    The producer builds (and augments) the next batches while the towers compute, so they never
+    wait on input when the loader can keep up. On CUDA the batch is pinned and copied with
+    ``non_blocking=True`` on a side stream, so the copy overlaps the current step too.
+    """
+
+    def __init__(self, batches: Iterator, device: torch.device, depth: int = 2):
+        if depth < 1:
+            raise PhalanxError(f"prefetch depth must be at least 1, got {depth}")
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._produce, args=(batches,), daemon=True)
+        self.thread.start()
+
+    def _produce(self, batches: Iterator) -> None:
+        try:
+            for x, y in batches:
+                if self.cuda:
+                    with torch.cuda.stream(self.stream):
+                        x = x.pin_memory().to(self.device, non_blocking=True)
+                        y = y.pin_memory().to(self.device, non_blocking=True)
+                        ready = torch.cuda.Event()
+                        ready.record(self.stream)
+                    item = (x, y, ready)
+                else:
+                    item = (x, y, None)
+                while not self.stop.is_set():
+                    try:
+                        self.queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self.stop.is_set():
+                    return
+        except BaseException as e:  # surface loader errors in the training thread
+            self.queue.put(e)
+            return
+        self.queue.put(_DONE)
+
+    def __iter__(self) -> "Prefetcher":
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        item = self.queue.get()
+        if item is _DONE:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        x, y, ready = item
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+            x.record_stream(torch.cuda.current_stream(self.device))
+            y.record_stream(torch.cuda.current_stream(self.device))
+        return x, y
+
+    def close(self) -> None:
+        self.stop.set()
+        try:
+            while True:
+                self.queue.get_nowait()
+        except queue.Empty:
+            pass

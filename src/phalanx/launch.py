@@ -1,0 +1,245 @@
+"""Start workers on one machine, or join a job that ``torchrun`` started.
+
+Who talks to whom: on one machine the parent process owns a ``TCPStore`` on 127.0.0.1 with a port
+the kernel chose (never a fixed port, so two jobs never collide), spawns one process per worker,
+and every worker joins the process group through that store. Under ``torchrun`` (``RANK`` and
+``WORLD_SIZE`` in the environment) there is nothing to spawn: this process is one worker and
+joins through ``env://``, which is how phalanx runs on several machines.
+
+Failure: the parent polls its children; the first one that raises or dies takes the job down
+(the others get SIGTERM, then SIGKILL) and the parent raises :class:`WorkerFailed` with that
+rank and its traceback. A :class:`PhalanxError` raised inside a worker (bad input discovered
+late) is carried back as itself so the CLI still prints one line and exits 2.
+
+World size 1 runs in the calling process with no process group at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from . import errors
+from .devices import backend_for
+from .errors import PhalanxError, WorkerFailed
+
+#: How long a collective may wait for a peer before gloo/NCCL gives up. A dead peer is normally
+#: noticed much sooner, by the parent seeing the process exit.
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerContext:
+    """Where this worker stands in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None: world size 1, no process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def in_torchrun() -> bool:
+    """True inside a job started by torchrun (or any launcher that sets RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_worker(workers: int) -> int:
+    """Each CPU worker gets its share of the cores, so workers do not fight over them."""
+    return max(1, available_cores() // max(1, workers))
+
+
+def _init_worker(
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    device: torch.device,
+    threads: int | None,
+    store: dist.Store | None,
+    timeout_s: float,
+) -> WorkerContext:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if threads:
+        torch.set_num_threads(threads)
+    if world_size == 1:
+        return WorkerContext(rank, 1, local_rank, device, None)
+    backend = backend_for([device])
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
+    if store is not None:
+        kwargs["store"] = store
+    else:
+        kwargs["init_method"] = "env://"
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
+    return WorkerContext(rank, world_size, local_rank, device, backend)
+
+
+def _shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _spawned_worker(
+    local_rank: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    devices: Sequence[torch.device],
+    threads: int | None,
+    addr: str,
+    port: int,
+    timeout_s: float,
+    results: Any,
+) -> None:
+    world_size = len(devices)
+    try:
+        store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+        ctx = _init_worker(local_rank, world_size, local_rank, devices[local_rank], threads, store, timeout_s)
+        value = fn(ctx, *args)
+        if local_rank == 0:
+            results.put(("result", 0, value))
+    except PhalanxError as e:
+        # Bad input found inside a worker: send the message home, then fail so the rest stop too.
+        results.put(("error", local_rank, (time.time(), type(e).__name__, str(e))))
+        raise SystemExit(3)
+    except BaseException:
+        # Stamp the time: when one worker crashes its peers crash next ("connection closed"),
+        # and the parent must name the first, not whichever it happened to notice.
+        results.put(("crash", local_rank, (time.time(), traceback.format_exc())))
+        raise
+    finally:
+        _shutdown()
+
+
+def _rebuild_error(rank: int, name: str, message: str) -> PhalanxError:
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, PhalanxError) and cls is not WorkerFailed:
+        try:
+            return cls(message)
+        except TypeError:
+            pass
+    return PhalanxError(message)
+
+
+def _drain(results: Any) -> list[tuple]:
+    out = []
+    while not results.empty():
+        out.append(results.get())
+    return out
+
+
+# torch logs a warning for every sibling it terminates after a failure; the failure itself is
+# what the user needs to see, so keep those quiet.
+logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+
+
+def launch(
+    fn: Callable[..., Any],
+    devices: Sequence[torch.device],
+    args: tuple = (),
+    *,
+    threads: int | None = None,
+    addr: str = "127.0.0.1",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Any:
+    """Run ``fn(ctx, *args)`` on one worker per entry of ``devices``; return rank 0's result.
+
+    ``fn`` and ``args`` must be picklable (workers are spawned, not forked, so CUDA stays usable).
+    Inside torchrun this process is the worker: ``devices`` is indexed by ``LOCAL_RANK``.
+    """
+    if in_torchrun():
+        return _run_under_torchrun(fn, devices, args, threads, timeout_s)
+    if threads is None and all(d.type == "cpu" for d in devices):
+        threads = threads_per_worker(len(devices))
+    if len(devices) == 1:
+        ctx = _init_worker(0, 1, 0, devices[0], threads, None, timeout_s)
+        return fn(ctx, *args)
+
+    store = dist.TCPStore(addr, 0, len(devices), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    spawn = mp.get_context("spawn")
+    results = spawn.SimpleQueue()
+    procs = mp.start_processes(
+        _spawned_worker,
+        args=(fn, args, list(devices), threads, addr, store.port, timeout_s, results),
+        nprocs=len(devices),
+        join=False,
+        start_method="spawn",
+    )
+    try:
+        while not procs.join(timeout=0.5):
+            pass
+    except mp.ProcessRaisedException as e:
+        raise _failure(_drain(results), None) from None
+    except mp.ProcessExitedException as e:
+        killed = None
+        if e.signal_name and e.signal_name != "SIGTERM":
+            killed = (e.error_index, f"process {e.error_pid} was killed by {e.signal_name}")
+        elif not e.signal_name:
+            killed = (e.error_index, f"process {e.error_pid} exited with status {e.exit_code}")
+        raise _failure(_drain(results), killed) from None
+    except KeyboardInterrupt:
+        for p in procs.processes:
+            if p.is_alive():
+                p.terminate()
+        raise
+    for kind, _rank, value in _drain(results):
+        if kind == "result":
+            return value
+    return None
+
+
+def _failure(reports: list[tuple], killed: tuple[int, str] | None) -> PhalanxError:
+    """The error to raise for a failed job.
+
+    A worker's own PhalanxError wins (it is the user's problem, stated plainly); then a process
+    that died from outside (killed, it could not report); then the earliest crash report.
+    """
+    errors_ = sorted((v[0], r, v[1], v[2]) for kind, r, v in reports if kind == "error")
+    if errors_:
+        _, rank, name, message = errors_[0]
+        return _rebuild_error(rank, name, message)
+    if killed is not None:
+        return WorkerFailed(*killed)
+    crashes = sorted((v[0], r, v[1]) for kind, r, v in reports if kind == "crash")
+    if crashes:
+        _, rank, tb = crashes[0]
+        return WorkerFailed(rank, tb.rstrip())
+    return WorkerFailed(-1, "a worker exited without reporting why")
+
+
+def _run_under_torchrun(fn, devices, args, threads, timeout_s):
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    device = devices[local_rank % len(devices)]
+    ctx = _init_worker(rank, world_size, local_rank, device, threads, None, timeout_s)
+    try:
+        return fn(ctx, *args)
+    finally:
+        _shutdown()

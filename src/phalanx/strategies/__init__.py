@@ -1,0 +1,21 @@
+"""Strategies: how the towers/workers combine their work."""
+
+from __future__ import annotations
+
+from ..errors import PhalanxError
+from .base import Strategy
+from .sync import Sync
+
+#: CLI name -> strategy class. Each class maps its own options (dataclass fields).
+STRATEGIES: dict[str, type[Strategy]] = {"sync": Sync}
+
+
+def strategy_from_name(name: str, **options) -> Strategy:
+    if name not in STRATEGIES:
+        raise PhalanxError(f"unknown strategy {name!r}: choose one of {', '.join(STRATEGIES)}")
+    cls = STRATEGIES[name]
+    fields = {f.name for f in cls.__dataclass_fields__.values()}
+    return cls(**{k: v for k, v in options.items() if k in fields})
+
+
+__all__ = ["STRATEGIES", "Strategy", "Sync", "strategy_from_name"]

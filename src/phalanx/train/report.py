@@ -1,0 +1,59 @@
+"""What rank 0 shows the user: header, progress lines (or a bar), summary, JSON-lines metrics."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from tqdm import tqdm
+
+
+def step_line(step: int, loss: float, examples_per_sec: float, sec_per_batch: float) -> str:
+    return f"step {step}, loss = {loss:.2f} ({examples_per_sec:.1f} examples/sec; {sec_per_batch:.3f} sec/batch)"
+
+
+class Reporter:
+    """Prints on rank 0 only; every other rank gets a silent one."""
+
+    def __init__(self, enabled: bool, progress: str, metrics_path: Optional[str], total_steps: int,
+                 start_step: int, append: bool):
+        self.enabled = enabled
+        self.metrics = None
+        self.bar = None
+        if not enabled:
+            return
+        if metrics_path:
+            Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
+            self.metrics = open(metrics_path, "a" if append else "w", buffering=1)
+        use_bar = progress == "bar" or (progress == "auto" and sys.stdout.isatty())
+        self.quiet = progress == "none"
+        if use_bar:
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, leave=False)
+
+    def say(self, line: str) -> None:
+        if not self.enabled or self.quiet:
+            return
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def record(self, event: str, **fields: Any) -> None:
+        if self.metrics is not None:
+            self.metrics.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
+
+    def advance(self, loss: float) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
