@@ -61,6 +61,16 @@ def in_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def world_size(devices: Sequence[torch.device]) -> int:
+    """Workers in the job: torchrun's WORLD_SIZE, else one per device slot."""
+    return int(os.environ["WORLD_SIZE"]) if in_torchrun() else len(devices)
+
+
+def local_world_size(default: int) -> int:
+    """Workers on this machine (they share its cores)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", default)) if in_torchrun() else default
+
+
 def available_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -172,10 +182,10 @@ def launch(
     ``fn`` and ``args`` must be picklable (workers are spawned, not forked, so CUDA stays usable).
     Inside torchrun this process is the worker: ``devices`` is indexed by ``LOCAL_RANK``.
     """
+    if threads is None and all(d.type == "cpu" for d in devices):
+        threads = threads_per_worker(local_world_size(len(devices)))
     if in_torchrun():
         return _run_under_torchrun(fn, devices, args, threads, timeout_s)
-    if threads is None and all(d.type == "cpu" for d in devices):
-        threads = threads_per_worker(len(devices))
     if len(devices) == 1:
         ctx = _init_worker(0, 1, 0, devices[0], threads, None, timeout_s)
         return fn(ctx, *args)

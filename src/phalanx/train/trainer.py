@@ -26,7 +26,7 @@ from ..data.datasets import DATASETS, check_cifar10_files
 from ..data import ArrayDataset, DataBundle, Prefetcher, ShardedBatches, eval_batches, load_data
 from ..devices import backend_for, resolve_devices
 from ..errors import PhalanxError, TrainingDiverged
-from ..launch import WorkerContext, in_torchrun, launch
+from ..launch import WorkerContext, in_torchrun, launch, world_size
 from ..models import build_model
 from . import checkpoint as ckpt
 from .config import TrainConfig
@@ -65,9 +65,9 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         cfg = self.config
         devices = worker_devices(cfg)
-        cfg.strategy.check_world(len(devices), devices)
+        cfg.strategy.check_world(world_size(devices), devices)
         data = self.data if self.data is not None else _check_data_files(cfg)
-        resume_path, start_step = _check_resume(cfg, len(devices))
+        resume_path, start_step = _check_resume(cfg, world_size(devices))
         created = not Path(cfg.checkpoint_dir).exists()
         ckpt.ensure_writable(cfg.checkpoint_dir)
         plan = Plan(cfg, devices, self.model, data, self.loss_fn, resume_path, start_step)
@@ -115,12 +115,12 @@ def _check_data_files(cfg: TrainConfig) -> None:
     return None
 
 
-def _check_resume(cfg: TrainConfig, world_size: int) -> tuple[Optional[str], int]:
+def _check_resume(cfg: TrainConfig, workers: int) -> tuple[Optional[str], int]:
     if cfg.resume is None:
         return None, 0
     state = ckpt.load_checkpoint(cfg.resume)
     meta = state.get("meta", {})
-    want = {"world_size": world_size, "batch_size": cfg.batch_size, "model": cfg.model, "data": cfg.data,
+    want = {"world_size": workers, "batch_size": cfg.batch_size, "model": cfg.model, "data": cfg.data,
             "strategy": cfg.strategy.name}
     for key, value in want.items():
         if key in meta and meta[key] != value:
@@ -213,12 +213,15 @@ class WorkerRun:
     def _guard(self, loss: float) -> None:
         # Every rank holds the same all-reduced loss, so every rank stops at the same step.
         if not math.isfinite(loss):
-            last = self.last_checkpoint or "none (no checkpoint was written before this step)"
-            self.reporter.record("diverged", step=self.step, loss=str(loss))
-            raise TrainingDiverged(
-                f"model diverged with loss = {loss} at step {self.step}; last good checkpoint: {last} "
-                "(lower --lr or add --warmup-steps, then --resume from it)"
-            )
+            self._diverged(loss)
+
+    def _diverged(self, loss: float) -> None:
+        last = self.last_checkpoint or "none (no checkpoint was written before this step)"
+        self.reporter.record("diverged", step=self.step, loss=str(loss))
+        raise TrainingDiverged(
+            f"model diverged with loss = {loss} at step {self.step}; last good checkpoint: {last} "
+            "(lower --lr or add --warmup-steps, then --resume from it)"
+        )
 
     def _log(self, loss: float, steps: int, seconds: float) -> None:
         rate = steps * self.global_batch / max(seconds, 1e-9)
@@ -239,6 +242,9 @@ class WorkerRun:
 
     # ---- checkpoints ----
     def _save(self) -> None:
+        # The loss of this step was finite, but its update may not be: never save such weights.
+        if not all(torch.isfinite(p).all() for p in self.strategy.module.parameters()):
+            self._diverged(float("nan"))
         state = self.strategy.checkpoint_state()
         rng = [torch.get_rng_state()]
         if self.ctx.distributed:

@@ -1,0 +1,53 @@
+"""The one helper every multi-process test uses: spawn gloo workers on 127.0.0.1.
+
+It is phalanx's own launcher (a TCPStore on a kernel-chosen loopback port, spawned processes,
+the first failing worker's traceback raised in the test), so the tests exercise the real path.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from phalanx.launch import WorkerContext, launch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_workers(fn: Callable[..., Any], n: int, *args: Any) -> Any:
+    """Run ``fn(ctx, *args)`` on ``n`` CPU workers; return rank 0's result."""
+    return launch(fn, [torch.device("cpu")] * n, args, timeout_s=60)
+
+
+def gather(ctx: WorkerContext, value: Any) -> list:
+    """Every rank's ``value``, in rank order (on every rank)."""
+    if not ctx.distributed:
+        return [value]
+    out: list = [None] * ctx.world_size
+    dist.all_gather_object(out, value)
+    return out
+
+
+def phalanx_cmd() -> list[str]:
+    """The installed ``phalanx`` console script (the tests run what users run)."""
+    exe = shutil.which("phalanx")
+    assert exe, "the phalanx command is not installed: run the README's setup command"
+    return [exe]
+
+
+def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(phalanx_cmd() + list(args), cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def python_script(path: Path, *args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(path), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)

@@ -1,0 +1,127 @@
+"""End to end through the installed ``phalanx`` command, on the embedded digits data."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import run_cli
+from phalanx.train.checkpoint import list_checkpoints
+
+
+def test_default_train_reaches_the_accuracy_and_reports(tmp_path):
+    out = run_cli("train", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("phalanx train: strategy sync (DDP), world size 2, devices cpu, backend gloo, "
+                               "global batch 64")
+    steps = [ln for ln in lines if re.fullmatch(r"step \d+, loss = \d+\.\d\d \(\d+\.\d examples/sec; "
+                                                r"\d+\.\d{3} sec/batch\)", ln)]
+    assert len(steps) == 15  # every 20 of 300 steps, printed once (rank 0 alone prints)
+    accuracy = float(re.search(r"test accuracy (\d\.\d+)", out.stdout).group(1))
+    assert accuracy >= 0.95
+    assert re.search(r"throughput \d+\.\d examples/sec \(global\)", out.stdout)
+    assert "checkpoint checkpoints/step-00000300.pt" in out.stdout
+    assert re.search(r"wall time \d+\.\d s", out.stdout)
+    state = torch.load(tmp_path / "checkpoints" / "step-00000300.pt", weights_only=True)
+    assert state["step"] == 300
+    events = [json.loads(ln) for ln in (tmp_path / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "summary" and events[-1]["test_accuracy"] == pytest.approx(accuracy, abs=1e-4)
+
+
+def test_mlp_with_schedule_and_metrics_path(tmp_path):
+    out = run_cli("train", "--model", "mlp", "--steps", "60", "--lr-schedule", "cosine", "--warmup-steps", "5",
+                  "--workers", "2", "--metrics", "m/run.jsonl", "--eval-every", "30", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "step 30, test accuracy = " in out.stdout
+    events = [json.loads(ln) for ln in (tmp_path / "m" / "run.jsonl").read_text().splitlines()]
+    lrs = [e["lr"] for e in events if e["event"] == "step"]
+    assert lrs[0] > lrs[-1]  # cosine decays
+
+
+BAD_INPUTS = [
+    (["--devices", "tpu"], "unknown device 'tpu'"),
+    (["--model", "resnet9000"], "unknown model 'resnet9000': choose one of cnn, mlp, cifar10, lstm"),
+    (["--devices", "cuda:3", "--strict-devices"], "cuda:3 requested but no CUDA device exists here"),
+    (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+    (["--steps", "-5"], "--steps must be a positive integer, got -5"),
+    (["--data", "cifar10", "--data-dir", "nowhere"], "CIFAR-10 files missing in nowhere: data_batch_1.bin"),
+    (["--strategy", "magic"], "unknown strategy 'magic'"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_INPUTS, ids=[f[1][:24] for f in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, flags, message):
+    out = run_cli("train", *flags, cwd=tmp_path)
+    assert out.returncode == 2
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "checkpoints").exists()  # no partial files left behind
+
+
+def test_unwritable_checkpoint_directory(tmp_path):
+    (tmp_path / "afile").write_text("not a directory")
+    out = run_cli("train", "--checkpoint-dir", "afile/ckpt", cwd=tmp_path)
+    assert out.returncode == 2
+    assert "error: cannot write checkpoints to afile/ckpt" in out.stderr and "choose another --checkpoint-dir" in out.stderr
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trained")
+    out = run_cli("train", "--steps", "20", "--checkpoint-every", "10", cwd=root)
+    assert out.returncode == 0, out.stderr
+    return root
+
+
+def _snapshot(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_corrupt_checkpoint_on_resume(trained, tmp_path):
+    bad = tmp_path / "step-00000010.pt"
+    bad.write_bytes(b"\x00garbage" * 100)
+    before = _snapshot(tmp_path)
+    out = run_cli("train", "--steps", "40", "--resume", str(bad), "--checkpoint-dir", str(tmp_path), cwd=tmp_path)
+    assert out.returncode == 2
+    assert "is corrupt or not a phalanx checkpoint" in out.stderr and "resume from an earlier step-*.pt" in out.stderr
+    assert _snapshot(tmp_path) == before  # the user's files are untouched
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", "mlp"], "written with model = 'cnn' but this run has 'mlp'"),
+    (["--workers", "1"], "written with world_size = 2 but this run has 1"),
+    (["--steps", "20"], "already at step 20 and --steps is 20"),
+])
+def test_mismatched_checkpoint_on_resume(trained, flags, message):
+    before = _snapshot(trained / "checkpoints")
+    out = run_cli("train", "--resume", *flags, cwd=trained) if "--steps" in flags else \
+        run_cli("train", "--steps", "40", "--resume", *flags, cwd=trained)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr
+    assert _snapshot(trained / "checkpoints") == before
+
+
+def test_resume_from_directory_continues(trained, tmp_path):
+    import shutil
+
+    shutil.copytree(trained / "checkpoints", tmp_path / "checkpoints")
+    out = run_cli("train", "--steps", "30", "--resume", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "resuming at step 20" in out.stdout.splitlines()[0]
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")][-1] == "step-00000030.pt"
+
+
+def test_torchrun_starts_the_workers(tmp_path):
+    """Several machines are joined the way torchrun does it: here two processes on one machine."""
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "phalanx",
+         "train", "--steps", "40", "--log-every", "20"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "world size 2" in out.stdout and out.stdout.count("step 20, loss") == 1

@@ -1,0 +1,90 @@
+"""The launcher: real spawned gloo workers on loopback."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers import gather, run_workers
+from phalanx.errors import PhalanxError, WorkerFailed
+
+
+def _sum_of_ranks(ctx):
+    t = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(t)
+    return {"world": ctx.world_size, "sum": t.item(), "ranks": gather(ctx, ctx.rank),
+            "threads": torch.get_num_threads(), "backend": ctx.backend}
+
+
+def test_two_workers_form_a_gloo_group():
+    out = run_workers(_sum_of_ranks, 2)
+    assert out["world"] == 2 and out["sum"] == 3.0 and out["ranks"] == [0, 1]
+    assert out["backend"] == "gloo"
+
+
+def test_world_size_one_has_no_process_group():
+    def single(ctx):
+        return ctx.distributed, dist.is_initialized()
+
+    assert run_workers(single, 1) == (False, False)
+
+
+def _raise_on_rank_1(ctx):
+    if ctx.rank == 1:
+        raise ValueError("tower exploded")
+    t = torch.zeros(1)
+    dist.all_reduce(t)  # rank 0 waits here for a peer that is gone
+    return "unreachable"
+
+
+def test_a_worker_that_raises_brings_the_job_down_naming_the_rank():
+    start = time.monotonic()
+    with pytest.raises(WorkerFailed) as info:
+        run_workers(_raise_on_rank_1, 2)
+    assert info.value.rank == 1
+    assert "ValueError: tower exploded" in info.value.detail
+    assert "Traceback" in info.value.detail
+    assert time.monotonic() - start < 60  # not a hang (the collective timeout is 60 s)
+
+
+def _kill_rank_1(ctx):
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.zeros(1)
+    dist.all_reduce(t)
+
+
+def test_a_killed_worker_is_named():
+    with pytest.raises(WorkerFailed, match="worker 1 failed: process .* was killed by SIGKILL"):
+        run_workers(_kill_rank_1, 2)
+
+
+def _user_error_on_rank_1(ctx):
+    if ctx.rank == 1:
+        raise PhalanxError("checkpoint does not fit; use the same --model")
+    dist.barrier()
+
+
+def test_bad_input_found_in_a_worker_stays_a_one_line_error():
+    with pytest.raises(PhalanxError, match="^checkpoint does not fit; use the same --model$") as info:
+        run_workers(_user_error_on_rank_1, 2)
+    assert not isinstance(info.value, WorkerFailed)
+
+
+def test_torchrun_environment_is_joined(monkeypatch):
+    """Under torchrun the process is the worker: RANK/WORLD_SIZE/MASTER_* from the environment."""
+    import socket
+
+    from phalanx.launch import launch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    # world size 1 under torchrun still runs without a process group
+    assert launch(lambda ctx: (ctx.rank, ctx.world_size, ctx.backend), [torch.device("cpu")]) == (0, 1, None)
