@@ -30,6 +30,7 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--devices", default="auto", help="auto | cpu | cuda | cuda:0,2 (default auto)")
     g.add_argument("--strict-devices", action="store_true", help="fail instead of falling back to the CPU")
     g.add_argument("--workers", type=int, help="worker processes (default: one per GPU; on CPU, 2)")
+    g.add_argument("--threads", type=int, help="torch threads per CPU worker (default: its share of the cores)")
     g.add_argument("--reduce", default="flat", help="sync: flat | hierarchical | auto")
     g.add_argument("--compress", default=None, help="sync: bf16 | fp16 gradient all-reduce")
     g.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address on one machine")

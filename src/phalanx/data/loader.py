@@ -146,9 +146,13 @@ class Prefetcher:
         return x, y
 
     def close(self) -> None:
+        """Stop the producer and wait for it: a thread still inside a torch op while the
+        interpreter shuts down aborts the whole process."""
         self.stop.set()
-        try:
-            while True:
-                self.queue.get_nowait()
-        except queue.Empty:
-            pass
+        while self.thread.is_alive():
+            try:
+                while True:
+                    self.queue.get_nowait()
+            except queue.Empty:
+                pass
+            self.thread.join(timeout=0.1)

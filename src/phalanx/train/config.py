@@ -20,6 +20,7 @@ class TrainConfig:
     devices: Union[str, int, list] = "auto"  #: device spec (see phalanx.devices)
     strict_devices: bool = False  #: fail instead of falling back to the CPU
     workers: Optional[int] = None  #: worker processes (default: one per GPU; on CPU, 2)
+    threads: Optional[int] = None  #: torch threads per CPU worker (default: its share of the cores)
     # --- what is trained ---
     model: str = "cnn"  #: built-in model name (ignored when a model object is given to Trainer)
     data: str = "digits"  #: digits | cifar10 | synthetic (ignored when data is given to Trainer)
@@ -62,8 +63,9 @@ class TrainConfig:
         for name in ("eval_every", "checkpoint_every", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise PhalanxError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
-        if self.workers is not None and self.workers < 1:
-            raise PhalanxError(f"--workers must be at least 1, got {self.workers}")
+        for name in ("workers", "threads"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise PhalanxError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.batch_size % self.accumulate:
             raise PhalanxError(
                 f"--batch-size {self.batch_size} does not split into --accumulate {self.accumulate} equal "

@@ -72,7 +72,8 @@ class Trainer:
         ckpt.ensure_writable(cfg.checkpoint_dir)
         plan = Plan(cfg, devices, self.model, data, self.loss_fn, resume_path, start_step)
         try:
-            return launch(run_worker, devices, (plan,), addr=cfg.master_addr, timeout_s=cfg.timeout_s)
+            return launch(run_worker, devices, (plan,), threads=cfg.threads, addr=cfg.master_addr,
+                          timeout_s=cfg.timeout_s)
         except PhalanxError:
             if created and not any(Path(cfg.checkpoint_dir).iterdir()):
                 Path(cfg.checkpoint_dir).rmdir()  # leave nothing behind for a run that never started

@@ -1,0 +1,41 @@
+"""What every benchmark records beside its figures: the machine, the versions, the spread."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine_info() -> dict:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count()
+    info = {
+        "host": socket.gethostname(), "platform": platform.platform(), "processor": platform.processor(),
+        "cpu_count": cores, "python": sys.version.split()[0], "torch": torch.__version__,
+        "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def result_path(name: str) -> Path:
+    """benchmarks/results/<name>-<cpu|gpu model>.json: one file per benchmark and kind of machine."""
+    kind = torch.cuda.get_device_name(0).replace(" ", "_") if torch.cuda.is_available() else f"cpu{os.cpu_count()}"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    return RESULTS / f"{name}-{kind}.json"
+
+
+def spread(values: list[float]) -> tuple[float, float]:
+    return min(values), max(values)
