@@ -38,10 +38,11 @@ def parameter_checksum(module: nn.Module) -> torch.Tensor:
 
 def verify_replicas(module: nn.Module, ctx: WorkerContext) -> None:
     """Fail loudly unless every rank holds the same parameters (compared through rank 0's)."""
-    mine = parameter_checksum(module)
+    device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")  # NCCL moves CUDA tensors only
+    mine = parameter_checksum(module).to(device)
     reference = mine.clone()
     dist.broadcast(reference, src=0)
-    same = torch.tensor([1 if torch.allclose(mine, reference, rtol=1e-12, atol=0) else 0])
+    same = torch.tensor([1 if torch.allclose(mine, reference, rtol=1e-12, atol=0) else 0], device=device)
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
     if not same.item():
         raise PhalanxError(
