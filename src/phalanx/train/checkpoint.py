@@ -54,6 +54,17 @@ def ensure_writable(directory: str | os.PathLike) -> Path:
     return root
 
 
+def to_cpu(obj: Any) -> Any:
+    """A copy of nested dicts/lists/tuples with every tensor on the CPU (checkpoints load anywhere)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
 def save_checkpoint(state: dict[str, Any], directory: str | os.PathLike, step: int, keep: int) -> Path:
     """Write ``state`` atomically as the checkpoint of ``step``; prune to the newest ``keep``."""
     root = Path(directory)
@@ -61,7 +72,7 @@ def save_checkpoint(state: dict[str, Any], directory: str | os.PathLike, step: i
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=root)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            torch.save(to_cpu(state), f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
