@@ -125,3 +125,36 @@ def test_torchrun_starts_the_workers(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "world size 2" in out.stdout and out.stdout.count("step 20, loss") == 1
+
+
+def test_progress_bar_on_a_terminal_plain_lines_otherwise(tmp_path):
+    """On a terminal (a pseudo-terminal here) rank 0 draws a bar; piped output has none."""
+    import fcntl
+    import os
+    import struct
+    import termios
+
+    from helpers import phalanx_cmd
+
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(phalanx_cmd() + ["train", "--steps", "200", "--model", "mlp", "--workers", "1"],
+                            cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the terminal closed: the command ended
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=300) == 0
+    os.close(master)
+    screen = b"".join(chunks).decode(errors="replace")
+    assert re.search(r"\d+/200 \[", screen), screen[-2000:]  # the bar: "57/200 [00:01<...]"
+    assert "step 200, loss = " in screen
+
+    piped = run_cli("train", "--steps", "40", "--model", "mlp", "--workers", "1", cwd=tmp_path)
+    assert "/40 [" not in piped.stdout + piped.stderr
