@@ -65,6 +65,15 @@ def to_cpu(obj: Any) -> Any:
     return obj
 
 
+def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
+    """Delete half-written checkpoints that a killed run left behind (never a finished one)."""
+    root = Path(directory)
+    stale = [p for p in root.glob(".step-*.pt.*.tmp")] if root.is_dir() else []
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
 def save_checkpoint(state: dict[str, Any], directory: str | os.PathLike, step: int, keep: int) -> Path:
     """Write ``state`` atomically as the checkpoint of ``step``; prune to the newest ``keep``."""
     root = Path(directory)

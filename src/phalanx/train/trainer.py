@@ -70,6 +70,7 @@ class Trainer:
         resume_path, start_step = _check_resume(cfg, world_size(devices))
         created = not Path(cfg.checkpoint_dir).exists()
         ckpt.ensure_writable(cfg.checkpoint_dir)
+        ckpt.remove_stale_temporaries(cfg.checkpoint_dir)
         plan = Plan(cfg, devices, self.model, data, self.loss_fn, resume_path, start_step)
         try:
             return launch(run_worker, devices, (plan,), threads=cfg.threads, addr=cfg.master_addr,
