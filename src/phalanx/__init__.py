@@ -3,11 +3,12 @@
 from .devices import resolve_devices
 from .errors import PhalanxError, TrainingDiverged, WorkerFailed
 from .launch import WorkerContext, launch
+from .parallel import ParallelModule, make_parallel
 from .strategies import Strategy, Sync
 from .train import Schedule, TrainConfig, Trainer
 
 __all__ = [
-    "PhalanxError", "Schedule", "Strategy", "Sync", "TrainConfig", "Trainer", "TrainingDiverged",
-    "WorkerContext", "WorkerFailed", "launch", "resolve_devices",
+    "ParallelModule", "PhalanxError", "Schedule", "Strategy", "Sync", "TrainConfig", "Trainer", "TrainingDiverged",
+    "WorkerContext", "WorkerFailed", "launch", "make_parallel", "resolve_devices",
 ]
 __version__ = "0.1.0"
