@@ -24,6 +24,13 @@ def _positive_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+def _islands(text: str) -> list[list[int]]:
+    try:
+        return [[int(r) for r in part.split(",")] for part in text.split(";")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"islands {text!r} are not like '0,1;2,3'") from None
+
+
 def add_train_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--strategy", default="sync", help=f"how workers cooperate: {', '.join(STRATEGIES)}")
@@ -33,6 +40,7 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, help="torch threads per CPU worker (default: its share of the cores)")
     g.add_argument("--reduce", default="flat", help="sync: flat | hierarchical | auto")
     g.add_argument("--compress", default=None, help="sync: bf16 | fp16 gradient all-reduce")
+    g.add_argument("--islands", type=_islands, help="sync: ranks grouped for --reduce, e.g. '0,1;2,3'")
     g.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address on one machine")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default="cnn", help="cnn | mlp | cifar10 | lstm")
@@ -97,8 +105,12 @@ Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Na
 
 
 def commands() -> dict[str, Command]:
-    table: dict[str, Command] = {"train": (add_train_flags, cmd_train, "train a model")}
-    return table
+    from .topology import cli as topology_cli
+
+    return {
+        "train": (add_train_flags, cmd_train, "train a model"),
+        "topology": (topology_cli.add_flags, topology_cli.run, "show which devices reach each other directly"),
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,7 @@ World size 1 runs in the calling process with no process group at all.
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import os
 import time
@@ -132,7 +133,7 @@ def _spawned_worker(
         ctx = _init_worker(local_rank, world_size, local_rank, devices[local_rank], threads, store, timeout_s)
         value = fn(ctx, *args)
         if local_rank == 0:
-            results.put(("result", 0, value))
+            results.put(("result", 0, _to_bytes(value)))
     except PhalanxError as e:
         # Bad input found inside a worker: send the message home, then fail so the rest stop too.
         results.put(("error", local_rank, (time.time(), type(e).__name__, str(e))))
@@ -201,27 +202,36 @@ def launch(
         join=False,
         start_method="spawn",
     )
+    received: list[tuple] = []
     try:
-        while not procs.join(timeout=0.5):
-            pass
-    except mp.ProcessRaisedException as e:
-        raise _failure(_drain(results), None) from None
+        # Drain while waiting: a large result blocks its sender until the pipe is read.
+        while not procs.join(timeout=0.2):
+            received += _drain(results)
+    except mp.ProcessRaisedException:
+        raise _failure(received + _drain(results), None) from None
     except mp.ProcessExitedException as e:
         killed = None
         if e.signal_name and e.signal_name != "SIGTERM":
             killed = (e.error_index, f"process {e.error_pid} was killed by {e.signal_name}")
         elif not e.signal_name:
             killed = (e.error_index, f"process {e.error_pid} exited with status {e.exit_code}")
-        raise _failure(_drain(results), killed) from None
+        raise _failure(received + _drain(results), killed) from None
     except KeyboardInterrupt:
         for p in procs.processes:
             if p.is_alive():
                 p.terminate()
         raise
-    for kind, _rank, value in _drain(results):
+    for kind, _rank, value in received + _drain(results):
         if kind == "result":
-            return value
+            return torch.load(io.BytesIO(value), weights_only=False)
     return None
+
+
+def _to_bytes(value: Any) -> bytes:
+    """Tensors would cross the queue as shared-memory handles that die with this process."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
 
 
 def _failure(reports: list[tuple], killed: tuple[int, str] | None) -> PhalanxError:

@@ -44,6 +44,10 @@ class Strategy:
     def check_world(self, world_size: int, devices: list[torch.device]) -> None:
         """Raise PhalanxError if this strategy cannot run on ``world_size`` workers."""
 
+    def plan_devices(self, devices: list[torch.device]) -> list[torch.device]:
+        """The devices in worker order (a strategy may reorder them, e.g. by topology islands)."""
+        return devices
+
     def describe(self) -> str:
         """One phrase for the run header."""
         return self.name

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import PhalanxError
 from ..launch import WorkerContext
+from ..reduce import COMPRESSIONS, REDUCTIONS, apply_reduction, validate_islands
 from .base import OptimizerFactory, Strategy
 
 
@@ -67,18 +68,36 @@ class Sync(Strategy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.reduce not in ("flat", "hierarchical", "auto"):
-            raise PhalanxError(f"unknown --reduce {self.reduce!r}: choose flat, hierarchical or auto")
-        if self.compress not in (None, "none", "bf16", "fp16"):
-            raise PhalanxError(f"unknown --compress {self.compress!r}: choose bf16 or fp16 (or leave it out)")
+        if self.reduce not in REDUCTIONS:
+            raise PhalanxError(f"unknown --reduce {self.reduce!r}: choose one of {', '.join(REDUCTIONS)}")
         if self.compress == "none":
             self.compress = None
+        if self.compress not in COMPRESSIONS:
+            raise PhalanxError(f"unknown --compress {self.compress!r}: choose bf16 or fp16 (or leave it out)")
         if self.bucket_mb <= 0:
             raise PhalanxError(f"--bucket-mb must be positive, got {self.bucket_mb}")
-        self.reduction = "flat"
+        self.reduction = "flat all-reduce"
+
+    def check_world(self, world_size: int, devices: list[torch.device]) -> None:
+        if self.islands is not None:
+            validate_islands(self.islands, world_size)
+        elif self.reduce == "hierarchical" and devices[0].type != "cuda":
+            raise PhalanxError("--reduce hierarchical on CPU workers needs the islands spelled out: "
+                               "--islands '0,1;2,3' (on GPUs they come from the topology)")
+
+    def plan_devices(self, devices: list[torch.device]) -> list[torch.device]:
+        """On GPUs, order workers so islands stay contiguous and take the islands from the topology."""
+        if self.reduce == "flat" or self.islands is not None or devices[0].type != "cuda" or len(devices) < 2:
+            return devices
+        from ..topology import detect_topology, order_by_islands, rank_islands
+
+        gpu_islands = detect_topology(peer=True).islands()
+        ordered = order_by_islands([d.index for d in devices], gpu_islands)
+        self.islands = rank_islands(ordered, gpu_islands)
+        return [torch.device("cuda", i) for i in ordered]
 
     def describe(self) -> str:
-        return "sync (DDP)"
+        return "sync (DDP)" if self.reduction == "flat all-reduce" else f"sync (DDP, {self.reduction})"
 
     def setup(self, ctx: WorkerContext, model: nn.Module, make_optimizer: OptimizerFactory):
         self.ctx = ctx
@@ -93,10 +112,6 @@ class Sync(Strategy):
         return self.model, self.optimizer
 
     def _apply_reduction(self, ctx: WorkerContext) -> str:
-        if self.reduce == "flat" and self.compress is None:
-            return "flat all-reduce"
-        from ..reduce import apply_reduction  # topology-aware hooks live with the topology code
-
         return apply_reduction(self.model, self.reduce, self.compress, self.islands, ctx.world_size, ctx.rank)
 
     @property

@@ -64,7 +64,7 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         cfg = self.config
-        devices = worker_devices(cfg)
+        devices = cfg.strategy.plan_devices(worker_devices(cfg))
         cfg.strategy.check_world(world_size(devices), devices)
         data = self.data if self.data is not None else _check_data_files(cfg)
         resume_path, start_step = _check_resume(cfg, world_size(devices))

@@ -1,0 +1,113 @@
+"""Hierarchical and compressed gradient reduction against a flat all-reduce (4 gloo workers)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from helpers import gather, run_workers
+from phalanx.errors import PhalanxError
+from phalanx.reduce import HierarchicalState, apply_reduction, choose_reduction, validate_islands
+
+ISLANDS = [[0, 1], [2, 3]]
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
+
+
+def _grads_and_params(ctx, reduce, compress, steps):
+    """Gradients after one backward, and parameters after ``steps`` SGD steps, under a reduction."""
+    ddp = DDP(_model(), bucket_cap_mb=0.001)  # several buckets
+    apply_reduction(ddp, reduce, compress, ISLANDS if reduce == "hierarchical" else None, ctx.world_size, ctx.rank)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(100 + ctx.rank)  # different data on every rank
+    grads = None
+    for step in range(steps):
+        x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        if step == 0:
+            grads = [p.grad.clone() for p in ddp.parameters()]
+        opt.step()
+    return grads, [p.detach().clone() for p in ddp.parameters()]
+
+
+def _compare(ctx):
+    out = {}
+    for name, reduce, compress in [("flat", "flat", None), ("hier", "hierarchical", None),
+                                   ("hier_bf16", "hierarchical", "bf16"), ("flat_fp16", "flat", "fp16")]:
+        out[name] = _grads_and_params(ctx, reduce, compress, steps=4)
+    return gather(ctx, out)
+
+
+@pytest.fixture(scope="module")
+def four_workers():
+    return run_workers(_compare, 4)
+
+
+def test_hierarchical_equals_a_flat_all_reduce(four_workers):
+    for rank_result in four_workers:
+        for a, b in zip(rank_result["flat"][0], rank_result["hier"][0]):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        for a, b in zip(rank_result["flat"][1], rank_result["hier"][1]):  # training matches sync
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    # every rank ends with the same parameters
+    for other in four_workers[1:]:
+        for a, b in zip(four_workers[0]["hier"][1], other["hier"][1]):
+            torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("name, tolerance", [("hier_bf16", 2e-2), ("flat_fp16", 2e-3)])
+def test_compressed_reduction_is_within_half_precision(four_workers, name, tolerance):
+    flat = four_workers[0]["flat"][0]
+    compressed = four_workers[0][name][0]
+    for a, b in zip(flat, compressed):
+        scale = a.abs().max().item() or 1.0
+        assert (a - b).abs().max().item() <= tolerance * scale
+    assert any(not torch.equal(a, b) for a, b in zip(flat, compressed))  # it really went through half precision
+
+
+def _bytes(ctx):
+    sizes = {}
+    for dtype in (None, torch.bfloat16, torch.float16):
+        state = HierarchicalState.build(ISLANDS, ctx.rank, ctx.world_size, dtype)
+        total = torch.arange(1000, dtype=torch.float32) * (ctx.rank + 1)
+        state.reduce(total)
+        sizes[str(dtype)] = state.bytes_sent
+        expected = torch.arange(1000, dtype=torch.float32) * 10  # 1 + 2 + 3 + 4
+        torch.testing.assert_close(total, expected, rtol=1e-2 if dtype else 0, atol=0)
+    return gather(ctx, sizes)
+
+
+def test_compression_halves_the_bytes_sent():
+    per_rank = run_workers(_bytes, 4)
+    for sizes in per_rank:
+        assert sizes["torch.bfloat16"] * 2 == sizes["None"] == sizes["torch.float16"] * 2
+    assert per_rank[0]["None"] == 3 * 4000  # a leader: reduce, all-reduce among leaders, broadcast
+    assert per_rank[1]["None"] == 2 * 4000  # a member: reduce, broadcast
+
+
+def test_island_validation_and_auto_choice():
+    assert validate_islands([[3, 2], [1, 0]], 4) == [[0, 1], [2, 3]]
+    with pytest.raises(PhalanxError, match=r"must list every rank 0..3 exactly once \(they cover \[0, 1, 1, 2\]\)"):
+        validate_islands([[0, 1], [1, 2]], 4)
+    assert choose_reduction("auto", [[0, 1], [2, 3]]) == "hierarchical"
+    assert choose_reduction("auto", [[0], [1]]) == "flat"
+    assert choose_reduction("auto", None) == "flat"
+    with pytest.raises(PhalanxError, match="unknown --reduce 'ring'"):
+        choose_reduction("ring", None)
+
+
+def test_training_with_hierarchical_bf16_through_the_cli(tmp_path):
+    from helpers import run_cli
+
+    out = run_cli("train", "--steps", "100", "--reduce", "hierarchical", "--islands", "0;1", "--compress", "bf16",
+                  cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "hierarchical over islands [[0], [1]], bf16 on the wire" in out.stdout.splitlines()[0]
+    assert float(out.stdout.split("test accuracy ")[1].split()[0]) >= 0.95
+    bad = run_cli("train", "--reduce", "hierarchical", cwd=tmp_path)
+    assert bad.returncode == 2 and "needs the islands spelled out" in bad.stderr
