@@ -5,10 +5,11 @@ from .errors import PhalanxError, TrainingDiverged, WorkerFailed
 from .launch import WorkerContext, launch
 from .parallel import ParallelModule, make_parallel
 from .strategies import Strategy, Sync
+from .topology import Topology, detect_topology
 from .train import Schedule, TrainConfig, Trainer
 
 __all__ = [
-    "ParallelModule", "PhalanxError", "Schedule", "Strategy", "Sync", "TrainConfig", "Trainer", "TrainingDiverged",
-    "WorkerContext", "WorkerFailed", "launch", "make_parallel", "resolve_devices",
+    "ParallelModule", "PhalanxError", "Schedule", "Strategy", "Sync", "Topology", "TrainConfig", "Trainer", "TrainingDiverged",
+    "WorkerContext", "WorkerFailed", "detect_topology", "launch", "make_parallel", "resolve_devices",
 ]
 __version__ = "0.1.0"

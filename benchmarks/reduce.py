@@ -1,0 +1,90 @@
+"""All-reduce of gradient-sized buffers: torch's plain all_reduce, phalanx hierarchical, bf16.
+
+Side by side in one job per worker count (2 and 4 gloo workers on loopback), sizes 1, 10 and
+100 MB of float32; the three variants are interleaved within every repeat. Prints the median
+time, the bus bandwidth 2(N-1)/N * bytes / time (the figure NCCL's tests report) and the ratio
+of each variant's time to plain. Islands for hierarchical: pairs of consecutive ranks.
+
+    python3 benchmarks/reduce.py [--repeats 7 --sizes 1,10,100 --workers 2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from phalanx.launch import launch
+from phalanx.reduce import HierarchicalState
+
+from _common import machine_info, result_path
+
+
+def islands_for(n: int) -> list[list[int]]:
+    return [list(range(i, min(i + 2, n))) for i in range(0, n, 2)]
+
+
+def worker(ctx, sizes_mb: list[int], repeats: int) -> dict:
+    n = ctx.world_size
+    hier = HierarchicalState.build(islands_for(n), ctx.rank, n)
+    variants = {
+        "plain all_reduce": lambda t: dist.all_reduce(t),
+        "phalanx hierarchical": lambda t: hier.reduce(t),
+        "bf16 all_reduce": lambda t: dist.all_reduce(t.to(torch.bfloat16)),
+    }
+    out: dict = {}
+    for mb in sizes_mb:
+        buf = torch.randn(mb * 2**20 // 4)
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for r in range(repeats + 1):  # the first round is a warm-up
+            for name, op in variants.items():
+                dist.barrier()
+                start = time.perf_counter()
+                op(buf)
+                elapsed = time.perf_counter() - start
+                if r:
+                    times[name].append(elapsed)
+        # the slowest rank's time is the collective's time
+        slowest = {}
+        for name, ts in times.items():
+            t = torch.tensor(ts, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            slowest[name] = t.tolist()
+        out[mb] = slowest
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--sizes", default="1,10,100", help="MB, comma-separated")
+    p.add_argument("--workers", default="2,4", help="worker counts, comma-separated")
+    args = p.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    report: dict = {}
+    for n in (int(w) for w in args.workers.split(",")):
+        times = launch(worker, [torch.device("cpu")] * n, (sizes, args.repeats), threads=1)
+        report[n] = {}
+        print(f"\n{n} gloo workers, islands {islands_for(n)} (median of {args.repeats}, min-max)")
+        print(f"  {'size':>6}  {'variant':<22} {'time ms':>9} {'spread ms':>15} {'busbw GB/s':>10} {'vs plain':>8}")
+        for mb, variants in times.items():
+            plain = statistics.median(variants["plain all_reduce"])
+            for name, ts in variants.items():
+                med = statistics.median(ts)
+                busbw = 2 * (n - 1) / n * mb * 2**20 / med / 1e9
+                report[n].setdefault(mb, {})[name] = {"median_s": med, "times_s": ts, "busbw_gbps": busbw,
+                                                      "ratio_to_plain": med / plain}
+                print(f"  {mb:>4}MB  {name:<22} {med * 1e3:9.2f} {min(ts) * 1e3:7.2f}-{max(ts) * 1e3:<7.2f} "
+                      f"{busbw:10.2f} {med / plain:8.2f}")
+    out = result_path("reduce")
+    out.write_text(json.dumps({"benchmark": "reduce", "args": vars(args), "machine": machine_info(),
+                               "results": report}, indent=2) + "\n")
+    print(f"\nsaved {out}")
+
+
+if __name__ == "__main__":
+    main()
