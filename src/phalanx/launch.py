@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import logging
 import os
+import signal
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing import connection as mp_connection
 
 from . import errors
 from .devices import backend_for
@@ -164,11 +165,6 @@ def _drain(results: Any) -> list[tuple]:
     return out
 
 
-# torch logs a warning for every sibling it terminates after a failure; the failure itself is
-# what the user needs to see, so keep those quiet.
-logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-
-
 def launch(
     fn: Callable[..., Any],
     devices: Sequence[torch.device],
@@ -177,6 +173,7 @@ def launch(
     threads: int | None = None,
     addr: str = "127.0.0.1",
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    tolerate: Optional[Callable[[int], bool]] = None,
 ) -> Any:
     """Run ``fn(ctx, *args)`` on one worker per entry of ``devices``; return rank 0's result.
 
@@ -202,29 +199,53 @@ def launch(
         join=False,
         start_method="spawn",
     )
-    received: list[tuple] = []
     try:
-        # Drain while waiting: a large result blocks its sender until the pipe is read.
-        while not procs.join(timeout=0.2):
-            received += _drain(results)
-    except mp.ProcessRaisedException:
-        raise _failure(received + _drain(results), None) from None
-    except mp.ProcessExitedException as e:
-        killed = None
-        if e.signal_name and e.signal_name != "SIGTERM":
-            killed = (e.error_index, f"process {e.error_pid} was killed by {e.signal_name}")
-        elif not e.signal_name:
-            killed = (e.error_index, f"process {e.error_pid} exited with status {e.exit_code}")
-        raise _failure(received + _drain(results), killed) from None
+        received = _monitor(procs.processes, results, tolerate)
     except KeyboardInterrupt:
-        for p in procs.processes:
-            if p.is_alive():
-                p.terminate()
+        _terminate(procs.processes)
         raise
-    for kind, _rank, value in received + _drain(results):
+    for kind, _rank, value in received:
         if kind == "result":
             return torch.load(io.BytesIO(value), weights_only=False)
     return None
+
+
+def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], bool]]) -> list[tuple]:
+    """Wait for every worker; drain their reports meanwhile; on a failure stop the rest and raise.
+
+    A rank for which ``tolerate(rank)`` is true may die without ending the job (an asynchronous
+    strategy's worker: its server carries on without it).
+    """
+    received: list[tuple] = []
+    alive = set(range(len(processes)))
+    while alive:
+        # Drain while waiting: a large result blocks its sender until the pipe is read.
+        received += _drain(results)
+        mp_connection.wait([processes[r].sentinel for r in alive], timeout=0.2)
+        for rank in sorted(alive):
+            code = processes[rank].exitcode
+            if code is None:
+                continue
+            alive.discard(rank)
+            if code == 0 or (tolerate is not None and tolerate(rank)):
+                continue
+            _terminate([processes[r] for r in alive])
+            received += _drain(results)
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+            raise _failure(received, (rank, f"process {processes[rank].pid} {how}"), killed=code < 0)
+    return received + _drain(results)
+
+
+def _terminate(processes: list, grace_s: float = 5.0) -> None:
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def _to_bytes(value: Any) -> bytes:
@@ -234,23 +255,22 @@ def _to_bytes(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _failure(reports: list[tuple], killed: tuple[int, str] | None) -> PhalanxError:
+def _failure(reports: list[tuple], first: tuple[int, str], killed: bool) -> PhalanxError:
     """The error to raise for a failed job.
 
     A worker's own PhalanxError wins (it is the user's problem, stated plainly); then a process
-    that died from outside (killed, it could not report); then the earliest crash report.
+    killed by a signal (it could not report); then the earliest crash report; then whatever
+    exited first.
     """
     errors_ = sorted((v[0], r, v[1], v[2]) for kind, r, v in reports if kind == "error")
     if errors_:
         _, rank, name, message = errors_[0]
         return _rebuild_error(rank, name, message)
-    if killed is not None:
-        return WorkerFailed(*killed)
     crashes = sorted((v[0], r, v[1]) for kind, r, v in reports if kind == "crash")
-    if crashes:
+    if crashes and not killed:
         _, rank, tb = crashes[0]
         return WorkerFailed(rank, tb.rstrip())
-    return WorkerFailed(-1, "a worker exited without reporting why")
+    return WorkerFailed(*first)
 
 
 def _run_under_torchrun(fn, devices, args, threads, timeout_s):

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from ..errors import PhalanxError
 from .base import Strategy
+from .hogwild import Hogwild
+from .local_sgd import LocalSGD
+from .ps import SSP, ParameterServer
 from .sync import Sync
 
 #: CLI name -> strategy class. Each class maps its own options (dataclass fields).
-STRATEGIES: dict[str, type[Strategy]] = {"sync": Sync}
+STRATEGIES: dict[str, type[Strategy]] = {"sync": Sync, "local-sgd": LocalSGD, "hogwild": Hogwild,
+                                         "ps": ParameterServer, "ssp": SSP}
 
 
 def strategy_from_name(name: str, **options) -> Strategy:
@@ -18,4 +22,4 @@ def strategy_from_name(name: str, **options) -> Strategy:
     return cls(**{k: v for k, v in options.items() if k in fields})
 
 
-__all__ = ["STRATEGIES", "Strategy", "Sync", "strategy_from_name"]
+__all__ = ["Hogwild", "LocalSGD", "ParameterServer", "SSP", "STRATEGIES", "Strategy", "Sync", "strategy_from_name"]

@@ -34,8 +34,12 @@ class Strategy:
     """Base class: options are dataclass fields, validated in ``__post_init__``."""
 
     name: ClassVar[str] = "base"
+    #: True when every rank takes every global step together, so the loop may use collectives
+    #: at checkpoints (gathering every rank's RNG state); asynchronous strategies set False.
+    lockstep: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
+        self.total_steps: Optional[int] = None  # set by the training loop before setup()
         self.ctx: Optional[WorkerContext] = None
         self.model: Optional[nn.Module] = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -68,6 +72,10 @@ class Strategy:
         """
         return ctx.rank, ctx.world_size
 
+    def eval_shard(self, ctx: WorkerContext) -> tuple[int, int]:
+        """(shard index, shard count) of the test set this worker evaluates."""
+        return self.data_shard(ctx)
+
     def example_batch(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """One batch as this worker will see it, given before setup() (for strategies that profile the model)."""
 
@@ -91,10 +99,21 @@ class Strategy:
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, accumulate: int = 1) -> torch.Tensor:
         """Forward and backward over ``accumulate`` micro-batches, then one optimizer step.
 
-        Returns this worker's mean loss over its batch (detached). Communication happens only on
-        the last micro-batch's backward: the inner ones run under ``no_sync``.
+        Returns this worker's mean loss over its batch (detached).
         """
         assert self.model is not None and self.optimizer is not None, "setup() first"
+        loss = self.forward_backward(x, y, loss_fn, accumulate)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, accumulate: int = 1
+                         ) -> torch.Tensor:
+        """Gradients of the mean loss over the batch, in ``accumulate`` micro-batches.
+
+        Communication happens only on the last micro-batch's backward: the inner ones run under
+        ``no_sync``.
+        """
         xs, ys = x.chunk(accumulate), y.chunk(accumulate)
         total = torch.zeros((), device=x.device)
         for i, (xk, yk) in enumerate(zip(xs, ys)):
@@ -104,9 +123,14 @@ class Strategy:
                 loss = loss_fn(self.model(xk), yk)
                 (loss * weight).backward()
             total += loss.detach() * weight
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         return total
+
+    def next_step(self, step: int) -> Optional[int]:
+        """The global step after this worker's train_step (None: this worker is done)."""
+        return step + 1
+
+    def finish(self) -> None:
+        """After the last step, before the final evaluation and checkpoint (e.g. drain a server)."""
 
     def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean of ``loss`` over all workers (every rank gets the same value)."""
@@ -151,6 +175,10 @@ class Strategy:
     def stats(self) -> dict[str, Any]:
         """Strategy-specific figures for the summary and the metrics file."""
         return {}
+
+    def summary_lines(self) -> list[str]:
+        """Extra lines for the summary rank 0 prints (e.g. staleness)."""
+        return []
 
     def close(self) -> None:
         """Release what setup() took (threads, servers)."""

@@ -42,6 +42,7 @@ class TrainConfig:
     warmup_steps: int = 0  #: linear warmup length
     lr_base_batch: Optional[int] = None  #: linear scaling rule: lr x global batch / this
     seed: int = 0  #: model initialisation and data order
+    straggler: Optional[Union[str, tuple]] = None  #: "RANK:FACTOR": that rank takes FACTOR x as long per step
     # --- observation and safety ---
     log_every: int = 20  #: progress line every N steps
     eval_every: int = 0  #: evaluate on the test set every N steps (0: only at the end)
@@ -79,7 +80,20 @@ class TrainConfig:
             raise PhalanxError(f"unknown --lr-schedule {self.lr_schedule!r}: choose one of {', '.join(SCHEDULES)}")
         if self.progress not in PROGRESS:
             raise PhalanxError(f"unknown --progress {self.progress!r}: choose one of {', '.join(PROGRESS)}")
+        if isinstance(self.straggler, str):
+            self.straggler = parse_straggler(self.straggler)
         if isinstance(self.strategy, str):
             self.strategy = strategy_from_name(self.strategy)
         if self.metrics is None:
             self.metrics = f"{self.checkpoint_dir}/metrics.jsonl"
+
+
+def parse_straggler(text: str) -> tuple[int, float]:
+    try:
+        rank, factor = text.split(":")
+        parsed = int(rank), float(factor)
+    except ValueError:
+        raise PhalanxError(f"--straggler {text!r} is not RANK:FACTOR, e.g. 1:2 (rank 1 twice as slow)") from None
+    if parsed[0] < 0 or parsed[1] < 1:
+        raise PhalanxError(f"--straggler {text!r}: the rank must be 0 or more and the factor at least 1")
+    return parsed

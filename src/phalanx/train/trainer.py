@@ -164,6 +164,7 @@ class WorkerRun:
         self.batches = ShardedBatches(self.data.train, self.cfg.batch_size, self.shard, self.shards, self.cfg.seed)
         self.strategy.example_batch(*next(self.batches(0)))
         model = self._build_model().to(ctx.device)
+        self.strategy.total_steps = self.cfg.steps
         self.model, self.optimizer = self.strategy.setup(ctx, model, self._make_optimizer)
         self.schedule = Schedule(self.cfg.lr_schedule, self.cfg.lr_decay_every, self.cfg.lr_decay_factor,
                                  self.cfg.staircase, self.cfg.warmup_steps, self.cfg.steps)
@@ -196,10 +197,15 @@ class WorkerRun:
         mark, mark_step = start, self.step
         while self.step < self.cfg.steps:
             x, y = next(self.prefetcher)
+            began = time.perf_counter()
             loss = self.strategy.train_step(x, y, self.plan.loss_fn, self.cfg.accumulate)
+            self._straggle(time.perf_counter() - began)
             self.scheduler.step()
             value = float(self.strategy.global_loss(loss))
-            self.step += 1
+            following = self.strategy.next_step(self.step)
+            if following is None:  # an asynchronous worker told to stop
+                break
+            self.step = following
             self._guard(value)
             self.reporter.advance(value)
             if self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps:
@@ -210,11 +216,17 @@ class WorkerRun:
                 self._evaluate()
             if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
                 self._save()
+        self.strategy.finish()
         elapsed = time.perf_counter() - start
         accuracy = self._evaluate()
         if self.last_checkpoint is None or not self.last_checkpoint.endswith(f"{self.step:08d}.pt"):
             self._save()
         return self._summary(accuracy, self.step - first_step, elapsed)
+
+    def _straggle(self, seconds: float) -> None:
+        """--straggler RANK:FACTOR: this rank takes FACTOR times as long (sleeps the difference)."""
+        if self.cfg.straggler is not None and self.cfg.straggler[0] == self.ctx.rank:
+            time.sleep((self.cfg.straggler[1] - 1) * seconds)
 
     def _guard(self, loss: float) -> None:
         # Every rank holds the same all-reduced loss, so every rank stops at the same step.
@@ -238,7 +250,7 @@ class WorkerRun:
 
     def _evaluate(self) -> float:
         correct, total = self.strategy.evaluate(
-            eval_batches(self.data.test, 256, self.shard, self.shards), self.ctx.device
+            eval_batches(self.data.test, 256, *self.strategy.eval_shard(self.ctx)), self.ctx.device
         )
         accuracy = correct / max(total, 1)
         self.reporter.record("eval", step=self.step, accuracy=accuracy, examples=total)
@@ -253,7 +265,7 @@ class WorkerRun:
             self._diverged(float("nan"))
         state = self.strategy.checkpoint_state()
         rng = [torch.get_rng_state()]
-        if self.ctx.distributed:
+        if self.ctx.distributed and self.strategy.lockstep:
             gathered: list = [None] * self.ctx.world_size
             dist.all_gather_object(gathered, rng[0])
             rng = gathered
@@ -313,6 +325,8 @@ class WorkerRun:
         self.reporter.close()
         self.reporter.say(f"test accuracy {accuracy:.4f} after {self.step} steps")
         self.reporter.say(f"throughput {rate:.1f} examples/sec (global), training time {seconds:.1f} s")
+        for line in self.strategy.summary_lines():
+            self.reporter.say(line)
         self.reporter.say(f"checkpoint {self.last_checkpoint}")
         self.reporter.say(f"metrics {self.cfg.metrics}")
         return summary
