@@ -71,6 +71,9 @@ class ParameterServer(Strategy):
                 f"{world_size - 1} worker nothing runs asynchronously; use --workers 2 or more, or --strategy sync"
             )
 
+    def tolerates_loss_of(self, rank: int) -> bool:
+        return rank != 0  # a worker may die; the server carries on without it
+
     def describe(self) -> str:
         return "ps (asynchronous parameter server)"
 

@@ -75,7 +75,7 @@ class Trainer:
         plan = Plan(cfg, devices, self.model, data, self.loss_fn, resume_path, start_step)
         try:
             return launch(run_worker, devices, (plan,), threads=cfg.threads, addr=cfg.master_addr,
-                          timeout_s=cfg.timeout_s)
+                          timeout_s=cfg.timeout_s, tolerate=cfg.strategy.tolerates_loss_of)
         except PhalanxError:
             if created and not any(Path(cfg.checkpoint_dir).iterdir()):
                 Path(cfg.checkpoint_dir).rmdir()  # leave nothing behind for a run that never started

@@ -1,0 +1,147 @@
+"""Asynchronous strategies: accuracy, SSP(0) == sync, staleness bound, exactly-once, faults."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+
+import pytest
+import torch
+
+from helpers import phalanx_cmd, run_cli
+from phalanx import TrainConfig, Trainer
+from phalanx.errors import PhalanxError
+from phalanx.strategies import SSP, Hogwild, LocalSGD
+from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint
+
+
+def _summary(directory):
+    events = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+    return events[-1]
+
+
+@pytest.mark.parametrize("flags", [["--strategy", "ps"], ["--strategy", "ssp", "--staleness", "2"],
+                                   ["--strategy", "hogwild"], ["--strategy", "local-sgd", "--sync-every", "4"]],
+                         ids=["ps", "ssp", "hogwild", "local-sgd"])
+def test_each_strategy_trains_digits(tmp_path, flags):
+    out = run_cli("train", *flags, "--steps", "250", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    accuracy = float(re.search(r"test accuracy (\d\.\d+)", out.stdout).group(1))
+    assert accuracy >= 0.93
+    if flags[1] in ("ps", "ssp", "hogwild"):
+        assert re.search(r"^staleness: mean \d+\.\d, p95 \d+, max \d+ \((bound \d+|unbounded)", out.stdout, re.M)
+        assert "staleness_histogram" in _summary(tmp_path / "checkpoints")
+    state = load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))
+    assert state["step"] == 250
+
+
+def _params(tmp_path, name, strategy, **kw):
+    cfg = TrainConfig(strategy=strategy, workers=2, devices="cpu", steps=6, batch_size=8, lr=0.05,
+                      progress="none", checkpoint_dir=str(tmp_path / name), checkpoint_every=0, **kw)
+    Trainer(cfg).fit()
+    return torch.load(latest_checkpoint(tmp_path / name), weights_only=True)["model"]
+
+
+def test_ssp_with_staleness_zero_equals_sync(tmp_path):
+    sync = _params(tmp_path, "sync", "sync")
+    ssp0 = _params(tmp_path, "ssp0", SSP(staleness=0))
+    for k in sync:
+        torch.testing.assert_close(sync[k], ssp0[k], atol=1e-5, rtol=1e-5, msg=k)
+
+
+def test_local_sgd_averaging_every_step_equals_sync_with_plain_sgd(tmp_path):
+    sync = _params(tmp_path, "sync", "sync", momentum=0.0)
+    local = _params(tmp_path, "local", LocalSGD(sync_every=1), momentum=0.0)
+    for k in sync:
+        torch.testing.assert_close(sync[k], local[k], atol=1e-5, rtol=1e-5, msg=k)
+
+
+def test_ssp_bound_holds_with_a_straggler_and_every_gradient_is_applied_once(tmp_path):
+    out = run_cli("train", "--strategy", "ssp", "--staleness", "1", "--straggler", "1:3", "--steps", "80",
+                  "--log-every", "40", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = _summary(tmp_path / "checkpoints")
+    assert s["max_clock_gap"] <= 1  # no worker ever began a step more than 1 ahead of the slowest
+    assert sum(s["gradients_pushed"].values()) == s["gradients_applied_total"] == s["gradients_applied"]
+    assert sum(s["staleness_histogram"].values()) == s["gradients_applied"]
+    assert s["reply_versions"] == sorted(s["reply_versions"])  # versions never go back
+    assert s["staleness_max"] == max(int(k) for k in s["staleness_histogram"])
+    assert f"max {s['staleness_max']} (bound 1" in out.stdout
+
+
+def test_ps_staleness_is_unbounded_and_consistent(tmp_path):
+    out = run_cli("train", "--strategy", "ps", "--straggler", "1:3", "--steps", "60", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = _summary(tmp_path / "checkpoints")
+    assert s["staleness_bound"] is None and s["max_clock_gap"] >= 2  # the fast worker ran ahead freely
+    assert sum(s["gradients_pushed"].values()) == s["gradients_applied_total"]
+
+
+def _spawned_children(pid):
+    """The worker processes a phalanx command started, oldest first (rank order)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            cmdline = open(f"/proc/{entry}/cmdline").read()
+        except OSError:
+            continue
+        if int(stat[1]) == pid and "spawn_main" in cmdline:
+            found.append((int(stat[19]), int(entry)))  # start time, pid
+    return [p for _, p in sorted(found)]
+
+
+def _run_and_kill(tmp_path, args, kill_after_line, rank):
+    proc = subprocess.Popen(phalanx_cmd() + args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(kill_after_line):
+            os.kill(_spawned_children(proc.pid)[rank], signal.SIGKILL)
+            break
+    rest, err = proc.communicate(timeout=300)  # a hang fails here instead of stalling the suite
+    return proc.returncode, "".join(lines) + rest, err
+
+
+def test_ps_survives_a_killed_worker(tmp_path):
+    code, out, err = _run_and_kill(
+        tmp_path, ["train", "--strategy", "ps", "--workers", "2", "--steps", "300", "--log-every", "20",
+                   "--checkpoint-every", "50", "--straggler", "1:2"], "step 60,", rank=2)
+    assert code == 0, err[-3000:]
+    assert re.search(r"worker 2 lost at step \d+; continuing with 1 workers", out)
+    state = load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))
+    assert state["step"] == 300
+    assert float(re.search(r"test accuracy (\d\.\d+)", out).group(1)) >= 0.9
+    assert _summary(tmp_path / "checkpoints")["lost_workers"][0]["worker"] == 2
+
+
+def test_sync_fails_fast_naming_the_killed_rank_then_resumes(tmp_path):
+    code, out, err = _run_and_kill(
+        tmp_path, ["train", "--steps", "4000", "--log-every", "20", "--checkpoint-every", "20"], "step 60,", rank=1)
+    assert code == 1
+    assert re.search(r"error: worker 1 failed:\s+process \d+ was killed by SIGKILL", err)
+    last = load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))["step"]
+    assert last >= 40  # the newest checkpoint before the kill is intact
+    resumed = run_cli("train", "--steps", str(last + 20), "--resume", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming at step {last}" in resumed.stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--strategy", "ssp", "--staleness", "-1"], "--staleness must be 0 or more steps"),
+    (["--strategy", "local-sgd", "--sync-every", "0"], "--sync-every must be at least 1 step"),
+    (["--strategy", "ps", "--workers", "1"], "--strategy ps needs at least 2 workers"),
+    (["--straggler", "slow"], "--straggler 'slow' is not RANK:FACTOR"),
+])
+def test_bad_input(tmp_path, flags, message):
+    out = run_cli("train", *flags, cwd=tmp_path)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_hogwild_refuses_cuda():
+    with pytest.raises(PhalanxError, match="hogwild .* refuses CUDA: use --devices cpu"):
+        Hogwild().check_world(2, [torch.device("cuda", 0), torch.device("cuda", 1)])
