@@ -134,7 +134,13 @@ class Strategy:
         return step + 1
 
     def finish(self) -> None:
-        """After the last step, before the final evaluation and checkpoint (e.g. drain a server)."""
+        """After the last step, before the final evaluation and checkpoint (e.g. drain a server).
+
+        By default every rank waits for the slowest, so that the measured training time (and
+        throughput) covers every worker's steps, not only rank 0's.
+        """
+        if self.ctx is not None and self.ctx.distributed:
+            dist.barrier()
 
     def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean of ``loss`` over all workers (every rank gets the same value)."""
