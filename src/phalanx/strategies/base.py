@@ -182,8 +182,8 @@ class Strategy:
             ) from None
         self.optimizer.load_state_dict(state["optimizer"])
 
-    def stats(self) -> dict[str, Any]:
-        """Strategy-specific figures for the summary and the metrics file."""
+    def stats(self, final: bool = False) -> dict[str, Any]:
+        """Strategy-specific figures for the metrics file (``final``: the summary, may be longer)."""
         return {}
 
     def summary_lines(self) -> list[str]:

@@ -92,7 +92,7 @@ class Hogwild(Strategy):
     def global_loss(self, loss):
         return loss  # no per-step collective: workers never wait for each other
 
-    def stats(self):
+    def stats(self, final=False):
         return self.staleness.to_dict()
 
     def summary_lines(self) -> list[str]:

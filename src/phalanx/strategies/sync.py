@@ -121,5 +121,5 @@ class Sync(Strategy):
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.model.no_sync() if isinstance(self.model, DDP) else contextlib.nullcontext()
 
-    def stats(self) -> dict:
+    def stats(self, final: bool = False) -> dict:
         return {"reduction": self.reduction}

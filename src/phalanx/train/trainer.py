@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -169,6 +170,9 @@ class WorkerRun:
         self.schedule = Schedule(self.cfg.lr_schedule, self.cfg.lr_decay_every, self.cfg.lr_decay_factor,
                                  self.cfg.staircase, self.cfg.warmup_steps, self.cfg.steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
+        # A parameter server's workers never step their own optimizer (the server does): torch
+        # would warn on every step that the schedule advances before the optimizer.
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
         self.step = 0
         self.last_checkpoint: Optional[str] = None
         if plan.resume_path:
@@ -320,7 +324,8 @@ class WorkerRun:
         rate = steps * self.global_batch / max(seconds, 1e-9)
         summary = {"steps": self.step, "test_accuracy": accuracy, "examples_per_sec": rate,
                    "train_seconds": seconds, "checkpoint": self.last_checkpoint, "metrics": self.cfg.metrics,
-                   "world_size": self.ctx.world_size, "strategy": self.strategy.name, **self.strategy.stats()}
+                   "world_size": self.ctx.world_size, "strategy": self.strategy.name,
+                   **self.strategy.stats(final=True)}
         self.reporter.record("summary", **summary)
         self.reporter.close()
         self.reporter.say(f"test accuracy {accuracy:.4f} after {self.step} steps")
