@@ -4,11 +4,11 @@ from .devices import resolve_devices
 from .errors import PhalanxError, TrainingDiverged, WorkerFailed
 from .launch import WorkerContext, launch
 from .parallel import ParallelModule, make_parallel
-from .strategies import Strategy, Sync
+from .strategies import Pipeline, Strategy, Sync
 from .train import Schedule, TrainConfig, Trainer
 
 __all__ = [
-    "ParallelModule", "PhalanxError", "Schedule", "Strategy", "Sync", "TrainConfig", "Trainer", "TrainingDiverged",
+    "ParallelModule", "PhalanxError", "Pipeline", "Schedule", "Strategy", "Sync", "TrainConfig", "Trainer", "TrainingDiverged",
     "WorkerContext", "WorkerFailed", "launch", "make_parallel", "resolve_devices",
 ]
 __version__ = "0.1.0"

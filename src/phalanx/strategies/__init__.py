@@ -5,9 +5,10 @@ from __future__ import annotations
 from ..errors import PhalanxError
 from .base import Strategy
 from .sync import Sync
+from ..pipeline.strategy import Pipeline  # after .base: the pipeline strategy builds on it
 
 #: CLI name -> strategy class. Each class maps its own options (dataclass fields).
-STRATEGIES: dict[str, type[Strategy]] = {"sync": Sync}
+STRATEGIES: dict[str, type[Strategy]] = {"sync": Sync, "pipeline": Pipeline}
 
 
 def strategy_from_name(name: str, **options) -> Strategy:
@@ -18,4 +19,4 @@ def strategy_from_name(name: str, **options) -> Strategy:
     return cls(**{k: v for k, v in options.items() if k in fields})
 
 
-__all__ = ["STRATEGIES", "Strategy", "Sync", "strategy_from_name"]
+__all__ = ["Pipeline", "STRATEGIES", "Strategy", "Sync", "strategy_from_name"]

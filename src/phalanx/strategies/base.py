@@ -44,9 +44,28 @@ class Strategy:
     def check_world(self, world_size: int, devices: list[torch.device]) -> None:
         """Raise PhalanxError if this strategy cannot run on ``world_size`` workers."""
 
+    def check_batch(self, batch_size: int, accumulate: int = 1) -> None:
+        """Raise PhalanxError if a batch of ``batch_size`` per worker cannot be used (checked in the parent)."""
+
     def describe(self) -> str:
         """One phrase for the run header."""
         return self.name
+
+    def header_lines(self) -> list[str]:
+        """More lines for the run header, once setup() has run (e.g. a pipeline's stage plan)."""
+        return []
+
+    def data_shard(self, ctx: WorkerContext) -> tuple[int, int]:
+        """(shard index, shard count) of the data this worker reads.
+
+        Data parallel strategies give every rank its own shard (the default); a strategy whose
+        ranks share one batch (a pipeline's stages) returns ``(0, 1)``. The global batch is
+        batch size x shard count.
+        """
+        return ctx.rank, ctx.world_size
+
+    def example_batch(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One batch as this worker will see it, given before setup() (for strategies that profile the model)."""
 
     # ---- inside a worker ----
     def setup(self, ctx: WorkerContext, model: nn.Module, make_optimizer: OptimizerFactory

@@ -66,6 +66,7 @@ class Trainer:
         cfg = self.config
         devices = worker_devices(cfg)
         cfg.strategy.check_world(world_size(devices), devices)
+        cfg.strategy.check_batch(cfg.batch_size, cfg.accumulate)
         data = self.data if self.data is not None else _check_data_files(cfg)
         resume_path, start_step = _check_resume(cfg, world_size(devices))
         created = not Path(cfg.checkpoint_dir).exists()
@@ -157,8 +158,11 @@ class WorkerRun:
         self.strategy = copy.deepcopy(self.cfg.strategy)
         self.data = plan.data or load_data(self.cfg.data, self.cfg.data_dir, tuple(self.cfg.synthetic_shape),
                                            self.cfg.synthetic_size, self.cfg.seed)
-        self.global_batch = self.cfg.batch_size * ctx.world_size
-        self.batches = ShardedBatches(self.data.train, self.cfg.batch_size, ctx.rank, ctx.world_size, self.cfg.seed)
+        # Which share of each global step this worker reads (a pipeline's stages all read the same).
+        self.shard, self.shards = self.strategy.data_shard(ctx)
+        self.global_batch = self.cfg.batch_size * self.shards
+        self.batches = ShardedBatches(self.data.train, self.cfg.batch_size, self.shard, self.shards, self.cfg.seed)
+        self.strategy.example_batch(*next(self.batches(0)))
         model = self._build_model().to(ctx.device)
         self.model, self.optimizer = self.strategy.setup(ctx, model, self._make_optimizer)
         self.schedule = Schedule(self.cfg.lr_schedule, self.cfg.lr_decay_every, self.cfg.lr_decay_factor,
@@ -234,7 +238,7 @@ class WorkerRun:
 
     def _evaluate(self) -> float:
         correct, total = self.strategy.evaluate(
-            eval_batches(self.data.test, 256, self.ctx.rank, self.ctx.world_size), self.ctx.device
+            eval_batches(self.data.test, 256, self.shard, self.shards), self.ctx.device
         )
         accuracy = correct / max(total, 1)
         self.reporter.record("eval", step=self.step, accuracy=accuracy, examples=total)
@@ -288,9 +292,17 @@ class WorkerRun:
         self.reporter.say(
             f"phalanx train: strategy {self.strategy.describe()}, world size {self.ctx.world_size}, devices "
             f"{', '.join(devs)}, backend {backend}, global batch {self.global_batch} "
-            f"({self.cfg.batch_size} per worker x {self.ctx.world_size}), {self.cfg.model} on {self.data.name}"
-            f"{resumed}"
+            f"({self._batch_split()}), {self.cfg.model} on {self.data.name}{resumed}"
         )
+        for line in self.strategy.header_lines():
+            self.reporter.say(line)
+
+    def _batch_split(self) -> str:
+        if self.shards == self.ctx.world_size:
+            return f"{self.cfg.batch_size} per worker x {self.ctx.world_size}"
+        if self.shards == 1:
+            return "every worker reads the whole batch"
+        return f"{self.cfg.batch_size} per data shard x {self.shards}"
 
     def _summary(self, accuracy: float, steps: int, seconds: float) -> dict[str, Any]:
         rate = steps * self.global_batch / max(seconds, 1e-9)
