@@ -59,7 +59,8 @@ def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def split(whole: dict[str, Any], local_to_global: Sequence[int]) -> dict[str, Any]:
     """This stage's share of a whole-model optimizer ``state_dict()``, renumbered 0..k−1."""
     to_local = {g: i for i, g in enumerate(local_to_global)}
-    state = {to_local[int(g)]: copy.copy(s) for g, s in whole["state"].items() if int(g) in to_local}
+    # Deep copies: the optimizer updates its state in place and must not write into the checkpoint.
+    state = {to_local[int(g)]: copy.deepcopy(s) for g, s in whole["state"].items() if int(g) in to_local}
     groups = []
     for group in whole["param_groups"]:
         mine = [to_local[int(g)] for g in group["params"] if int(g) in to_local]
