@@ -35,7 +35,7 @@ def model_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
                                f"the model ({', '.join(missing)}); return the model's own blocks")
         named = [(names[id(b)], b) for b in blocks]
     elif isinstance(model, nn.Sequential):
-        named = list(model.named_children())
+        named = [(name, m) for name, m in model._modules.items() if m is not None]  # keeps repeats
     else:
         raise PhalanxError(
             f"{type(model).__name__} has no sequential structure to split into stages: make it an nn.Sequential of "

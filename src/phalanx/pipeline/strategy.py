@@ -158,10 +158,11 @@ class Pipeline(Strategy):
         if how == "time" and self._example is None:
             raise PhalanxError("--balance time needs a batch to profile the blocks on: call "
                                "strategy.example_batch(x, y) before setup(), or use --balance params")
+        if how == "explicit":
+            check_counts(self.balance, len(blocks), stages)  # before measuring: a bad plan fails at once
         params = parameter_counts(blocks)
         seconds = self._measure(blocks, ctx) if self._example is not None else None
         if how == "explicit":
-            check_counts(self.balance, len(blocks), stages)
             counts = tuple(self.balance)
         else:
             counts = partition(seconds if how == "time" else params, stages)
