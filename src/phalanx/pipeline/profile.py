@@ -1,9 +1,15 @@
 """Measure what each block costs: forward + backward seconds on one micro-batch, on this device.
 
-Each block runs on a private copy (so its parameters' gradients and its buffers, such as
-BatchNorm statistics, stay untouched) fed the previous block's output, under a forked random
-state (so profiling draws nothing from the training run's random streams). One warm-up pass,
-then ``repeats`` timed passes; the median is the block's cost.
+The blocks run in sequence as a stage would run them: every forward in order, then every
+backward in reverse, each block timed on its own (its input is a fresh leaf, so its backward
+stops there and the gradient is handed on by hand). Timing blocks one after another, rather
+than each in a tight loop of its own, keeps the caches as cold as in training: a block timed
+alone over and over finds its weights in cache and looks cheaper than it is.
+
+Private copies of the blocks are timed (so the parameters' gradients and buffers such as
+BatchNorm statistics stay untouched), under a forked random state (so profiling draws nothing
+from the training run's random streams). One warm-up pass, then ``repeats`` timed passes; the
+median is each block's cost.
 """
 
 from __future__ import annotations
@@ -17,26 +23,30 @@ import torch
 from torch import nn
 
 
-def _sync(device: torch.device) -> None:
+def _now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
-def _time_block(block: nn.Module, x: torch.Tensor, device: torch.device, repeats: int) -> tuple[float, torch.Tensor]:
-    samples = []
-    out = x
-    for i in range(repeats + 1):
+def _one_pass(blocks: Sequence[nn.Module], x: torch.Tensor, device: torch.device) -> list[float]:
+    inputs, outputs, seconds = [], [], []
+    for block in blocks:
         inp = x.detach().requires_grad_(x.is_floating_point())
-        _sync(device)
-        start = time.perf_counter()
-        out = block(inp)
-        if out.requires_grad:
-            out.backward(torch.ones_like(out))
-        _sync(device)
-        if i:  # the first pass is the warm-up
-            samples.append(time.perf_counter() - start)
-        block.zero_grad(set_to_none=True)
-    return statistics.median(samples), out.detach()
+        start = _now(device)
+        x = block(inp)
+        seconds.append(_now(device) - start)
+        inputs.append(inp)
+        outputs.append(x)
+    grad = torch.ones_like(x)
+    for i in reversed(range(len(blocks))):
+        start = _now(device)
+        if outputs[i].requires_grad:
+            outputs[i].backward(grad)
+        seconds[i] += _now(device) - start
+        grad = inputs[i].grad if inputs[i].grad is not None else torch.ones_like(inputs[i], dtype=torch.float)
+        blocks[i].zero_grad(set_to_none=True)
+    return seconds
 
 
 def time_blocks(blocks: Sequence[nn.Module], example: torch.Tensor, device: torch.device,
@@ -44,9 +54,7 @@ def time_blocks(blocks: Sequence[nn.Module], example: torch.Tensor, device: torc
     """Median forward+backward seconds of every block on ``example`` (one micro-batch)."""
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
+        copies = [copy.deepcopy(block).train() for block in blocks]
         x = example.to(device)
-        costs = []
-        for block in blocks:
-            cost, x = _time_block(copy.deepcopy(block).train(), x, device, repeats)
-            costs.append(cost)
-    return costs
+        passes = [_one_pass(copies, x, device) for _ in range(repeats + 1)][1:]  # the first is the warm-up
+    return [statistics.median(p[i] for p in passes) for i in range(len(blocks))]
