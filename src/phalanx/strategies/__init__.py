@@ -8,10 +8,11 @@ from .hogwild import Hogwild
 from .local_sgd import LocalSGD
 from .ps import SSP, ParameterServer
 from .sync import Sync
+from ..pipeline.strategy import Pipeline  # after .base: the pipeline strategy builds on it
 
 #: CLI name -> strategy class. Each class maps its own options (dataclass fields).
 STRATEGIES: dict[str, type[Strategy]] = {"sync": Sync, "local-sgd": LocalSGD, "hogwild": Hogwild,
-                                         "ps": ParameterServer, "ssp": SSP}
+                                         "ps": ParameterServer, "ssp": SSP, "pipeline": Pipeline}
 
 
 def strategy_from_name(name: str, **options) -> Strategy:
@@ -22,4 +23,5 @@ def strategy_from_name(name: str, **options) -> Strategy:
     return cls(**{k: v for k, v in options.items() if k in fields})
 
 
-__all__ = ["Hogwild", "LocalSGD", "ParameterServer", "SSP", "STRATEGIES", "Strategy", "Sync", "strategy_from_name"]
+__all__ = ["Hogwild", "LocalSGD", "ParameterServer", "Pipeline", "SSP", "STRATEGIES", "Strategy", "Sync",
+           "strategy_from_name"]

@@ -1,0 +1,68 @@
+"""One checkpoint for a model that lives in pieces.
+
+Each stage's optimizer only knows its own parameters, numbered 0..k−1 in stage order. The
+checkpoint renumbers them by position in the *whole* model's ``parameters()`` and merges the
+stages, so the saved ``"optimizer"`` entry is exactly the ``state_dict()`` an optimizer over the
+unsplit model would have (one param group listing every parameter; ``state`` keyed by that
+index). With ``"model"`` being the unsplit ``state_dict()``, a pipeline checkpoint loads into
+the plain model and its optimizer, and back into a pipeline with any partition.
+
+The mapping ``local_to_global[i]`` is the whole-model index of the stage optimizer's i-th parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import PhalanxError
+
+
+def _cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _cpu(v) for k, v in value.items()}
+    return value
+
+
+def to_global(local: dict[str, Any], local_to_global: Sequence[int]) -> dict[str, Any]:
+    """A stage optimizer's ``state_dict()`` with whole-model parameter indices (CPU tensors)."""
+    state = {local_to_global[int(i)]: _cpu(s) for i, s in local["state"].items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [local_to_global[int(i)] for i in g["params"]]} for g in local["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The stages' globally numbered states as one optimizer ``state_dict()`` (stage order).
+
+    Group g of the result lists the parameters of group g of every stage; its other settings
+    (lr, momentum, ...) are the first stage's, which every stage shares (one schedule drives them).
+    """
+    counts = {len(p["param_groups"]) for p in parts}
+    if len(counts) != 1:
+        raise PhalanxError(f"stages disagree on the number of optimizer param groups ({sorted(counts)}); build the "
+                           "optimizer the same way on every stage")
+    state: dict[int, Any] = {}
+    for part in parts:
+        state.update(part["state"])
+    groups = []
+    for g, first in enumerate(parts[0]["param_groups"]):
+        params = sorted(i for part in parts for i in part["param_groups"][g]["params"])
+        groups.append({**{k: v for k, v in first.items() if k != "params"}, "params": params})
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def split(whole: dict[str, Any], local_to_global: Sequence[int]) -> dict[str, Any]:
+    """This stage's share of a whole-model optimizer ``state_dict()``, renumbered 0..k−1."""
+    to_local = {g: i for i, g in enumerate(local_to_global)}
+    # Deep copies: the optimizer updates its state in place and must not write into the checkpoint.
+    state = {to_local[int(g)]: copy.deepcopy(s) for g, s in whole["state"].items() if int(g) in to_local}
+    groups = []
+    for group in whole["param_groups"]:
+        mine = [to_local[int(g)] for g in group["params"] if int(g) in to_local]
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": mine})
+    return {"state": state, "param_groups": groups}

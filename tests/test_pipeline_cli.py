@@ -1,0 +1,149 @@
+"""The pipeline end to end: the stacked LSTM through the CLI and the example; bad input, plainly."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import REPO
+from phalanx import Pipeline, TrainConfig, Trainer
+from phalanx.errors import PhalanxError
+from phalanx.launch import WorkerContext
+from phalanx.models import lstm
+
+
+def run(*args: str, cwd) -> subprocess.CompletedProcess:
+    """This checkout's code (PYTHONPATH=src), as a user runs it: ``python -m phalanx`` or a script."""
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL)
+
+
+def accuracy(stdout: str) -> float:
+    return float(re.search(r"test accuracy (\d\.\d+) after", stdout).group(1))
+
+
+@pytest.mark.slow
+def test_stacked_lstm_through_the_cli_reaches_090_and_its_checkpoint_is_the_unsplit_model(tmp_path):
+    out = run("-m", "phalanx", "train", "--strategy", "pipeline", "--model", "lstm", "--workers", "2",
+              "--chunks", "4", "--schedule", "1f1b", "--optimizer", "adam", "--lr", "0.01", "--steps", "300",
+              "--log-every", "100", "--progress", "lines", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("phalanx train: strategy pipeline (2 stages, 4 micro-batches, 1f1b), world size 2")
+    assert "global batch 32 (every worker reads the whole batch)" in lines[0]
+    assert lines[1].startswith("pipeline plan: 5 blocks in 2 stages, balanced by measured time")
+    assert re.fullmatch(r"  stage 0 \(rank 0\): blocks 0\.\.\d \(\d\), [\d,]+ parameters, \d+\.\d\d ms per "
+                        r"micro-batch \(fwd\+bwd\)", lines[2])
+    assert re.search(r"predicted bubble \d+\.\d%", lines[4])
+    assert accuracy(out.stdout) >= 0.90
+    # One checkpoint of the whole model: it loads into the unsplit LSTM, which scores the same.
+    state = torch.load(tmp_path / "checkpoints" / "step-00000300.pt", weights_only=True)
+    model = lstm((1, 8, 8), 10)
+    model.load_state_dict(state["model"])
+    torch.optim.Adam(model.parameters()).load_state_dict(state["optimizer"])
+    from phalanx.data import load_data
+
+    test = load_data("digits", None, (1, 8, 8), 0, 0).test
+    with torch.no_grad():
+        plain = (model(test.transform(test.x, None)).argmax(1) == test.y).float().mean().item()
+    assert plain == pytest.approx(accuracy(out.stdout), abs=1e-4)
+
+
+@pytest.mark.slow
+def test_lstm_pipeline_example_runs_and_learns(tmp_path):
+    out = run(str(REPO / "examples" / "lstm_pipeline.py"), "--balance", "params", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "pipeline plan: 5 blocks in 2 stages, balanced by parameter count" in out.stdout
+    found = re.search(r"lstm pipeline: 4 LSTM layers over 2 stages, balance \[\d, \d\], test accuracy (\d\.\d+)",
+                      out.stdout)
+    assert found and float(found.group(1)) >= 0.90, out.stdout
+
+
+BAD_CLI = [
+    (["--stages", "3"], "--stages 3 needs 3 workers (one per stage) but this run has 2; add --workers 3"),
+    (["--balance", "3,3"], "--balance 3,3 sums to 6 (3 + 3) but the model has 5 blocks"),
+    (["--balance", "1,2,2"], "--balance 1,2,2 names 3 stages but the pipeline has 2"),
+    (["--batch-size", "30"], "batch 30 does not split into 4 equal micro-batches (--chunks 4): 30 / 4 = 7.5"),
+    (["--schedule", "1f1b", "--chunks", "1", "--batch-size", "30"],
+     "--schedule 1f1b needs at least one micro-batch per stage: --chunks 1 < 2 stages"),
+    (["--schedule", "zigzag"], "unknown --schedule 'zigzag': choose gpipe or 1f1b"),
+    (["--balance", "fast"], "unknown --balance 'fast': choose auto, params, time"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_CLI, ids=[" ".join(f) for f, _ in BAD_CLI])
+def test_bad_pipeline_input_is_one_clear_line(tmp_path, flags, message):
+    out = run("-m", "phalanx", "train", "--strategy", "pipeline", "--model", "lstm", "--steps", "5", *flags,
+              cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.startswith("error: ") and message in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+class NotSequential(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 32), nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.b(self.a(x.flatten(1)))
+
+
+class Blocks(NotSequential):
+    def pipeline_blocks(self):
+        return [nn.Sequential(nn.Flatten(), self.a), self.b]
+
+
+FAKE_TWO = WorkerContext(0, 2, 0, torch.device("cpu"), "gloo")  # these errors come before any communication
+
+
+def _setup(model, **options):
+    Pipeline(**options).setup(FAKE_TWO, model, lambda p: torch.optim.SGD(p, lr=0.1))
+
+
+def test_model_errors_name_the_fix():
+    with pytest.raises(PhalanxError, match="NotSequential has no sequential structure to split into stages: make it "
+                                           "an nn.Sequential of blocks, or give it a pipeline_blocks"):
+        _setup(NotSequential())
+    with pytest.raises(PhalanxError, match="2 stages but the model has only 1 blocks.*--stages 1 or fewer"):
+        _setup(nn.Sequential(nn.Linear(4, 2)))
+    with pytest.raises(PhalanxError, match="returned modules that are not submodules"):
+        _setup(Blocks())  # its first block is a new Sequential, not one of the model's submodules
+    with pytest.raises(PhalanxError, match=r"parameters outside its blocks \(extra\.weight"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        model.pipeline_blocks = lambda: [model[0], model[1]]
+        model.extra = nn.Linear(2, 2)
+        _setup(model)
+    a = nn.Linear(4, 4)
+    with pytest.raises(PhalanxError, match="lists one block twice"):
+        _setup(nn.Sequential(a, nn.ReLU(), a))
+    with pytest.raises(PhalanxError, match="shares parameters between blocks"):
+        _setup(nn.Sequential(a, nn.Sequential(nn.ReLU(), a)))
+
+
+def test_model_with_no_sequential_structure_fails_in_the_worker_with_one_line(tmp_path):
+    x, y = torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,))
+    config = TrainConfig(strategy=Pipeline(), devices="cpu", workers=2, steps=2, checkpoint_dir=str(tmp_path / "c"),
+                         progress="none")
+    with pytest.raises(PhalanxError, match="NotSequential has no sequential structure"):
+        Trainer(config, model=NotSequential(), train_data=(x, y)).fit()
+
+
+def test_pipeline_blocks_protocol_splits_a_plain_module():
+    from phalanx.pipeline import model_blocks
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+            self.head = nn.Linear(4, 2)
+
+        def pipeline_blocks(self):
+            return [*self.body, self.head]
+
+    assert [name for name, _ in model_blocks(Net())] == ["body.0", "body.1", "head"]
