@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import socket
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,3 +41,20 @@ def result_path(name: str) -> Path:
 
 def spread(values: list[float]) -> tuple[float, float]:
     return min(values), max(values)
+
+
+def save_result(name: str, **payload) -> Path:
+    """Write benchmarks/results/<name>-<machine>.json with the machine and versions; say where."""
+    out = result_path(name)
+    out.write_text(json.dumps({"benchmark": name, "machine": machine_info(), **payload}, indent=2) + "\n")
+    print(f"\nsaved {out}")
+    return out
+
+
+def print_medians(runs: dict[str, list[float]], width: int, unit: str = "") -> dict[str, float]:
+    """One line per variant: median and min-max; returns the medians."""
+    med = {name: statistics.median(v) for name, v in runs.items()}
+    for name, values in runs.items():
+        lo, hi = spread(values)
+        print(f"  {name:<{width}} {med[name]:8.1f}{unit}  ({lo:.1f}-{hi:.1f})")
+    return med

@@ -14,7 +14,6 @@ are interleaved, each repeat times a fixed number of steps after a warm-up.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 import phalanx
 from phalanx.models import build_model
 
-from _common import machine_info, result_path, spread
+from _common import print_medians, save_result
 
 
 def steps_per_second(model, params, batch: int, steps: int) -> float:
@@ -61,12 +60,9 @@ def main() -> None:
             runs[name].append(steps_per_second(model, bare.parameters(), args.batch, args.steps) * args.batch)
         print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{n} {v[-1]:.0f}" for n, v in runs.items()), flush=True)
 
-    med = {name: statistics.median(v) for name, v in runs.items()}
     print(f"\ncifar10 network, batch {args.batch}, {torch.get_num_threads()} torch threads, "
           f"{args.repeats} repeats of {args.steps} steps (examples/sec: median, min-max)")
-    for name, values in runs.items():
-        lo, hi = spread(values)
-        print(f"  {name:<28} {med[name]:8.1f}  ({lo:.1f}-{hi:.1f})")
+    med = print_medians(runs, 28)
     # Ratios of neighbours in the same repeat cancel most of the machine's drift.
     paired_one = [a / b for a, b in zip(runs["make_parallel, 1 device"], runs["bare module"])]
     paired_two = [a / b for a, b in zip(runs["make_parallel, 2 CPU towers"], runs["bare module"])]
@@ -74,12 +70,9 @@ def main() -> None:
     print(f"  ratio wrapper/bare on one device: {one:.3f} (median of paired ratios; "
           f"{min(paired_one):.3f}-{max(paired_one):.3f})")
     print(f"  speedup of 2 CPU towers over the bare module: {two:.3f} ({min(paired_two):.3f}-{max(paired_two):.3f})")
-    out = result_path("make_parallel_overhead")
-    out.write_text(json.dumps({"benchmark": "make_parallel_overhead", "args": vars(args), "machine": machine_info(),
-                               "examples_per_sec": runs, "median": med, "ratio_one_device": one,
-                               "paired_ratios_one_device": paired_one, "paired_speedups_two_towers": paired_two,
-                               "speedup_two_cpu_towers": two}, indent=2) + "\n")
-    print(f"saved {out}")
+    save_result("make_parallel_overhead", args=vars(args), examples_per_sec=runs, median=med, ratio_one_device=one,
+                paired_ratios_one_device=paired_one, paired_speedups_two_towers=paired_two,
+                speedup_two_cpu_towers=two)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ of each variant's time to plain. Islands for hierarchical: pairs of consecutive 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from phalanx.launch import launch
 from phalanx.reduce import HierarchicalState
 
-from _common import machine_info, result_path
+from _common import save_result
 
 
 def islands_for(n: int) -> list[list[int]]:
@@ -80,10 +79,7 @@ def main() -> None:
                                                       "ratio_to_plain": med / plain}
                 print(f"  {mb:>4}MB  {name:<22} {med * 1e3:9.2f} {min(ts) * 1e3:7.2f}-{max(ts) * 1e3:<7.2f} "
                       f"{busbw:10.2f} {med / plain:8.2f}")
-    out = result_path("reduce")
-    out.write_text(json.dumps({"benchmark": "reduce", "args": vars(args), "machine": machine_info(),
-                               "results": report}, indent=2) + "\n")
-    print(f"\nsaved {out}")
+    save_result("reduce", args=vars(args), results=report)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 from phalanx import TrainConfig, Trainer
 from phalanx.strategies import SSP, Hogwild, LocalSGD, ParameterServer, Sync
 
-from _common import machine_info, result_path
+from _common import save_result
 
 VARIANTS = {
     "sync": Sync, "ps": ParameterServer, "ssp(1)": lambda: SSP(staleness=1), "ssp(4)": lambda: SSP(staleness=4),
@@ -72,10 +72,7 @@ def main() -> None:
                   f"accuracy {statistics.median(x['accuracy'] for x in runs):.3f}{stale}")
             report.setdefault(straggler, {})[name] = {"runs": runs, "median_examples_per_sec": med,
                                                      "ratio_to_sync": med / sync}
-    out = result_path("strategies")
-    out.write_text(json.dumps({"benchmark": "strategies", "args": vars(args), "machine": machine_info(),
-                               "results": report}, indent=2) + "\n")
-    print(f"\nsaved {out}")
+    save_result("strategies", args=vars(args), results=report)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from phalanx.data import load_synthetic
 from phalanx.launch import launch
 from phalanx.models import build_model
 
-from _common import machine_info, result_path, spread
+from _common import print_medians, save_result
 
 SHAPE = (3, 24, 24)
 
@@ -97,12 +97,9 @@ def main() -> None:
             runs[name].append(run())
             print(f"repeat {r + 1}/{args.repeats}  {name:<11} {runs[name][-1]:8.1f} examples/sec", flush=True)
 
-    med = {name: statistics.median(v) for name, v in runs.items()}
     print(f"\ncifar10 network, {args.batch} images per worker, {args.threads} thread(s) per worker, "
           f"{args.steps} timed steps, {args.repeats} repeats (median, min-max)")
-    for name, values in runs.items():
-        lo, hi = spread(values)
-        print(f"  {name:<11} {med[name]:8.1f} examples/sec  ({lo:.1f}-{hi:.1f})")
+    med = print_medians(runs, 11, " examples/sec")
     ratio = med["phalanx x2"] / med["ddp x2"]
     paired = [p / d for p, d in zip(runs["phalanx x2"], runs["ddp x2"])]
     eff_phalanx = med["phalanx x2"] / (2 * med["phalanx x1"])
@@ -111,13 +108,8 @@ def main() -> None:
           f"{min(paired):.3f}-{max(paired):.3f})")
     print(f"  weak-scaling efficiency (2 workers / 2 x 1 worker): phalanx {eff_phalanx:.3f}, DDP {eff_ddp:.3f}")
 
-    out = result_path("sync_vs_ddp")
-    out.write_text(json.dumps({
-        "benchmark": "sync_vs_ddp", "args": vars(args), "machine": machine_info(),
-        "examples_per_sec": runs, "median": med, "ratio_phalanx_over_ddp": ratio,
-        "paired_ratios": paired, "weak_scaling_efficiency": {"phalanx": eff_phalanx, "ddp": eff_ddp},
-    }, indent=2) + "\n")
-    print(f"saved {out}")
+    save_result("sync_vs_ddp", args=vars(args), examples_per_sec=runs, median=med, ratio_phalanx_over_ddp=ratio,
+                paired_ratios=paired, weak_scaling_efficiency={"phalanx": eff_phalanx, "ddp": eff_ddp})
 
 
 if __name__ == "__main__":
