@@ -78,19 +78,6 @@ def run_pipeline(ctx: WorkerContext, strategy: Pipeline, steps: int = K, resume:
     return {"losses": losses, "grads": merged, "state": state, "counts": strategy.plan.counts}
 
 
-def run_workers_saved(fn, n: int, tmp_path) -> dict:
-    """Rank 0's result, passed through a file: the launcher's result pipe is for small values."""
-    path = str(tmp_path / "result.pt")
-    run_workers(_save_result, n, fn, path)
-    return torch.load(path, weights_only=False)
-
-
-def _save_result(ctx: WorkerContext, fn, path: str) -> None:
-    result = fn(ctx)
-    if ctx.rank == 0:
-        torch.save(result, path)
-
-
 def assert_same(got: dict, want: dict, label: str) -> None:
     assert torch.allclose(torch.tensor(got["losses"]), torch.tensor(want["losses"]), **TOL), label
     assert set(got["grads"]) == set(want["grads"]), label
@@ -111,9 +98,9 @@ def _two_stage_worker(ctx: WorkerContext) -> dict:
     return out
 
 
-def test_two_stages_equal_the_unsplit_model_gpipe_and_1f1b_for_1_2_4_micro_batches(tmp_path):
+def test_two_stages_equal_the_unsplit_model_gpipe_and_1f1b_for_1_2_4_micro_batches():
     want = reference()
-    results = run_workers_saved(_two_stage_worker, 2, tmp_path)
+    results = run_workers(_two_stage_worker, 2)
     for (schedule, chunks), got in results.items():
         assert_same(got, want, f"{schedule} M={chunks}")
         assert len(got["counts"]) == 2
@@ -126,9 +113,9 @@ def _three_stage_worker(ctx: WorkerContext) -> dict:
     }
 
 
-def test_three_stages_equal_the_unsplit_model(tmp_path):
+def test_three_stages_equal_the_unsplit_model():
     want = reference()
-    for (schedule, chunks), got in run_workers_saved(_three_stage_worker, 3, tmp_path).items():
+    for (schedule, chunks), got in run_workers(_three_stage_worker, 3).items():
         assert_same(got, want, f"3 stages {schedule} M={chunks}")
 
 
@@ -152,9 +139,9 @@ def _checkpoint_worker(ctx: WorkerContext) -> dict:
     return {"first": first, "resumed": resumed, "eval": gather(ctx, strategy.evaluate(odd, ctx.device)), "odd": odd}
 
 
-def test_checkpoint_is_the_unsplit_model_resumes_under_another_partition_and_evaluates_alike(tmp_path):
+def test_checkpoint_is_the_unsplit_model_resumes_under_another_partition_and_evaluates_alike():
     want2, want = reference(steps=2), reference()
-    out = run_workers_saved(_checkpoint_worker, 2, tmp_path)
+    out = run_workers(_checkpoint_worker, 2)
     # The pipeline checkpoint is the plain model's state_dict and its optimizer's, exactly.
     saved = out["first"]["state"]
     plain = make_model()
