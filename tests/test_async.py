@@ -145,3 +145,23 @@ def test_bad_input(tmp_path, flags, message):
 def test_hogwild_refuses_cuda():
     with pytest.raises(PhalanxError, match="hogwild .* refuses CUDA: use --devices cpu"):
         Hogwild().check_world(2, [torch.device("cuda", 0), torch.device("cuda", 1)])
+
+
+def test_a_dead_server_ends_the_job_and_the_last_checkpoint_loads(tmp_path):
+    code, out, err = _run_and_kill(
+        tmp_path, ["train", "--strategy", "ps", "--steps", "4000", "--log-every", "20", "--checkpoint-every", "20"],
+        "step 60,", rank=0)
+    assert code == 1
+    assert re.search(r"error: the parameter server \(rank 0\) failed:\s+process \d+ was killed by SIGKILL", err)
+    state = load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))
+    assert state["step"] >= 40 and state["meta"]["strategy"] == "ps"
+
+
+def test_ps_refuses_a_model_whose_buffers_would_go_stale(tmp_path):
+    torch.manual_seed(0)
+    x, y = torch.randn(128, 4), torch.randint(0, 2, (128,))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    cfg = TrainConfig(strategy="ps", workers=2, devices="cpu", steps=5, batch_size=16, progress="none",
+                      checkpoint_dir=str(tmp_path / "c"))
+    with pytest.raises(PhalanxError, match=r"sends parameters only, .* buffers \(1.running_mean, 1.running_var, e.g. BatchNorm"):
+        Trainer(cfg, model=model, train_data=(x, y)).fit()

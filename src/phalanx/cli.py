@@ -142,7 +142,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return args.run(args)
     except WorkerFailed as e:
-        print(f"error: worker {e.rank} failed:\n{e.detail}", file=sys.stderr)
+        print(f"error: {e.who} failed:\n{e.detail}", file=sys.stderr)
         return e.exit_code
     except PhalanxError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -24,7 +24,8 @@ class WorkerFailed(PhalanxError):
 
     exit_code = 1
 
-    def __init__(self, rank: int, detail: str):
+    def __init__(self, rank: int, detail: str, who: str = ""):
         self.rank = rank
         self.detail = detail
-        super().__init__(f"worker {rank} failed: {detail}")
+        self.who = who or f"worker {rank}"
+        super().__init__(f"{self.who} failed: {detail}")

@@ -55,6 +55,10 @@ class Strategy:
     def check_batch(self, batch_size: int, accumulate: int = 1) -> None:
         """Raise PhalanxError if a batch of ``batch_size`` per worker cannot be used (checked in the parent)."""
 
+    def role(self, rank: int) -> str:
+        """How error messages name this rank."""
+        return f"worker {rank}"
+
     def tolerates_loss_of(self, rank: int) -> bool:
         """Whether the job may go on when this rank's process dies (the launcher asks)."""
         return False

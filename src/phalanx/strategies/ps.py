@@ -71,6 +71,9 @@ class ParameterServer(Strategy):
                 f"{world_size - 1} worker nothing runs asynchronously; use --workers 2 or more, or --strategy sync"
             )
 
+    def role(self, rank: int) -> str:
+        return "the parameter server (rank 0)" if rank == 0 else f"worker {rank}"
+
     def tolerates_loss_of(self, rank: int) -> bool:
         return rank != 0  # a worker may die; the server carries on without it
 
@@ -86,6 +89,13 @@ class ParameterServer(Strategy):
 
     # ---- inside a worker ----
     def setup(self, ctx, model, make_optimizer):
+        buffers = [name for name, b in model.named_buffers() if b.is_floating_point()]
+        if buffers:  # only parameters travel: the server's copy of these would never change
+            raise PhalanxError(
+                f"--strategy {self.name} sends parameters only, and this model also keeps state in buffers "
+                f"({', '.join(buffers[:3])}{', ...' if len(buffers) > 3 else ''}, e.g. BatchNorm running "
+                "statistics): use --strategy sync or local-sgd for it, or a model without such buffers"
+            )
         model, optimizer = super().setup(ctx, model, make_optimizer)
         self.params = list(model.parameters())
         self.workers = ctx.world_size - 1

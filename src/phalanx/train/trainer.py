@@ -26,7 +26,7 @@ from torch import nn
 from ..data.datasets import DATASETS, check_cifar10_files
 from ..data import ArrayDataset, DataBundle, Prefetcher, ShardedBatches, eval_batches, load_data
 from ..devices import backend_for, resolve_devices
-from ..errors import PhalanxError, TrainingDiverged
+from ..errors import PhalanxError, TrainingDiverged, WorkerFailed
 from ..launch import WorkerContext, in_torchrun, launch, world_size
 from ..models import build_model
 from . import checkpoint as ckpt
@@ -77,6 +77,8 @@ class Trainer:
         try:
             return launch(run_worker, devices, (plan,), threads=cfg.threads, addr=cfg.master_addr,
                           timeout_s=cfg.timeout_s, tolerate=cfg.strategy.tolerates_loss_of)
+        except WorkerFailed as e:
+            raise WorkerFailed(e.rank, e.detail, cfg.strategy.role(e.rank)) from None
         except PhalanxError:
             if created and not any(Path(cfg.checkpoint_dir).iterdir()):
                 Path(cfg.checkpoint_dir).rmdir()  # leave nothing behind for a run that never started
