@@ -20,6 +20,7 @@ import dataclasses
 import io
 import os
 import signal
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -135,6 +136,7 @@ def _spawned_worker(
         value = fn(ctx, *args)
         if local_rank == 0:
             results.put(("result", 0, _to_bytes(value)))
+        _leave_together()
     except PhalanxError as e:
         # Bad input found inside a worker: send the message home, then fail so the rest stop too.
         results.put(("error", local_rank, (time.time(), type(e).__name__, str(e))))
@@ -146,6 +148,20 @@ def _spawned_worker(
         raise
     finally:
         _shutdown()
+    # Skip the interpreter's teardown: a C++ thread of torch's (gloo, the thread pool) that is
+    # still joinable when static destructors run aborts the process ("terminate called without an
+    # active exception"), turning a finished run into a crash. Everything is flushed and sent.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _leave_together() -> None:
+    """Wait until every live rank is done before closing connections (a lost rank is skipped)."""
+    try:
+        dist.barrier()
+    except Exception:  # a peer is gone (an asynchronous strategy's lost worker): nothing to wait for
+        pass
 
 
 def _rebuild_error(rank: int, name: str, message: str) -> PhalanxError:
