@@ -124,6 +124,7 @@ def test_sync_fails_fast_naming_the_killed_rank_then_resumes(tmp_path):
         tmp_path, ["train", "--steps", "4000", "--log-every", "20", "--checkpoint-every", "20"], "step 60,", rank=1)
     assert code == 1
     assert re.search(r"error: worker 1 failed:\s+process \d+ was killed by SIGKILL", err)
+    assert re.search(r"last checkpoint: checkpoints/step-\d+\.pt; continue with --resume checkpoints/step-", err)
     last = load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))["step"]
     assert last >= 40  # the newest checkpoint before the kill is intact
     resumed = run_cli("train", "--steps", str(last + 20), "--resume", cwd=tmp_path)

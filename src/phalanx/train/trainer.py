@@ -78,7 +78,9 @@ class Trainer:
             return launch(run_worker, devices, (plan,), threads=cfg.threads, addr=cfg.master_addr,
                           timeout_s=cfg.timeout_s, tolerate=cfg.strategy.tolerates_loss_of)
         except WorkerFailed as e:
-            raise WorkerFailed(e.rank, e.detail, cfg.strategy.role(e.rank)) from None
+            last = ckpt.latest_checkpoint(cfg.checkpoint_dir)
+            hint = f"\nlast checkpoint: {last}; continue with --resume {last}" if last else ""
+            raise WorkerFailed(e.rank, e.detail + hint, cfg.strategy.role(e.rank)) from None
         except PhalanxError:
             if created and not any(Path(cfg.checkpoint_dir).iterdir()):
                 Path(cfg.checkpoint_dir).rmdir()  # leave nothing behind for a run that never started
