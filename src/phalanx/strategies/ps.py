@@ -331,9 +331,13 @@ class _Server:
             self.gaps.append(self.clock[worker] - self._slowest())
         header = torch.tensor([float(self.applied), float(stop), float(self.global_step())], dtype=torch.float64,
                               device=self.ctx.device)
+        try:
+            dist.send(header, dst=worker)
+            dist.send(parameters_to_vector(self.params).detach().contiguous(), dst=worker)
+        except Exception as e:  # it died after its last push reached us: lost, like any other
+            self._lose(worker, str(e).splitlines()[0][:200])
+            return
         self.replies.append((worker, self.applied))
-        dist.send(header, dst=worker)
-        dist.send(parameters_to_vector(self.params).detach().contiguous(), dst=worker)
         if stop:
             self.stopped.add(worker)
 
