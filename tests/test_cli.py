@@ -33,6 +33,7 @@ def test_default_train_reaches_the_accuracy_and_reports(tmp_path):
 
 
 def test_mlp_with_schedule_and_metrics_path(tmp_path):
+    (tmp_path / "m").mkdir()  # a metrics directory must exist (a typo in it is refused, not created)
     out = run_cli("train", "--model", "mlp", "--steps", "60", "--lr-schedule", "cosine", "--warmup-steps", "5",
                   "--workers", "2", "--metrics", "m/run.jsonl", "--eval-every", "30", cwd=tmp_path)
     assert out.returncode == 0, out.stderr

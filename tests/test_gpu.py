@@ -9,7 +9,7 @@ import torch.distributed as dist
 from phalanx import TrainConfig, Trainer
 from phalanx.data import Prefetcher, ShardedBatches, load_digits
 from phalanx.launch import WorkerContext
-from phalanx.strategies import Sync
+from phalanx.strategies import Sync, runtime_for
 from phalanx.train.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -44,14 +44,13 @@ def test_sync_over_nccl_with_world_size_one_matches_plain_training():
         bare = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).cuda()
         twin = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).cuda()
         twin.load_state_dict(bare.state_dict())
-        strategy = Sync()
-        strategy.setup(ctx, twin, lambda p: torch.optim.SGD(p, lr=0.1))
-        opt = torch.optim.SGD(bare.parameters(), lr=0.1)
         loss_fn = torch.nn.functional.cross_entropy
+        strategy = runtime_for(Sync(), ctx, twin, lambda p: torch.optim.SGD(p, lr=0.1), loss_fn)
+        opt = torch.optim.SGD(bare.parameters(), lr=0.1)
         for step in range(5):
             x = torch.randn(32, 8, device="cuda")
             y = torch.randint(0, 3, (32,), device="cuda")
-            strategy.train_step(x, y, loss_fn)
+            strategy.train_step(x, y)
             opt.zero_grad()
             loss_fn(bare(x), y).backward()
             opt.step()

@@ -12,7 +12,7 @@ from torch import nn
 from helpers import REPO
 from phalanx import Pipeline, TrainConfig, Trainer
 from phalanx.errors import PhalanxError
-from phalanx.launch import WorkerContext
+from phalanx.strategies import Job
 from phalanx.models import lstm
 
 
@@ -99,11 +99,9 @@ class Blocks(NotSequential):
         return [nn.Sequential(nn.Flatten(), self.a), self.b]
 
 
-FAKE_TWO = WorkerContext(0, 2, 0, torch.device("cpu"), "gloo")  # these errors come before any communication
-
-
 def _setup(model, **options):
-    Pipeline(**options).setup(FAKE_TWO, model, lambda p: torch.optim.SGD(p, lr=0.1))
+    """The layout of a 2-stage pipeline over this model: every model error is found there, in the parent."""
+    Pipeline(**options).layout(Job((torch.device("cpu"),) * 2, model=model))
 
 
 def test_model_errors_name_the_fix():
@@ -126,7 +124,7 @@ def test_model_errors_name_the_fix():
         _setup(nn.Sequential(a, nn.Sequential(nn.ReLU(), a)))
 
 
-def test_model_with_no_sequential_structure_fails_in_the_worker_with_one_line(tmp_path):
+def test_model_with_no_sequential_structure_fails_before_the_workers_start_with_one_line(tmp_path):
     x, y = torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,))
     config = TrainConfig(strategy=Pipeline(), devices="cpu", workers=2, steps=2, checkpoint_dir=str(tmp_path / "c"),
                          progress="none")

@@ -14,7 +14,7 @@ from torch import nn
 from helpers import gather, run_workers
 from phalanx.launch import WorkerContext
 from phalanx.models import lstm
-from phalanx.pipeline import Pipeline
+from phalanx.strategies import Pipeline, runtime_for
 
 K = 3  # SGD steps compared
 BATCH = 16
@@ -63,19 +63,19 @@ def run_pipeline(ctx: WorkerContext, strategy: Pipeline, steps: int = K, resume:
     """``steps`` pipelined steps; rank 0 gets losses, every stage's gradients and the checkpoint."""
     model = make_model()
     names = [n for n, _ in model.named_parameters()]
-    strategy.setup(ctx, model, make_optimizer)
+    runtime = runtime_for(strategy, ctx, model, make_optimizer, F.cross_entropy, example=batches()[0])
     if resume is not None:
-        strategy.load_state(resume["state"])
+        runtime.load_state_dict(resume["state"])
     losses = []
     for x, y in batches()[resume["step"] if resume else 0:steps]:
-        loss = strategy.train_step(x, y, F.cross_entropy)
-        losses.append(float(strategy.global_loss(loss)))
-    grads = {names[g]: t for g, t in zip(strategy.local_to_global, strategy.optimizer.seen)}
+        loss = runtime.train_step(x, y)
+        losses.append(float(runtime.global_loss(loss)))
+    grads = {names[g]: t for g, t in zip(runtime.local_to_global, runtime.optimizer.seen)}
     merged = {}
     for part in gather(ctx, grads):
         merged.update(part)
-    state = strategy.checkpoint_state()
-    return {"losses": losses, "grads": merged, "state": state, "counts": strategy.plan.counts}
+    state = runtime.state_dict()
+    return {"losses": losses, "grads": merged, "state": state, "counts": runtime.plan.counts}
 
 
 def assert_same(got: dict, want: dict, label: str) -> None:
@@ -131,12 +131,11 @@ def _checkpoint_worker(ctx: WorkerContext) -> dict:
     # Resume under another partition: every stage takes its part of the whole-model checkpoint.
     resume = {"state": from_rank0(first["state"]), "step": 2}
     resumed = run_pipeline(ctx, Pipeline(chunks=4, balance=(3, 1)), steps=K, resume=resume)
-    strategy = Pipeline(chunks=2, balance=(2, 2))
-    strategy.setup(ctx, make_model(), make_optimizer)
-    strategy.load_state(from_rank0(resumed["state"]))
+    strategy = runtime_for(Pipeline(chunks=2, balance=(2, 2)), ctx, make_model(), make_optimizer)
+    strategy.load_state_dict(from_rank0(resumed["state"]))
     g = torch.Generator().manual_seed(5)
     odd = [(torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)) for n in (7, 7, 3)]
-    return {"first": first, "resumed": resumed, "eval": gather(ctx, strategy.evaluate(odd, ctx.device)), "odd": odd}
+    return {"first": first, "resumed": resumed, "eval": gather(ctx, strategy.evaluate(odd)), "odd": odd}
 
 
 def test_checkpoint_is_the_unsplit_model_resumes_under_another_partition_and_evaluates_alike():

@@ -70,4 +70,4 @@ def test_config_defaults_put_metrics_beside_checkpoints():
     cfg = TrainConfig(checkpoint_dir="out")
     assert cfg.metrics == "out/metrics.jsonl"
     assert cfg.strategy.name == "sync"
-    assert not math.isnan(cfg.lr)
+    assert not math.isnan(cfg.resolved().lr)

@@ -9,6 +9,7 @@ from torch import nn
 from helpers import run_workers
 from phalanx import Sync, TrainConfig, Trainer
 from phalanx.errors import PhalanxError, TrainingDiverged
+from phalanx.strategies import runtime_for
 from phalanx.train.checkpoint import latest_checkpoint, list_checkpoints
 
 
@@ -95,7 +96,7 @@ def _perturbed_setup(ctx):
     if ctx.rank == 1:
         with torch.no_grad():
             model.weight[0, 0] += 1e-3
-    Sync().setup(ctx, model, lambda p: torch.optim.SGD(p, lr=0.1))
+    runtime_for(Sync(), ctx, model, lambda p: torch.optim.SGD(p, lr=0.1))
 
 
 def test_replicas_that_start_different_are_a_loud_error():

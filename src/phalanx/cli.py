@@ -1,4 +1,9 @@
-"""``phalanx`` on the command line: parse flags into config dataclasses and call the library.
+"""``phalanx`` on the command line: flags made from the config and options dataclasses, then the library.
+
+Every ``phalanx train`` flag is a field of :class:`~phalanx.train.TrainConfig` or of a strategy's
+options, declared once with its help and default (``phalanx/options.py``); this module only lays
+the flags out and maps what the user typed back onto those dataclasses. A strategy option given
+with a strategy that does not take it is refused, naming the strategies that do.
 
 Exit status: 0 done; 1 the run failed (a worker crashed, the model diverged); 2 bad input, with a
 one-line message that names the fix.
@@ -7,96 +12,80 @@ one-line message that names the fix.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 import warnings
 from typing import Callable, Optional, Sequence
 
+from . import __version__
 from .errors import PhalanxError, WorkerFailed
-from .strategies import STRATEGIES
+from .options import add_flags, declared, field_flag, given
+
+#: How ``phalanx train --help`` groups the training flags (every TrainConfig field appears once).
+SECTIONS = {
+    "parallelism": ("strategy", "devices", "strict_devices", "workers", "threads", "master_addr", "timeout_s"),
+    "model and data": ("model", "data", "data_dir", "synthetic_shape", "synthetic_size"),
+    "optimisation (unset: the model's recipe)": (
+        "steps", "batch_size", "accumulate", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
+        "lr_decay_every", "lr_decay_factor", "staircase", "warmup_steps", "lr_base_batch", "seed", "straggler"),
+    "observation and checkpoints": ("log_every", "eval_every", "metrics", "checkpoint_dir", "checkpoint_every",
+                                    "keep_checkpoints", "resume", "progress", "prefetch"),
+}
 
 
-def _positive_shape(text: str) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(p) for p in text.lower().replace("x", ",").split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape {text!r} is not like 3x24x24") from None
-    return shape
+class Parser(argparse.ArgumentParser):
+    """Usage errors as one line, like every other bad input."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"error: {message} (see '{self.prog} --help')\n")
 
 
-def _islands(text: str) -> list[list[int]]:
-    try:
-        return [[int(r) for r in part.split(",")] for part in text.split(";")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"islands {text!r} are not like '0,1;2,3'") from None
+def strategy_fields() -> dict[str, tuple[type, list[str]]]:
+    """Every strategy option: field name -> (the first options class declaring it, every strategy taking it)."""
+    from .strategies import STRATEGIES, takers
+
+    out: dict[str, tuple[type, list[str]]] = {}
+    for cls in STRATEGIES.values():
+        for field in declared(cls):
+            out.setdefault(field.name, (cls, takers(field.name)))
+    return out
 
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--strategy", default="sync", help=f"how workers cooperate: {', '.join(STRATEGIES)}")
-    g.add_argument("--devices", default="auto", help="auto | cpu | cuda | cuda:0,2 (default auto)")
-    g.add_argument("--strict-devices", action="store_true", help="fail instead of falling back to the CPU")
-    g.add_argument("--workers", type=int, help="worker processes (default: one per GPU; on CPU, 2)")
-    g.add_argument("--threads", type=int, help="torch threads per CPU worker (default: its share of the cores)")
-    g.add_argument("--reduce", default="flat", help="sync: flat | hierarchical | auto")
-    g.add_argument("--compress", default=None, help="sync: bf16 | fp16 gradient all-reduce")
-    g.add_argument("--islands", type=_islands, help="sync: ranks grouped for --reduce, e.g. '0,1;2,3'")
-    g.add_argument("--staleness", type=int, help="ssp: how many steps a worker may run ahead of the slowest")
-    g.add_argument("--sync-every", type=int, help="local-sgd: average the parameters every H steps")
-    g.add_argument("--straggler", help="RANK:FACTOR slows that rank by FACTOR (for studying stragglers)")
-    g.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address on one machine")
-    g = p.add_argument_group("pipeline (--strategy pipeline; see docs/pipeline.md)")
-    g.add_argument("--stages", type=int, help="pipeline stages, one worker each (default: the number of workers)")
-    g.add_argument("--chunks", type=int, default=4, help="micro-batches per step (default 4)")
-    g.add_argument("--schedule", default="gpipe", help="gpipe | 1f1b (default gpipe)")
-    g.add_argument("--balance", default="auto", help="auto | params | time | blocks per stage, e.g. 3,2 (default auto)")
-    g = p.add_argument_group("model and data")
-    g.add_argument("--model", default="cnn", help="cnn | mlp | cifar10 | lstm")
-    g.add_argument("--data", default="digits", help="digits | cifar10 | synthetic")
-    g.add_argument("--data-dir", help="directory holding the CIFAR-10 binary files")
-    g.add_argument("--synthetic-shape", type=_positive_shape, default=(3, 24, 24), help="e.g. 3x24x24")
-    g.add_argument("--synthetic-size", type=int, default=4096)
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, default=300)
-    g.add_argument("--batch-size", type=int, default=32, help="examples per worker per step")
-    g.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (one all-reduce)")
-    g.add_argument("--optimizer", default="sgd", help="sgd | adam")
-    g.add_argument("--lr", type=float, default=0.05)
-    g.add_argument("--momentum", type=float, default=0.9)
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--lr-schedule", default="constant", help="constant | exponential | cosine")
-    g.add_argument("--lr-decay-every", type=int, default=100)
-    g.add_argument("--lr-decay-factor", type=float, default=0.5)
-    g.add_argument("--staircase", action="store_true", help="exponential decay in whole steps")
-    g.add_argument("--warmup-steps", type=int, default=0)
-    g.add_argument("--lr-base-batch", type=int, help="linear scaling rule: lr x global batch / this")
-    g.add_argument("--seed", type=int, default=0)
-    g = p.add_argument_group("observation and checkpoints")
-    g.add_argument("--log-every", type=int, default=20)
-    g.add_argument("--eval-every", type=int, default=0)
-    g.add_argument("--metrics", help="JSON-lines file (default: CHECKPOINT_DIR/metrics.jsonl)")
-    g.add_argument("--checkpoint-dir", default="checkpoints")
-    g.add_argument("--checkpoint-every", type=int, default=100)
-    g.add_argument("--keep-checkpoints", type=int, default=3)
-    g.add_argument("--resume", nargs="?", const="", default=None,
-                   help="continue from a checkpoint file, or (alone) the newest in --checkpoint-dir")
-    g.add_argument("--progress", default="auto", help="auto | bar | lines | none")
-    g.add_argument("--prefetch", type=int, default=2, help="batches prepared ahead")
-    g.add_argument("--timeout", type=float, default=300.0, dest="timeout_s",
-                   help="seconds a collective waits for a peer")
+    from .train import TrainConfig
+
+    for title, names in SECTIONS.items():
+        add_flags(p.add_argument_group(title), TrainConfig, names)
+    group = p.add_argument_group("strategy options (each refused by the strategies that do not take it)")
+    for name, (cls, owners) in strategy_fields().items():
+        add_flags(group, cls, [name], prefix=f"{', '.join(owners)}: ")
+
+
+def strategy_from_args(args: argparse.Namespace):
+    """The chosen strategy's options from the flags typed; a flag it does not take is an error."""
+    from .strategies import strategy_class
+
+    chosen = strategy_class(args.strategy or "sync")
+    own = {f.name for f in dataclasses.fields(chosen)}
+    typed = given(args, strategy_fields())
+    for name in typed:
+        if name not in own:
+            owners = strategy_fields()[name][1]
+            flag = field_flag(strategy_fields()[name][0], name)
+            raise PhalanxError(f"{flag} is an option of {' and '.join(owners)}; --strategy {chosen.name} does not "
+                               f"take it (drop {flag}, or use --strategy {owners[0]})")
+    return chosen(**typed)
 
 
 def config_from_args(args: argparse.Namespace):
-    from .strategies import strategy_from_name
     from .train import TrainConfig
 
-    options = {k: v for k, v in vars(args).items() if v is not None}
-    strategy = strategy_from_name(args.strategy, **options)
-    fields = set(TrainConfig.__dataclass_fields__)
-    values = {k: v for k, v in vars(args).items() if k in fields and k != "strategy"}
-    if values.get("resume") == "":
-        values["resume"] = args.checkpoint_dir
-    return TrainConfig(strategy=strategy, **values)
+    fields = [f.name for f in declared(TrainConfig) if f.name != "strategy"]
+    values = given(args, fields)
+    if values.get("resume") == "":  # --resume alone: the newest checkpoint in the checkpoint directory
+        values["resume"] = values.get("checkpoint_dir", TrainConfig.__dataclass_fields__["checkpoint_dir"].default)
+    return TrainConfig(strategy=strategy_from_args(args), **values)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -121,12 +110,23 @@ def commands() -> dict[str, Command]:
     }
 
 
+def _versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "not installed"
+    return f"phalanx {__version__} (torch {torch_version}, Python {sys.version.split()[0]})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="phalanx", description="Train one PyTorch model on many devices.")
+    parser = Parser(prog="phalanx", description="Train one PyTorch model on many devices.")
+    parser.add_argument("--version", action="version", version=_versions())
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (add_flags, run, help_) in commands().items():
+    for name, (add_flags_, run, help_) in commands().items():
         p = sub.add_parser(name, help=help_, description=help_)
-        add_flags(p)
+        add_flags_(p)
         p.set_defaults(run=run)
     return parser
 

@@ -34,8 +34,18 @@ REDUCTIONS = ("flat", "hierarchical", "auto")
 COMPRESSIONS = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def validate_islands(islands: list[list[int]], world_size: int) -> list[list[int]]:
+def parse_islands(text: str) -> tuple[tuple[int, ...], ...]:
+    """``'0,1;2,3'`` -> ((0, 1), (2, 3))."""
+    try:
+        return tuple(tuple(int(r) for r in part.split(",")) for part in text.split(";"))
+    except ValueError:
+        raise PhalanxError(f"islands {text!r} are not like '0,1;2,3' (ranks separated by commas, islands by "
+                           "semicolons)") from None
+
+
+def validate_islands(islands, world_size: int) -> list[list[int]]:
     """Islands must cover ranks 0..N-1 exactly once."""
+    islands = [list(island) for island in islands]
     flat = sorted(r for island in islands for r in island)
     if flat != list(range(world_size)) or any(not island for island in islands):
         raise PhalanxError(

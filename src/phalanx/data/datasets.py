@@ -42,6 +42,14 @@ class ArrayDataset:
     def __post_init__(self) -> None:
         if len(self.x) != len(self.y):
             raise PhalanxError(f"data set has {len(self.x)} inputs but {len(self.y)} labels")
+        if self.y.is_floating_point() or self.y.is_complex() or self.y.dtype == torch.bool:
+            raise PhalanxError(f"labels are {str(self.y.dtype).replace('torch.', '')}: phalanx trains classifiers and "
+                               "needs integer class labels 0..C-1 (y.long() if they are whole numbers)")
+        if self.y.dim() != 1:
+            raise PhalanxError(f"labels have shape {tuple(self.y.shape)}: give one class index per example, "
+                               "shape (N,)")
+        if len(self.y) and int(self.y.min()) < 0:
+            raise PhalanxError(f"labels must be class indices 0..C-1, and {int(self.y.min())} is negative")
         self.y = self.y.long()
 
     def __len__(self) -> int:
@@ -137,6 +145,14 @@ def check_cifar10_files(data_dir: str | os.PathLike | None) -> Path:
             "from the 'CIFAR-10 binary version' archive)"
         )
     return root
+
+
+def cifar10_sizes(data_dir: str | os.PathLike | None) -> tuple[int, int]:
+    """(training, test) examples, from the files' sizes (records of 1 + 3·32·32 bytes), without reading them."""
+    root = check_cifar10_files(data_dir)
+    record = 1 + 3 * 32 * 32
+    train = sum((root / f).stat().st_size for f in CIFAR_TRAIN_FILES) // record
+    return train, (root / CIFAR_TEST_FILE).stat().st_size // record
 
 
 def load_cifar10(data_dir: str | os.PathLike | None) -> DataBundle:

@@ -1,27 +1,41 @@
-"""Strategies: how the towers/workers combine their work."""
+"""Strategies: how the towers/workers combine their work.
+
+Each is options (a frozen dataclass whose fields are its CLI flags), a pure layout computed in
+the parent, and a runtime built in every worker (see ``base.py``). One module per strategy:
+
+- ``sync.py``: :class:`Sync` (DDP);
+- ``ps/``: :class:`ParameterServer` and :class:`SSP` (protocol, gate, server, worker);
+- ``hogwild.py``: :class:`Hogwild`; ``local_sgd.py``: :class:`LocalSGD`;
+- ``pipeline.py``: :class:`Pipeline` (engine helpers in ``phalanx/pipeline/``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..errors import PhalanxError
-from .base import Strategy
+from .base import Build, Job, Layout, Options, RankPlan, Report, Runtime, runtime_for
 from .hogwild import Hogwild
 from .local_sgd import LocalSGD
+from .pipeline import Pipeline
 from .ps import SSP, ParameterServer
 from .sync import Sync
-from ..pipeline.strategy import Pipeline  # after .base: the pipeline strategy builds on it
 
-#: CLI name -> strategy class. Each class maps its own options (dataclass fields).
-STRATEGIES: dict[str, type[Strategy]] = {"sync": Sync, "local-sgd": LocalSGD, "hogwild": Hogwild,
-                                         "ps": ParameterServer, "ssp": SSP, "pipeline": Pipeline}
+#: CLI name -> options class.
+STRATEGIES: dict[str, type[Options]] = {cls.name: cls for cls in (Sync, ParameterServer, SSP, Hogwild, LocalSGD,
+                                                                  Pipeline)}
 
 
-def strategy_from_name(name: str, **options) -> Strategy:
+def strategy_class(name: str) -> type[Options]:
     if name not in STRATEGIES:
         raise PhalanxError(f"unknown strategy {name!r}: choose one of {', '.join(STRATEGIES)}")
-    cls = STRATEGIES[name]
-    fields = {f.name for f in cls.__dataclass_fields__.values()}
-    return cls(**{k: v for k, v in options.items() if k in fields})
+    return STRATEGIES[name]
 
 
-__all__ = ["Hogwild", "LocalSGD", "ParameterServer", "Pipeline", "SSP", "STRATEGIES", "Strategy", "Sync",
-           "strategy_from_name"]
+def takers(field: str) -> list[str]:
+    """The strategies that take option ``field``."""
+    return [name for name, cls in STRATEGIES.items() if field in {f.name for f in dataclasses.fields(cls)}]
+
+
+__all__ = ["Build", "Hogwild", "Job", "Layout", "LocalSGD", "Options", "ParameterServer", "Pipeline", "RankPlan",
+           "Report", "Runtime", "SSP", "STRATEGIES", "Sync", "runtime_for", "strategy_class", "takers"]

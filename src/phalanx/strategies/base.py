@@ -1,13 +1,21 @@
-"""What every strategy provides, so that the training loop never asks which one it holds.
+"""The shape every strategy has: options, a layout, a runtime.
 
-A strategy is a small validated dataclass (its options) that, inside a worker, wraps the user's
-model and optimizer and keeps their interfaces: the model is still an ``nn.Module`` called as
-``model(x)``, the optimizer still has ``step``/``zero_grad``/``state_dict``/``param_groups``.
-Communication hides behind those calls (DDP's backward hooks; an optimizer whose ``step`` talks
-to a server; an averager after ``step``). The loop calls, per global step:
+- **Options** (:class:`Options`): a frozen dataclass, validated in ``__post_init__``; its fields,
+  declared with :func:`phalanx.options.option`, are also the CLI flags of that strategy.
+- **Layout** (:meth:`Options.layout`): pure, computed in the parent before any process starts,
+  from a :class:`Job` (the devices, the batch, the model): how many processes, each rank's role,
+  which data shard it reads, which ranks the job may lose, the device order. Every check that can
+  be made without processes is made here, so bad input never reaches a worker.
+- **Runtime** (:meth:`Options.runtime` -> :class:`Runtime`): built inside each worker from a
+  :class:`Build`. It wraps the user's model and optimizer and keeps their interfaces, and the
+  training loop calls only the few methods below, never asking which strategy it holds:
 
-    loss = strategy.train_step(x, y)         # forward + backward, micro-batched for accumulation
-    loss = strategy.global_loss(loss)        # the loss every worker agrees on (NaN guard, logs)
+      loss = runtime.train_step(x, y)       # forward, backward, update (micro-batched)
+      step = runtime.next_step(step)        # the global step now (None: this rank is done)
+      loss = runtime.global_loss(loss)      # the loss every rank agrees on (logs, NaN guard)
+      correct, total = runtime.evaluate(batches)
+      runtime.state_dict() / runtime.load_state_dict(state)    # checkpoints
+      runtime.finish(); runtime.report(final); runtime.close()
 
 World size 1 runs every strategy unchanged in one process with no process group.
 """
@@ -16,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, ClassVar, Iterable, Optional
+from typing import Any, Callable, ClassVar, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,177 +35,262 @@ from ..launch import WorkerContext
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+# --------------------------------------------------------------------------- the layout (parent)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What a layout is computed from, in the parent (no processes, nothing measured)."""
+
+    devices: tuple[torch.device, ...]  #: one per worker the user asked for
+    batch_size: Optional[int] = None  #: examples per data shard per step (None: not known yet)
+    accumulate: int = 1  #: micro-batches per step
+    processes: Optional[int] = None  #: fixed by the launcher (torchrun): the job's world size
+    gpu_islands: Optional[tuple[tuple[int, ...], ...]] = None  #: GPU indices grouped by direct links
+    model: Optional[nn.Module] = None  #: the model, for strategies that split it
+
+    @property
+    def workers(self) -> int:
+        return len(self.devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlan:
+    """One process of the job."""
+
+    role: str  #: "worker", "server" or "stage"
+    label: str  #: how messages name it ("worker 2", "the parameter server (rank 0)")
+    shard: Optional[int]  #: which of the layout's data shards it trains on (None: it reads no data)
+    evaluates: Optional[tuple[int, int]]  #: (part, parts) of the test set it evaluates (None: none)
+    expendable: bool = False  #: the job goes on if this process dies
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Every process of the job, decided in the parent."""
+
+    ranks: tuple[RankPlan, ...]
+    devices: tuple[torch.device, ...]  #: one per rank, in rank order (on this machine)
+    shards: int  #: data shards per global step: the global batch is batch size x shards
+    lockstep: bool  #: every rank takes every global step together (collectives are safe)
+    islands: Optional[tuple[tuple[int, ...], ...]] = None  #: ranks grouped by direct links (topology)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def label(self, rank: int) -> str:
+        return self.ranks[rank].label if 0 <= rank < len(self.ranks) else f"rank {rank}"
+
+    def expendable(self, rank: int) -> bool:
+        return 0 <= rank < len(self.ranks) and self.ranks[rank].expendable
+
+
+def data_parallel(job: Job, lockstep: bool = True) -> Layout:
+    """The layout of every data-parallel strategy: rank r is worker r and reads shard r."""
+    n = job.processes or job.workers
+    ranks = tuple(RankPlan("worker", f"worker {r}", r, (r, n)) for r in range(n))
+    return Layout(ranks, tuple(job.devices), n, lockstep)
+
+
+# --------------------------------------------------------------------------- options
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Base of every strategy's options. Subclasses declare fields with ``option(...)``."""
+
+    name: ClassVar[str] = "base"
+    #: one line for ``--strategy`` help and the README
+    summary: ClassVar[str] = ""
+
+    def layout(self, job: Job) -> Layout:
+        """Pure: the processes of the job (raise PhalanxError for a job this strategy cannot run)."""
+        return data_parallel(job)
+
+    def runtime(self, build: "Build") -> "Runtime":
+        """Built inside each worker."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """How the run header names this strategy."""
+        return self.name
+
+    def _set(self, **values: Any) -> None:
+        """Normalise a field in ``__post_init__`` (the dataclass is frozen)."""
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
+
+
+def require_positive(flag: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PhalanxError(f"{flag} must be a positive integer, got {value!r}")
+
+
+# --------------------------------------------------------------------------- the runtime (worker)
 
 
 @dataclasses.dataclass
-class Strategy:
-    """Base class: options are dataclass fields, validated in ``__post_init__``."""
+class Build:
+    """What a runtime is built from, inside one worker."""
 
-    name: ClassVar[str] = "base"
-    #: True when every rank takes every global step together, so the loop may use collectives
-    #: at checkpoints (gathering every rank's RNG state); asynchronous strategies set False.
-    lockstep: ClassVar[bool] = True
+    ctx: WorkerContext
+    layout: Layout
+    model: nn.Module  #: on ctx.device, the same initial weights on every rank
+    make_optimizer: OptimizerFactory
+    loss_fn: LossFn
+    steps: int  #: global steps in the whole run (a server says stop at it)
+    accumulate: int = 1
+    example: Optional[Batch] = None  #: one batch as this rank will see it (None: it reads no data)
 
-    def __post_init__(self) -> None:
-        self.total_steps: Optional[int] = None  # set by the training loop before setup()
-        self.ctx: Optional[WorkerContext] = None
-        self.model: Optional[nn.Module] = None
-        self.optimizer: Optional[torch.optim.Optimizer] = None
+    @property
+    def plan(self) -> RankPlan:
+        return self.layout.ranks[self.ctx.rank]
 
-    # ---- what the launcher needs to know before any worker starts ----
-    def check_world(self, world_size: int, devices: list[torch.device]) -> None:
-        """Raise PhalanxError if this strategy cannot run on ``world_size`` workers."""
 
-    def plan_devices(self, devices: list[torch.device]) -> list[torch.device]:
-        """The devices in worker order (a strategy may reorder them, e.g. by topology islands)."""
-        return devices
+@dataclasses.dataclass
+class Report:
+    """What a runtime adds to the metrics file (``fields``) and to what rank 0 prints (``lines``)."""
 
-    def check_batch(self, batch_size: int, accumulate: int = 1) -> None:
-        """Raise PhalanxError if a batch of ``batch_size`` per worker cannot be used (checked in the parent)."""
+    fields: dict[str, Any] = dataclasses.field(default_factory=dict)
+    lines: list[str] = dataclasses.field(default_factory=list)
 
-    def role(self, rank: int) -> str:
-        """How error messages name this rank."""
-        return f"worker {rank}"
 
-    def tolerates_loss_of(self, rank: int) -> bool:
-        """Whether the job may go on when this rank's process dies (the launcher asks)."""
-        return False
+class Runtime:
+    """One rank's strategy at work: a data-parallel replica by default.
 
-    def describe(self) -> str:
-        """One phrase for the run header."""
-        return self.name
+    ``model`` is what the user's code would call, ``optimizer`` the user's optimizer (both keep
+    their interfaces); ``module`` is the bare model (checkpoints, evaluation); ``description`` is
+    the phrase of the run header and ``notes`` its further lines (a pipeline's plan). The defaults run one replica per rank, reduce the loss and the
+    evaluation counts over every rank, and save the model and optimizer as they are.
+    """
 
-    def header_lines(self) -> list[str]:
-        """More lines for the run header, once setup() has run (e.g. a pipeline's stage plan)."""
-        return []
-
-    def data_shard(self, ctx: WorkerContext) -> tuple[int, int]:
-        """(shard index, shard count) of the data this worker reads.
-
-        Data parallel strategies give every rank its own shard (the default); a strategy whose
-        ranks share one batch (a pipeline's stages) returns ``(0, 1)``. The global batch is
-        batch size x shard count.
-        """
-        return ctx.rank, ctx.world_size
-
-    def eval_shard(self, ctx: WorkerContext) -> tuple[int, int]:
-        """(shard index, shard count) of the test set this worker evaluates."""
-        return self.data_shard(ctx)
-
-    def example_batch(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """One batch as this worker will see it, given before setup() (for strategies that profile the model)."""
-
-    # ---- inside a worker ----
-    def setup(self, ctx: WorkerContext, model: nn.Module, make_optimizer: OptimizerFactory
-              ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Wrap ``model`` (already on ``ctx.device``) and build its optimizer."""
-        self.ctx, self.model = ctx, model
-        self.optimizer = make_optimizer(model.parameters())
-        return self.model, self.optimizer
+    def __init__(self, build: Build, model: Optional[nn.Module] = None,
+                 optimizer: Optional[torch.optim.Optimizer] = None, description: str = "",
+                 notes: Sequence[str] = ()):
+        self.build, self.ctx = build, build.ctx
+        self.model = model if model is not None else build.model
+        self.optimizer = optimizer if optimizer is not None else build.make_optimizer(self.model.parameters())
+        self.description = description
+        self.notes = list(notes)
 
     @property
     def module(self) -> nn.Module:
-        """The user's bare model (for checkpoints and evaluation)."""
         return self.model
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Inside it, backward passes accumulate locally without communicating."""
         return contextlib.nullcontext()
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, accumulate: int = 1) -> torch.Tensor:
-        """Forward and backward over ``accumulate`` micro-batches, then one optimizer step.
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, parts: Optional[int] = None) -> torch.Tensor:
+        """Gradients of the mean loss over the batch, in ``parts`` micro-batches (default: ``accumulate``).
 
-        Returns this worker's mean loss over its batch (detached).
+        Returns the mean loss. Only the last micro-batch's backward communicates: the others run
+        under ``no_sync``.
         """
-        assert self.model is not None and self.optimizer is not None, "setup() first"
-        loss = self.forward_backward(x, y, loss_fn, accumulate)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, accumulate: int = 1
-                         ) -> torch.Tensor:
-        """Gradients of the mean loss over the batch, in ``accumulate`` micro-batches.
-
-        Communication happens only on the last micro-batch's backward: the inner ones run under
-        ``no_sync``.
-        """
-        xs, ys = x.chunk(accumulate), y.chunk(accumulate)
+        parts = parts or self.build.accumulate
+        xs, ys = x.chunk(parts), y.chunk(parts)
         total = torch.zeros((), device=x.device)
         for i, (xk, yk) in enumerate(zip(xs, ys)):
             weight = len(xk) / len(x)
-            ctx = self.no_sync() if i < len(xs) - 1 else contextlib.nullcontext()
-            with ctx:
-                loss = loss_fn(self.model(xk), yk)
+            with self.no_sync() if i < len(xs) - 1 else contextlib.nullcontext():
+                loss = self.build.loss_fn(self.model(xk), yk)
                 (loss * weight).backward()
             total += loss.detach() * weight
         return total
 
+    # ---- what the loop calls ----
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, parts: Optional[int] = None) -> torch.Tensor:
+        """Forward, backward, one optimizer step; this rank's mean loss over its batch (detached)."""
+        loss = self.forward_backward(x, y, parts)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
     def next_step(self, step: int) -> Optional[int]:
-        """The global step after this worker's train_step (None: this worker is done)."""
+        """The global step after this rank's train_step (None: this rank is done)."""
         return step + 1
 
-    def finish(self) -> None:
-        """After the last step, before the final evaluation and checkpoint (e.g. drain a server).
-
-        By default every rank waits for the slowest, so that the measured training time (and
-        throughput) covers every worker's steps, not only rank 0's.
-        """
-        if self.ctx is not None and self.ctx.distributed:
-            dist.barrier()
-
     def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The mean of ``loss`` over all workers (every rank gets the same value)."""
-        if self.ctx is None or not self.ctx.distributed:
+        """The mean of ``loss`` over every rank (every rank gets the same value)."""
+        if not self.ctx.distributed:
             return loss
         out = loss.detach().clone()
         dist.all_reduce(out)
         return out / self.ctx.world_size
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device
-                 ) -> tuple[int, int]:
-        """(correct, total) over every worker's share of the test set (a collective)."""
-        model = self.module
-        was_training = model.training
-        model.eval()
-        counts = torch.zeros(2, dtype=torch.float64)
-        for x, y in batches:
-            predicted = model(x.to(device)).argmax(1).cpu()
-            counts += torch.tensor([(predicted == y).sum().item(), len(y)], dtype=torch.float64)
-        model.train(was_training)
-        if self.ctx is not None and self.ctx.distributed:
-            counts = counts.to(device)
+    def evaluate(self, batches: Iterable[Batch]) -> tuple[int, int]:
+        """(correct, total) over every rank's part of the test set (a collective)."""
+        counts = count_correct(self.module, batches, self.ctx.device)
+        if self.ctx.distributed:
+            counts = counts.to(self.ctx.device)
             dist.all_reduce(counts)
         return int(counts[0]), int(counts[1])
 
-    def checkpoint_state(self) -> Optional[dict[str, Any]]:
+    def state_dict(self) -> Optional[dict[str, Any]]:
         """Model and optimizer state to save (called on every rank; rank 0's result is written)."""
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
 
-    def load_state(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`checkpoint_state` returned (on every rank)."""
-        try:
-            self.module.load_state_dict(state["model"])
-        except RuntimeError as e:
-            raise PhalanxError(
-                f"checkpoint does not fit this model ({str(e).splitlines()[0][:160]}); "
-                "resume with the --model and data the checkpoint was trained with"
-            ) from None
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (on every rank)."""
+        load_model_state(self.module, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
 
-    def stats(self, final: bool = False) -> dict[str, Any]:
-        """Strategy-specific figures for the metrics file (``final``: the summary, may be longer)."""
-        return {}
+    def finish(self) -> None:
+        """After the last step, before the final evaluation and checkpoint.
 
-    def summary_lines(self) -> list[str]:
-        """Extra lines for the summary rank 0 prints (e.g. staleness)."""
-        return []
+        By default every rank waits for the slowest, so that the measured training time (and
+        throughput) covers every worker's steps, not only rank 0's.
+        """
+        if self.ctx.distributed:
+            dist.barrier()
+
+    def report(self, final: bool = False) -> Report:
+        """Figures for the metrics file (``final``: the summary's, may be longer) and summary lines."""
+        return Report()
 
     def close(self) -> None:
-        """Release what setup() took (threads, servers)."""
+        """Release what the runtime took (threads, servers, shared memory)."""
 
 
-def require_positive(name: str, value: int) -> None:
-    if value < 1:
-        raise PhalanxError(f"{name} must be at least 1, got {value}")
+def runtime_for(options: Options, ctx: WorkerContext, model: nn.Module, make_optimizer: OptimizerFactory,
+                loss_fn: Optional[LossFn] = None, *, steps: int = 0, accumulate: int = 1,
+                example: Optional[Batch] = None) -> Runtime:
+    """This rank's runtime for a loop of your own, inside a worker that :func:`phalanx.launch` started.
+
+    The layout is computed here for ``ctx.world_size`` processes (every rank computes the same).
+    """
+    import torch.nn.functional as F
+
+    job = Job((ctx.device,) * ctx.world_size, len(example[0]) if example is not None else None, accumulate,
+              processes=ctx.world_size, model=model)
+    build = Build(ctx, options.layout(job), model, make_optimizer, loss_fn or F.cross_entropy, steps, accumulate,
+                  example)
+    return options.runtime(build)
+
+
+@torch.no_grad()
+def count_correct(model: nn.Module, batches: Iterable[Batch], device: torch.device) -> torch.Tensor:
+    """float64 [correct, total] of ``model``'s predictions over ``batches`` (in eval mode)."""
+    was_training = model.training
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.float64)
+    for x, y in batches:
+        predicted = model(x.to(device)).argmax(1).cpu()
+        counts += torch.tensor([(predicted == y).sum().item(), len(y)], dtype=torch.float64)
+    model.train(was_training)
+    return counts
+
+
+def load_model_state(module: nn.Module, state: dict[str, Any]) -> None:
+    try:
+        module.load_state_dict(state)
+    except RuntimeError as e:
+        raise PhalanxError(
+            f"checkpoint does not fit this model ({str(e).splitlines()[0][:160]}); "
+            "resume with the --model and data the checkpoint was trained with"
+        ) from None

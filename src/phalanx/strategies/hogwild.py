@@ -22,34 +22,38 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PhalanxError
-from .base import Strategy
+from .base import Build, Job, Layout, Options, Report, Runtime, data_parallel
 from .staleness import StalenessStats
 from .sync import verify_replicas
 
 
-@dataclasses.dataclass
-class Hogwild(Strategy):
+@dataclasses.dataclass(frozen=True)
+class Hogwild(Options):
     name: ClassVar[str] = "hogwild"
+    summary: ClassVar[str] = "lock-free updates to parameters in shared memory (one machine, CPU)"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.staleness = StalenessStats(bound=None)
-        self.path = None
-
-    def check_world(self, world_size, devices) -> None:
-        if any(d.type != "cpu" for d in devices):
+    def layout(self, job: Job) -> Layout:
+        if any(d.type != "cpu" for d in job.devices):
             raise PhalanxError("hogwild shares parameters through CPU shared memory and refuses CUDA: use "
                                "--devices cpu, or --strategy ssp/ps for asynchronous training on GPUs")
-        if os.environ.get("WORLD_SIZE") and os.environ.get("LOCAL_WORLD_SIZE") not in (None, os.environ["WORLD_SIZE"]):
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if job.processes is not None and local not in (None, str(job.processes)):
             raise PhalanxError("hogwild runs on one machine only (its parameters live in shared memory); "
                                "use --strategy ps or ssp across machines")
+        return data_parallel(job)
 
     def describe(self) -> str:
         return "hogwild (lock-free updates to shared memory)"
 
-    def setup(self, ctx, model, make_optimizer):
-        if ctx.device.type != "cpu":
-            raise PhalanxError("hogwild refuses CUDA: use --devices cpu")
+    def runtime(self, build: Build) -> Runtime:
+        return HogwildRuntime(build, self)
+
+
+class HogwildRuntime(Runtime):
+    def __init__(self, build: Build, options: Hogwild):
+        ctx, model = build.ctx, build.model
+        self.path = None
+        self.staleness = StalenessStats(bound=None)
         params = list(model.parameters())
         size = sum(p.numel() for p in params)
         if ctx.distributed:
@@ -68,12 +72,13 @@ class Hogwild(Strategy):
         self.counters = shared[size:]
         if ctx.distributed:
             dist.barrier()  # nobody reads before rank 0 has written the initial values
-        return super().setup(ctx, model, make_optimizer)
+        super().__init__(build, description=options.describe())
 
     def _map_shared(self, ctx, count: int) -> torch.Tensor:
         name = [None]
         if ctx.rank == 0:
-            fd, path = tempfile.mkstemp(prefix="phalanx-hogwild-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            fd, path = tempfile.mkstemp(prefix="phalanx-hogwild-", dir=shm)
             os.ftruncate(fd, count * 4)
             os.close(fd)
             name = [path]
@@ -81,22 +86,20 @@ class Hogwild(Strategy):
         dist.broadcast_object_list(name, src=0)
         return torch.from_file(name[0], shared=True, size=count, dtype=torch.float32)
 
-    def train_step(self, x, y, loss_fn, accumulate=1):
-        seen = float(self.counters.sum()) - float(self.counters[self.ctx.rank])
-        loss = super().train_step(x, y, loss_fn, accumulate)
-        self.counters[self.ctx.rank] += 1
-        others = float(self.counters.sum()) - float(self.counters[self.ctx.rank])
+    def train_step(self, x, y):
+        rank = self.ctx.rank
+        seen = float(self.counters.sum()) - float(self.counters[rank])
+        loss = super().train_step(x, y)
+        self.counters[rank] += 1
+        others = float(self.counters.sum()) - float(self.counters[rank])
         self.staleness.record(int(others - seen))
         return loss
 
     def global_loss(self, loss):
         return loss  # no per-step collective: workers never wait for each other
 
-    def stats(self, final=False):
-        return self.staleness.to_dict()
-
-    def summary_lines(self) -> list[str]:
-        return [self.staleness.line()]
+    def report(self, final: bool = False) -> Report:
+        return Report(self.staleness.to_dict(), [self.staleness.line()])
 
     def close(self) -> None:
         if self.path and os.path.exists(self.path):

@@ -14,34 +14,39 @@ from typing import ClassVar
 import torch
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
+from ..options import option
 from ..errors import PhalanxError
-from .base import Strategy
+from .base import Build, Options, Runtime
 from .sync import verify_replicas
 
 
-@dataclasses.dataclass
-class LocalSGD(Strategy):
+@dataclasses.dataclass(frozen=True)
+class LocalSGD(Options):
     name: ClassVar[str] = "local-sgd"
-    #: average the parameters every this many optimizer steps
-    sync_every: int = 8
+    summary: ClassVar[str] = "local steps, parameters averaged every H steps; torch's PeriodicModelAverager"
+
+    sync_every: int = option(8, "average the parameters every H optimizer steps")
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.sync_every < 1:
-            raise PhalanxError(f"--sync-every must be at least 1 step, got {self.sync_every}")
+        if not isinstance(self.sync_every, int) or self.sync_every < 1:
+            raise PhalanxError(f"--sync-every must be at least 1 step, got {self.sync_every!r}")
 
     def describe(self) -> str:
         return f"local-sgd (parameters averaged every {self.sync_every} steps)"
 
-    def setup(self, ctx, model, make_optimizer):
-        model, optimizer = super().setup(ctx, model, make_optimizer)
-        if ctx.distributed:
-            verify_replicas(model, ctx)
-            averager = PeriodicModelAverager(period=self.sync_every, warmup_steps=0)
-            params = list(model.parameters())
+    def runtime(self, build: Build) -> Runtime:
+        return LocalSGDRuntime(build, self)
+
+
+class LocalSGDRuntime(Runtime):
+    def __init__(self, build: Build, options: LocalSGD):
+        super().__init__(build, description=options.describe())
+        if self.ctx.distributed:
+            verify_replicas(self.model, self.ctx)
+            averager = PeriodicModelAverager(period=options.sync_every, warmup_steps=0)
+            params = list(self.model.parameters())
             # The optimizer stays the user's object; its step() now ends with the averager's turn.
-            optimizer.register_step_post_hook(lambda *_: averager.average_parameters(params))
-        return model, optimizer
+            self.optimizer.register_step_post_hook(lambda *_: averager.average_parameters(params))
 
     def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
         # No per-step collective: that would put the workers back in lockstep every step.

@@ -2,11 +2,11 @@
 
 Communication: at start every rank compares a parameter checksum with rank 0's (phalanx's loud
 check that the replicas really are identical: DDP would otherwise just overwrite them with rank
-0's and hide a model built differently on each worker); during backward, DDP all-reduces gradient buckets as they become ready,
-overlapping communication with the rest of the backward pass. Every rank then applies the same
-averaged gradient, so the replicas stay identical: N workers with batch B compute what one
-process computes with batch N·B. Gradient accumulation runs the inner micro-batches under
-``no_sync`` (no all-reduce), so K accumulated steps cost one all-reduce.
+0's and hide a model built differently on each worker); during backward, DDP all-reduces gradient
+buckets as they become ready, overlapping communication with the rest of the backward pass. Every
+rank then applies the same averaged gradient, so the replicas stay identical: N workers with
+batch B compute what one process computes with batch N·B. Gradient accumulation runs the inner
+micro-batches under ``no_sync`` (no all-reduce), so K accumulated steps cost one all-reduce.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import PhalanxError
 from ..launch import WorkerContext
-from ..reduce import COMPRESSIONS, REDUCTIONS, apply_reduction, validate_islands
-from .base import OptimizerFactory, Strategy
+from ..options import option
+from ..reduce import COMPRESSIONS, REDUCTIONS, apply_reduction, parse_islands, validate_islands
+from ..topology import order_by_islands, rank_islands
+from .base import Build, Job, Layout, Options, Report, Runtime, data_parallel
 
 
 def parameter_checksum(module: nn.Module) -> torch.Tensor:
@@ -52,67 +54,68 @@ def verify_replicas(module: nn.Module, ctx: WorkerContext) -> None:
         )
 
 
-@dataclasses.dataclass
-class Sync(Strategy):
-    """Synchronous data parallelism (DDP). Options for how gradients are reduced."""
+@dataclasses.dataclass(frozen=True)
+class Sync(Options):
+    """Synchronous data parallelism (DDP), and how its gradients are reduced."""
 
     name: ClassVar[str] = "sync"
-    #: "flat" (one all-reduce), "hierarchical" (within islands, then across), or "auto"
-    reduce: str = "flat"
-    #: None, "bf16" or "fp16": gradients travel in half precision
-    compress: Optional[str] = None
-    #: islands of ranks for hierarchical reduction (None: from the detected topology)
-    islands: Optional[list[list[int]]] = None
-    #: DDP bucket size in MiB (torch's default is 25)
-    bucket_mb: float = 25.0
+    summary: ClassVar[str] = "gradients averaged every step, one update (= one large batch); PyTorch DDP"
+
+    reduce: str = option("flat", "how gradients are reduced: one all-reduce, within islands then across, "
+                                 "or hierarchical only where the topology gives it something to win",
+                         choices=REDUCTIONS)
+    compress: Optional[str] = option(None, "gradients travel in half precision", choices=("bf16", "fp16"))
+    islands: Optional[tuple[tuple[int, ...], ...]] = option(
+        None, "ranks grouped for --reduce, e.g. '0,1;2,3'", parse=parse_islands, show="from the GPU topology")
+    bucket_mb: float = option(25.0, "DDP gradient bucket size in MiB")
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if self.reduce not in REDUCTIONS:
             raise PhalanxError(f"unknown --reduce {self.reduce!r}: choose one of {', '.join(REDUCTIONS)}")
         if self.compress == "none":
-            self.compress = None
+            self._set(compress=None)
         if self.compress not in COMPRESSIONS:
             raise PhalanxError(f"unknown --compress {self.compress!r}: choose bf16 or fp16 (or leave it out)")
-        if self.bucket_mb <= 0:
+        if not self.bucket_mb > 0:
             raise PhalanxError(f"--bucket-mb must be positive, got {self.bucket_mb}")
-        self.reduction = "flat all-reduce"
-
-    def check_world(self, world_size: int, devices: list[torch.device]) -> None:
         if self.islands is not None:
-            validate_islands(self.islands, world_size)
-        elif self.reduce == "hierarchical" and devices[0].type != "cuda":
+            self._set(islands=tuple(tuple(int(r) for r in island) for island in self.islands))
+
+    def layout(self, job: Job) -> Layout:
+        base = data_parallel(job)
+        if self.islands is not None:
+            validate_islands(self.islands, base.world_size)
+            return dataclasses.replace(base, islands=self.islands)
+        on_gpus = job.devices[0].type == "cuda"
+        if self.reduce == "hierarchical" and not on_gpus:
             raise PhalanxError("--reduce hierarchical on CPU workers needs the islands spelled out: "
                                "--islands '0,1;2,3' (on GPUs they come from the topology)")
+        if self.reduce == "flat" or not on_gpus or job.gpu_islands is None or job.processes is not None:
+            return base
+        # On GPUs: order the workers so that every island's ranks are contiguous.
+        islands = [list(i) for i in job.gpu_islands]
+        ordered = order_by_islands([d.index for d in job.devices], islands)
+        return dataclasses.replace(base, devices=tuple(torch.device("cuda", i) for i in ordered),
+                                   islands=tuple(tuple(i) for i in rank_islands(ordered, islands)))
 
-    def plan_devices(self, devices: list[torch.device]) -> list[torch.device]:
-        """On GPUs, order workers so islands stay contiguous and take the islands from the topology."""
-        if self.reduce == "flat" or self.islands is not None or devices[0].type != "cuda" or len(devices) < 2:
-            return devices
-        from ..topology import detect_topology, order_by_islands, rank_islands
+    def runtime(self, build: Build) -> Runtime:
+        return SyncRuntime(build, self)
 
-        gpu_islands = detect_topology(peer=True).islands()
-        ordered = order_by_islands([d.index for d in devices], gpu_islands)
-        self.islands = rank_islands(ordered, gpu_islands)
-        return [torch.device("cuda", i) for i in ordered]
 
-    def describe(self) -> str:
-        return "sync (DDP)" if self.reduction == "flat all-reduce" else f"sync (DDP, {self.reduction})"
-
-    def setup(self, ctx: WorkerContext, model: nn.Module, make_optimizer: OptimizerFactory):
-        self.ctx = ctx
+class SyncRuntime(Runtime):
+    def __init__(self, build: Build, options: Sync):
+        ctx = build.ctx
         if not ctx.distributed:
-            return super().setup(ctx, model, make_optimizer)
+            super().__init__(build, description="sync (DDP)")
+            return
         # Checked before DDP's own broadcast from rank 0 would silently paper over a difference.
-        verify_replicas(model, ctx)
+        verify_replicas(build.model, ctx)
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        self.model = DDP(model, device_ids=device_ids, bucket_cap_mb=self.bucket_mb)
-        self.reduction = self._apply_reduction(ctx)
-        self.optimizer = make_optimizer(self.model.parameters())
-        return self.model, self.optimizer
-
-    def _apply_reduction(self, ctx: WorkerContext) -> str:
-        return apply_reduction(self.model, self.reduce, self.compress, self.islands, ctx.world_size, ctx.rank)
+        model = DDP(build.model, device_ids=device_ids, bucket_cap_mb=options.bucket_mb)
+        islands = [list(i) for i in build.layout.islands] if build.layout.islands else None
+        self.reduction = apply_reduction(model, options.reduce, options.compress, islands, ctx.world_size, ctx.rank)
+        flat = self.reduction == "flat all-reduce"
+        super().__init__(build, model, description="sync (DDP)" if flat else f"sync (DDP, {self.reduction})")
 
     @property
     def module(self) -> nn.Module:
@@ -121,5 +124,5 @@ class Sync(Strategy):
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.model.no_sync() if isinstance(self.model, DDP) else contextlib.nullcontext()
 
-    def stats(self, final: bool = False) -> dict:
-        return {"reduction": self.reduction}
+    def report(self, final: bool = False) -> Report:
+        return Report({"reduction": getattr(self, "reduction", "none (one process)")})

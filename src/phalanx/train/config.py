@@ -1,91 +1,45 @@
-"""The training run's configuration: one validated dataclass; the CLI only maps flags onto it."""
+"""The training run's configuration: one validated dataclass; the CLI flags are made from its fields.
+
+Fields left at ``None`` mean "not given": the optimizer, learning rate and steps then come from
+the model's recipe (:data:`phalanx.models.RECIPES`), and options that only apply to one setting
+(``momentum`` to SGD, ``lr_decay_*`` to the exponential schedule, ``data_dir`` to CIFAR-10,
+``synthetic_*`` to synthetic data) take their defaults there, or are refused anywhere else:
+a flag that does nothing is an error, not a surprise. :meth:`TrainConfig.resolved` fills them in.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+import math
+from typing import Any, Optional, Union
 
+from ..data.datasets import DATASETS
 from ..errors import PhalanxError
-from ..strategies import Strategy, strategy_from_name
+from ..models import MODELS, RECIPES, USER_RECIPE, Recipe
+from ..options import option
+from ..strategies import STRATEGIES, Options, strategy_class
 from .schedules import SCHEDULES
 
 OPTIMIZERS = ("sgd", "adam")
 PROGRESS = ("auto", "bar", "lines", "none")
 
+#: field -> (the setting it belongs to, the values of that setting it applies to, its default there)
+ONLY_FOR: dict[str, tuple[str, tuple[str, ...], Any]] = {
+    "momentum": ("optimizer", ("sgd",), 0.9),
+    "lr_decay_every": ("lr_schedule", ("exponential",), 100),
+    "lr_decay_factor": ("lr_schedule", ("exponential",), 0.5),
+    "staircase": ("lr_schedule", ("exponential",), False),
+    "data_dir": ("data", ("cifar10",), None),
+    "synthetic_shape": ("data", ("synthetic",), (3, 24, 24)),
+    "synthetic_size": ("data", ("synthetic",), 4096),
+}
 
-@dataclasses.dataclass
-class TrainConfig:
-    # --- how the replicas cooperate ---
-    strategy: Union[str, Strategy] = "sync"  #: a Strategy, or its CLI name with default options
-    devices: Union[str, int, list] = "auto"  #: device spec (see phalanx.devices)
-    strict_devices: bool = False  #: fail instead of falling back to the CPU
-    workers: Optional[int] = None  #: worker processes (default: one per GPU; on CPU, 2)
-    threads: Optional[int] = None  #: torch threads per CPU worker (default: its share of the cores)
-    # --- what is trained ---
-    model: str = "cnn"  #: built-in model name (ignored when a model object is given to Trainer)
-    data: str = "digits"  #: digits | cifar10 | synthetic (ignored when data is given to Trainer)
-    data_dir: Optional[str] = None  #: where the CIFAR-10 binary files are
-    synthetic_shape: tuple = (3, 24, 24)  #: input shape of synthetic examples
-    synthetic_size: int = 4096  #: number of synthetic examples (train + test)
-    # --- optimisation ---
-    steps: int = 300  #: global steps (one optimizer update each)
-    batch_size: int = 32  #: examples per worker per step (global batch = this x workers)
-    accumulate: int = 1  #: micro-batches per step; all-reduce only after the last
-    optimizer: str = "sgd"  #: sgd (with momentum) | adam
-    lr: float = 0.05  #: peak learning rate (before the linear scaling rule, if any)
-    momentum: float = 0.9  #: SGD momentum
-    weight_decay: float = 0.0  #: L2 penalty
-    lr_schedule: str = "constant"  #: constant | exponential | cosine
-    lr_decay_every: int = 100  #: exponential: steps per decay
-    lr_decay_factor: float = 0.5  #: exponential: multiplier per decay_every steps
-    staircase: bool = False  #: exponential: decay in whole steps
-    warmup_steps: int = 0  #: linear warmup length
-    lr_base_batch: Optional[int] = None  #: linear scaling rule: lr x global batch / this
-    seed: int = 0  #: model initialisation and data order
-    straggler: Optional[Union[str, tuple]] = None  #: "RANK:FACTOR": that rank takes FACTOR x as long per step
-    # --- observation and safety ---
-    log_every: int = 20  #: progress line every N steps
-    eval_every: int = 0  #: evaluate on the test set every N steps (0: only at the end)
-    metrics: Optional[str] = None  #: JSON-lines file (default: <checkpoint_dir>/metrics.jsonl)
-    checkpoint_dir: str = "checkpoints"  #: where step-*.pt files go
-    checkpoint_every: int = 100  #: save every N steps (0: only at the end)
-    keep_checkpoints: int = 3  #: keep the newest K checkpoints
-    resume: Optional[str] = None  #: checkpoint file or directory to continue from
-    progress: str = "auto"  #: auto (bar on a terminal) | bar | lines | none
-    prefetch: int = 2  #: batches prepared ahead of the towers
-    master_addr: str = "127.0.0.1"  #: address the workers rendezvous on (one machine)
-    timeout_s: float = 300.0  #: how long a collective may wait for a peer
 
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "accumulate", "log_every", "keep_checkpoints", "prefetch"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise PhalanxError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        for name in ("eval_every", "checkpoint_every", "warmup_steps"):
-            if getattr(self, name) < 0:
-                raise PhalanxError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
-        for name in ("workers", "threads"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise PhalanxError(f"--{name} must be at least 1, got {getattr(self, name)}")
-        if self.batch_size % self.accumulate:
-            raise PhalanxError(
-                f"--batch-size {self.batch_size} does not split into --accumulate {self.accumulate} equal "
-                f"micro-batches ({self.batch_size} / {self.accumulate} = {self.batch_size / self.accumulate:g})"
-            )
-        if self.optimizer not in OPTIMIZERS:
-            raise PhalanxError(f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
-        if not self.lr > 0:
-            raise PhalanxError(f"--lr must be positive, got {self.lr}")
-        if self.lr_schedule not in SCHEDULES:
-            raise PhalanxError(f"unknown --lr-schedule {self.lr_schedule!r}: choose one of {', '.join(SCHEDULES)}")
-        if self.progress not in PROGRESS:
-            raise PhalanxError(f"unknown --progress {self.progress!r}: choose one of {', '.join(PROGRESS)}")
-        if isinstance(self.straggler, str):
-            self.straggler = parse_straggler(self.straggler)
-        if isinstance(self.strategy, str):
-            self.strategy = strategy_from_name(self.strategy)
-        if self.metrics is None:
-            self.metrics = f"{self.checkpoint_dir}/metrics.jsonl"
+def parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in text.lower().replace("x", ",").split(","))
+    except ValueError:
+        raise PhalanxError(f"shape {text!r} is not like 3x24x24") from None
 
 
 def parse_straggler(text: str) -> tuple[int, float]:
@@ -94,6 +48,172 @@ def parse_straggler(text: str) -> tuple[int, float]:
         parsed = int(rank), float(factor)
     except ValueError:
         raise PhalanxError(f"--straggler {text!r} is not RANK:FACTOR, e.g. 1:2 (rank 1 twice as slow)") from None
-    if parsed[0] < 0 or parsed[1] < 1:
+    if parsed[0] < 0 or not 1 <= parsed[1] < math.inf:
         raise PhalanxError(f"--straggler {text!r}: the rank must be 0 or more and the factor at least 1")
     return parsed
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    # --- how the replicas cooperate ---
+    strategy: Union[str, Options] = option("sync", "how the workers cooperate", choices=tuple(STRATEGIES))
+    devices: Union[str, int, list] = option("auto", "where to run: auto, cpu, cuda or cuda:0,2; CUDA asked for "
+                                                    "but absent falls back to the CPU with a warning")
+    strict_devices: bool = option(False, "fail instead of falling back to the CPU")
+    workers: Optional[int] = option(None, "worker processes", show="one per GPU; on CPU, 2")
+    threads: Optional[int] = option(None, "torch threads per CPU worker", show="its share of the cores")
+    # --- what is trained ---
+    model: str = option("cnn", "built-in model (a model object given to Trainer replaces it)",
+                        choices=tuple(MODELS))
+    data: str = option("digits", "data set (data given to Trainer replaces it)", choices=DATASETS)
+    data_dir: Optional[str] = option(None, "cifar10: the directory holding the CIFAR-10 binary files")
+    synthetic_shape: Optional[tuple] = option(None, "synthetic: input shape of an example, e.g. 3x24x24",
+                                              parse=parse_shape, show="3x24x24")
+    synthetic_size: Optional[int] = option(None, "synthetic: examples (train + test)", show="4096")
+    # --- optimisation (None: the model's recipe) ---
+    steps: Optional[int] = option(None, "global steps (one optimizer update each)", show="the model's recipe")
+    batch_size: int = option(32, "examples per data shard (worker) per step; the global batch is this x shards")
+    accumulate: int = option(1, "micro-batches per step; gradients are reduced only after the last")
+    optimizer: Optional[str] = option(None, "optimizer", choices=OPTIMIZERS, show="the model's recipe")
+    lr: Optional[float] = option(None, "peak learning rate (before the linear scaling rule, if any)",
+                                 show="the model's recipe")
+    momentum: Optional[float] = option(None, "sgd: momentum, in [0, 1)", show="0.9")
+    weight_decay: float = option(0.0, "L2 penalty")
+    lr_schedule: str = option("constant", "learning-rate schedule", choices=SCHEDULES)
+    lr_decay_every: Optional[int] = option(None, "exponential: steps per decay", show="100")
+    lr_decay_factor: Optional[float] = option(None, "exponential: multiplier per --lr-decay-every steps, in (0, 1]",
+                                              show="0.5")
+    staircase: Optional[bool] = option(None, "exponential: decay in whole steps", show="off")
+    warmup_steps: int = option(0, "linear warmup length in steps")
+    lr_base_batch: Optional[int] = option(None, "linear scaling rule: lr x global batch / this")
+    seed: int = option(0, "model initialisation and data order")
+    straggler: Optional[Union[str, tuple]] = option(None, "RANK:FACTOR: that rank takes FACTOR times as long per "
+                                                          "step (for studying stragglers)")
+    # --- observation and safety ---
+    log_every: int = option(20, "progress line every N steps")
+    eval_every: int = option(0, "evaluate on the test set every N steps (0: only at the end)")
+    metrics: Optional[str] = option(None, "JSON-lines metrics file", show="CHECKPOINT_DIR/metrics.jsonl")
+    checkpoint_dir: str = option("checkpoints", "where step-*.pt checkpoints go")
+    checkpoint_every: int = option(100, "save every N steps (0: only at the end)")
+    keep_checkpoints: int = option(3, "keep the newest K checkpoints")
+    resume: Optional[str] = option(None, "continue from a checkpoint file, or (alone) the newest in "
+                                         "--checkpoint-dir", argparse_extra={"nargs": "?", "const": ""})
+    progress: str = option("auto", "auto draws a bar on a terminal", choices=PROGRESS)
+    prefetch: int = option(2, "batches prepared ahead of the towers")
+    master_addr: str = option("127.0.0.1", "address the workers rendezvous on (one machine)")
+    timeout_s: float = option(300.0, "seconds a collective waits for a peer", flag="--timeout")
+    #: set by resolved(): the unset fields are filled in (no flag; not for users)
+    _resolved: bool = dataclasses.field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._check_counts()
+        self._check_choices()
+        self._check_numbers()
+        if not self._resolved:
+            self._check_applicable()
+        if isinstance(self.straggler, str):
+            self.straggler = parse_straggler(self.straggler)
+        if isinstance(self.strategy, str):
+            self.strategy = strategy_class(self.strategy)()
+        elif not isinstance(self.strategy, Options):
+            raise PhalanxError(f"strategy must be a name ({', '.join(STRATEGIES)}) or options such as "
+                               f"phalanx.Sync(), got {type(self.strategy).__name__}")
+        if self.metrics is None:
+            self.metrics = f"{self.checkpoint_dir}/metrics.jsonl"
+
+    def _check_counts(self) -> None:
+        for name in ("batch_size", "accumulate", "log_every", "keep_checkpoints", "prefetch"):
+            _positive_int(name, getattr(self, name))
+        for name in ("steps", "lr_decay_every", "lr_base_batch", "synthetic_size"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        for name in ("workers", "threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise PhalanxError(f"--{name} must be at least 1, got {value!r}")
+        for name in ("eval_every", "checkpoint_every", "warmup_steps", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise PhalanxError(f"{_flag(name)} must be 0 or more, got {value!r}")
+        if self.batch_size % self.accumulate:
+            raise PhalanxError(
+                f"--batch-size {self.batch_size} does not split into --accumulate {self.accumulate} equal "
+                f"micro-batches ({self.batch_size} / {self.accumulate} = {self.batch_size / self.accumulate:g})"
+            )
+        if self.synthetic_shape is not None and (not self.synthetic_shape or any(s < 1 for s in self.synthetic_shape)):
+            raise PhalanxError(f"--synthetic-shape {tuple(self.synthetic_shape)}: every dimension must be at least 1")
+        if self.synthetic_size is not None and self.synthetic_size < 10:
+            raise PhalanxError(f"--synthetic-size {self.synthetic_size} is too small: a fifth is held out for "
+                               "testing; use at least 10")
+
+    def _check_choices(self) -> None:
+        for name, choices in (("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES), ("progress", PROGRESS),
+                              ("model", tuple(MODELS)), ("data", DATASETS)):
+            value = getattr(self, name)
+            if value is not None and value not in choices:
+                what = {"optimizer": "optimizer", "model": "model", "data": "data set"}.get(name, _flag(name))
+                raise PhalanxError(f"unknown {what} {value!r}: choose one of {', '.join(choices)}")
+
+    def _check_numbers(self) -> None:
+        if self.lr is not None and not (isinstance(self.lr, (int, float)) and 0 < self.lr < math.inf):
+            raise PhalanxError(f"--lr must be positive and finite, got {self.lr}")
+        if self.momentum is not None and not 0 <= self.momentum < 1:
+            raise PhalanxError(f"--momentum must be in [0, 1) (0.9 is usual), got {self.momentum}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise PhalanxError(f"--weight-decay must be 0 or a small positive number (e.g. 5e-4), "
+                               f"got {self.weight_decay}")
+        if self.lr_decay_factor is not None and not 0 < self.lr_decay_factor <= 1:
+            raise PhalanxError(f"--lr-decay-factor must be in (0, 1], got {self.lr_decay_factor}")
+        if not 0 < self.timeout_s < math.inf:
+            raise PhalanxError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
+
+    def _check_applicable(self) -> None:
+        """A value given for an option that does nothing with the chosen setting is refused."""
+        for name, (setting, applies_to, _) in ONLY_FOR.items():
+            value = getattr(self, name)
+            chosen = getattr(self, setting)
+            if value is None or chosen is None or chosen in applies_to:
+                continue
+            raise PhalanxError(f"{_flag(name)} applies to {_flag(setting)} {' or '.join(applies_to)}, and this run "
+                               f"has {_flag(setting)} {chosen}; drop {_flag(name)} or set {_flag(setting)} "
+                               f"{applies_to[0]}")
+
+    # ---- what a run uses ----
+    def recipe(self, user_model: bool = False) -> tuple[Recipe, str]:
+        """The recipe the unset fields come from, and how the header names it."""
+        if user_model:
+            return USER_RECIPE, "phalanx's default for a model of your own"
+        return RECIPES[self.model], f"{self.model} default"
+
+    def resolved(self, user_model: bool = False) -> "TrainConfig":
+        """A copy with every unset field filled from the recipe and the per-setting defaults."""
+        recipe, _ = self.recipe(user_model)
+        values = {name: getattr(recipe, name) for name in ("optimizer", "lr", "steps") if getattr(self, name) is None}
+        if values.get("optimizer", self.optimizer) not in (None, "sgd") and self.momentum is not None:
+            raise PhalanxError(f"--momentum applies to --optimizer sgd, and the {recipe_name(self, user_model)} "
+                               f"uses {values['optimizer']}; drop --momentum or add --optimizer sgd")
+        for name, (setting, applies_to, default) in ONLY_FOR.items():
+            if getattr(self, name) is None:
+                values[name] = default
+        return dataclasses.replace(self, **values, _resolved=True)
+
+    def recipe_line(self, user_model: bool = False) -> str:
+        """``recipe: adam, lr 0.01, 300 steps (lstm default; set by flags: lr)``."""
+        _, source = self.recipe(user_model)
+        given = [name for name in ("optimizer", "lr", "steps") if getattr(self, name) is not None]
+        run = self.resolved(user_model)
+        told = f"; set by flags: {', '.join(given)}" if given else "; any flag overrides"
+        return f"recipe: {run.optimizer}, lr {run.lr:g}, {run.steps} steps ({source}{told})"
+
+
+def recipe_name(cfg: TrainConfig, user_model: bool) -> str:
+    return "recipe for a model of your own" if user_model else f"{cfg.model} recipe"
+
+
+def _flag(name: str) -> str:
+    return "--timeout" if name == "timeout_s" else "--" + name.replace("_", "-")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PhalanxError(f"{_flag(name)} must be a positive integer, got {value!r}")

@@ -1,0 +1,281 @@
+"""Pipeline model parallelism: ``torch.distributed.pipelining`` is the engine.
+
+Each worker holds one stage, a contiguous run of the model's blocks (rank r = stage r). A step
+cuts the batch into M micro-batches; stage r receives micro-batch activations from r−1 and sends
+its outputs to r+1 (point-to-point, in the order GPipe or 1F1B prescribes), and the gradients
+flow back the same way. Every rank loads the same whole batch: the first stage feeds the inputs,
+the last one the labels. The last stage alone knows the loss, so :meth:`global_loss` broadcasts
+it; :meth:`evaluate` runs the pipeline forward and broadcasts the last stage's counts; a
+checkpoint gathers every stage's parameters and optimizer state to rank 0 as one whole model.
+
+What phalanx adds to the engine (helpers in ``phalanx/pipeline/``): the split (any
+``nn.Sequential`` or ``pipeline_blocks()``), the exact balancing by parameters or measured time,
+the printed plan, contiguous activations and gradients (gloo needs them), one consistent
+checkpoint, and the checks that name the fix.
+
+Equivalence: the engine computes the loss per micro-batch and divides the summed gradients by
+M, so with a mean-reduced loss and equal micro-batches a step equals the unsplit model's step on
+the whole batch. ``accumulate`` folds into the micro-batches (M = chunks × accumulate).
+
+One stage (world size 1) runs the model in-process, micro-batched the same way, with no engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import PhalanxError
+from ..options import option
+from ..pipeline import state as opt_state
+from ..pipeline.balance import Balance, bounds, check_counts, check_stages, parse_balance, partition
+from ..pipeline.plan import StagePlan
+from ..pipeline.profile import time_blocks
+from ..pipeline.split import StageModule, model_blocks, parameter_counts
+from .base import Batch, Build, Job, Layout, Options, RankPlan, Report, Runtime, require_positive
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def _schedule_class(name: str):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline(Options):
+    """Split the model into stages, one per worker, and pipeline micro-batches through them."""
+
+    name: ClassVar[str] = "pipeline"
+    summary: ClassVar[str] = ("model parallelism: the network split into contiguous stages, one per worker, "
+                              "micro-batches pipelined; torch.distributed.pipelining")
+
+    stages: Optional[int] = option(None, "pipeline stages, one worker each", show="the number of workers")
+    chunks: int = option(4, "micro-batches per step (M); the batch must split into M equal parts")
+    schedule: str = option("gpipe", "all forwards then all backwards, or interleaved (fewer live activations)",
+                           choices=SCHEDULES)
+    balance: Balance = option("auto", "how blocks are split: by measured time where a batch is at hand, by "
+                                      "parameter count, by time, or blocks per stage like 3,2",
+                              parse=parse_balance, show="auto")
+    profile_repeats: int = option(5, "timed passes per block when balancing by time")
+
+    def __post_init__(self) -> None:
+        self._set(schedule=str(self.schedule).lower())
+        if self.schedule not in SCHEDULES:
+            raise PhalanxError(f"unknown --schedule {self.schedule!r}: choose gpipe or 1f1b")
+        require_positive("--chunks", self.chunks)
+        require_positive("--profile-repeats", self.profile_repeats)
+        if self.stages is not None:
+            require_positive("--stages", self.stages)
+        self._set(balance=parse_balance(self.balance))
+        if self.stages is not None:
+            self._check_stages(self.stages)
+
+    def _check_stages(self, stages: int) -> None:
+        if isinstance(self.balance, tuple) and len(self.balance) != stages:
+            shown = ",".join(map(str, self.balance))
+            raise PhalanxError(f"--balance {shown} names {len(self.balance)} stages but the pipeline has {stages}; "
+                               "give one block count per stage")
+        if self.schedule == "1f1b" and self.chunks < stages:
+            raise PhalanxError(f"--schedule 1f1b needs at least one micro-batch per stage: --chunks {self.chunks} < "
+                               f"{stages} stages; use --chunks {stages} or more, or --schedule gpipe")
+
+    def layout(self, job: Job) -> Layout:
+        processes = job.processes or job.workers
+        stages = self.stages or processes
+        if stages != processes:
+            raise PhalanxError(f"--stages {stages} needs {stages} workers (one per stage) but this run has "
+                               f"{processes}; add --workers {stages}")
+        self._check_stages(stages)
+        micro = self.chunks * job.accumulate
+        if job.batch_size is not None and job.batch_size % micro:
+            raise PhalanxError(
+                f"batch {job.batch_size} does not split into {micro} equal micro-batches (--chunks {self.chunks}"
+                f"{f' x --accumulate {job.accumulate}' if job.accumulate > 1 else ''}): {job.batch_size} / {micro} = "
+                f"{job.batch_size / micro:g}; use a --batch-size divisible by {micro}"
+            )
+        if job.model is not None:
+            blocks = len(model_blocks(job.model))
+            check_stages(blocks, stages)
+            if isinstance(self.balance, tuple):
+                check_counts(self.balance, blocks, stages)
+        # Every stage reads the whole batch (inputs for the first, labels for the last): one data shard.
+        ranks = tuple(RankPlan("stage", f"stage {r} (rank {r})", 0, (0, 1)) for r in range(processes))
+        return Layout(ranks, tuple(job.devices), shards=1, lockstep=True)
+
+    def describe(self, stages: Any = "one per worker") -> str:
+        return f"pipeline ({self.stages or stages} stages, {self.chunks} micro-batches, {self.schedule})"
+
+    def runtime(self, build: Build) -> Runtime:
+        return PipelineRuntime(build, self)
+
+
+class PipelineRuntime(Runtime):
+    """One stage of the pipeline (or, on one rank, the whole model micro-batched in-process)."""
+
+    def __init__(self, build: Build, options: Pipeline):
+        ctx, model = build.ctx, build.model
+        self.build, self.ctx, self.options = build, ctx, options
+        self.stages = options.stages or ctx.world_size
+        named = model_blocks(model)
+        self.plan = self._make_plan(named, build)
+        index = {id(p): i for i, p in enumerate(model.parameters())}
+        self._stage = None
+        self._schedules: dict[Any, Any] = {}
+        if self.stages > 1:
+            lo, hi = bounds(self.plan.counts)[ctx.rank]
+            model = StageModule(named[lo:hi])
+        #: the whole model's parameter index of each of this stage's parameters
+        self.local_to_global = [index[id(p)] for p in model.parameters()]
+        super().__init__(build, model, description=options.describe(self.stages), notes=self.plan.lines())
+        if self.stages > 1:
+            from torch.distributed.pipelining import PipelineStage
+
+            self._stage = PipelineStage(self.model, ctx.rank, self.stages, ctx.device)
+
+    def _make_plan(self, named: list[tuple[str, nn.Module]], build: Build) -> StagePlan:
+        options, blocks = self.options, [b for _, b in named]
+        check_stages(len(blocks), self.stages)
+        how = "explicit" if isinstance(options.balance, tuple) else options.balance
+        example = build.example[0] if build.example is not None else None
+        if how == "auto":
+            how = "time" if example is not None else "params"
+        if how == "time" and example is None:
+            raise PhalanxError("--balance time needs a batch to profile the blocks on: give Build(example=...), "
+                               "or use --balance params")
+        if how == "explicit":
+            check_counts(options.balance, len(blocks), self.stages)  # before measuring: a bad plan fails at once
+        params = parameter_counts(blocks)
+        seconds = self._measure(blocks, example) if example is not None else None
+        counts = tuple(options.balance) if how == "explicit" else \
+            partition(seconds if how == "time" else params, self.stages)
+        return StagePlan(counts, [n for n, _ in named], params, seconds, how, options.chunks, options.schedule)
+
+    def _measure(self, blocks: list[nn.Module], example: torch.Tensor) -> list[float]:
+        """Per-block seconds, averaged over ranks so that every rank computes the same partition."""
+        micro = example[: max(1, len(example) // self.options.chunks)]
+        seconds = torch.tensor(time_blocks(blocks, micro, self.ctx.device, self.options.profile_repeats),
+                               dtype=torch.float64)
+        if self.ctx.distributed:
+            seconds = seconds.to(self.ctx.device)
+            dist.all_reduce(seconds)
+            seconds = seconds.cpu() / self.ctx.world_size
+        return seconds.tolist()
+
+    @property
+    def is_first(self) -> bool:
+        return self.ctx.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.ctx.rank == self.stages - 1
+
+    # ---- a training step ----
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        micro = self.options.chunks * self.build.accumulate
+        if len(x) % micro:
+            raise PhalanxError(f"batch {len(x)} does not split into {micro} equal micro-batches")
+        if self._stage is None:  # one stage: the whole model, micro-batched in-process as the engine would
+            return super().train_step(x, y, parts=micro)
+        schedule = self._training_schedule(micro)
+        losses: list[torch.Tensor] = []
+        if self.is_first:
+            schedule.step(x, return_outputs=False)
+        elif self.is_last:
+            schedule.step(target=y, losses=losses, return_outputs=False)
+        else:
+            schedule.step(return_outputs=False)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.is_last:
+            return torch.stack([loss.detach() for loss in losses]).mean()
+        return torch.zeros((), device=self.ctx.device)  # only the last stage knows it: see global_loss
+
+    def _training_schedule(self, micro: int):
+        if micro not in self._schedules:
+            # scale_grads: the engine divides the summed micro-batch gradients by M, which with a
+            # mean loss per micro-batch is the gradient of the mean over the whole batch.
+            self._schedules[micro] = _schedule_class(self.options.schedule)(
+                self._stage, micro, loss_fn=self.build.loss_fn, scale_grads=True)
+        return self._schedules[micro]
+
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss, on every rank (broadcast from it)."""
+        if self._stage is None:
+            return loss
+        out = loss.detach().reshape(()).to(self.ctx.device, torch.float32).clone()
+        dist.broadcast(out, src=self.stages - 1)
+        return out
+
+    # ---- evaluation ----
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[Batch]) -> tuple[int, int]:
+        """(correct, total) over the batches, which every rank must be given identically."""
+        if self._stage is None:
+            return super().evaluate(batches)
+        was_training = self.model.training
+        self.model.eval()
+        counts = torch.zeros(2, dtype=torch.float64)
+        for x, y in batches:
+            schedule = self._eval_schedule(tuple(x.shape), x.dtype)
+            if self.is_first:
+                schedule.eval(x.to(self.ctx.device))
+            elif self.is_last:
+                predicted = schedule.eval().argmax(1).cpu()
+                counts += torch.tensor([(predicted == y).sum().item(), len(y)], dtype=torch.float64)
+            else:
+                schedule.eval()
+        self.model.train(was_training)
+        counts = counts.to(self.ctx.device)
+        dist.broadcast(counts, src=self.stages - 1)
+        return int(counts[0]), int(counts[1])
+
+    def _eval_schedule(self, shape: tuple, dtype: torch.dtype):
+        """A forward-only schedule for batches of this shape (the engine fixes shapes at first use)."""
+        key = ("eval", shape, dtype)
+        if key not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+            micro = max(m for m in range(1, min(self.options.chunks, shape[0]) + 1) if shape[0] % m == 0)
+            stage = PipelineStage(self.model, self.ctx.rank, self.stages, self.ctx.device)
+            self._schedules[key] = ScheduleGPipe(stage, micro, loss_fn=None, scale_grads=False)
+        return self._schedules[key]
+
+    # ---- checkpoints ----
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        """Rank 0 gets the whole model's state_dict and one optimizer state (see ``pipeline/state.py``)."""
+        if self._stage is None:
+            return super().state_dict()
+        part = (self.model.full_state_dict(), opt_state.to_global(self.optimizer.state_dict(), self.local_to_global))
+        parts: Optional[list] = [None] * self.ctx.world_size if self.ctx.rank == 0 else None
+        dist.gather_object(part, parts, dst=0)
+        if parts is None:
+            return None
+        model: dict[str, torch.Tensor] = {}
+        for weights, _ in parts:
+            model.update(weights)
+        return {"model": model, "optimizer": opt_state.merge([o for _, o in parts])}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Every stage takes its blocks' weights and its parameters' optimizer state."""
+        if self._stage is None:
+            return super().load_state_dict(state)
+        self.model.load_full_state_dict(state["model"])
+        self.optimizer.load_state_dict(opt_state.split(state["optimizer"], self.local_to_global))
+
+    def report(self, final: bool = False) -> Report:
+        fields = {"stages": self.plan.stages, "chunks": self.options.chunks, "schedule": self.options.schedule,
+                  "balance": list(self.plan.counts), "predicted_bubble": round(self.plan.bubble(), 4)}
+        return Report(fields)
+
+    def close(self) -> None:
+        self._schedules.clear()
+        self._stage = None
+
+
+__all__ = ["Pipeline", "SCHEDULES"]

@@ -1,0 +1,135 @@
+"""Asynchronous parameter server (``ps``) and stale-synchronous parallel (``ssp``).
+
+Layout: rank 0 is the server and owns the parameters and the optimizer; ranks 1..W are the
+workers (``--workers W`` counts workers, so W + 1 processes run; the server shares the first
+worker's device). Worker r reads data shard r - 1, as ``sync``'s worker r - 1 would; the server
+reads no data and evaluates the whole test set. A worker may die and the job goes on; the
+server may not.
+
+- ``protocol.py``: the messages (HELLO, PUSH, REPLY, BYE) over point-to-point;
+- ``gate.py``: the SSP rule, pure logic;
+- ``server.py``: rank 0's loop; ``worker.py``: ranks 1..W.
+
+SSP(K): a worker may begin its step c only while c minus the slowest live worker's clock is at
+most K; otherwise the server holds its reply. With K = 0 the server also averages every live
+worker's gradient of the step into one update: exactly what ``sync`` computes. ``ps`` is SSP with
+no bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Optional
+
+import torch
+
+from ...errors import PhalanxError
+from ...options import option
+from ..base import Build, Job, Layout, Options, RankPlan, Report, Runtime, count_correct
+from .server import Server
+from .worker import WorkerRuntime
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterServer(Options):
+    """Asynchronous parameter server: rank 0 serves, ranks 1..W train."""
+
+    name: ClassVar[str] = "ps"
+    summary: ClassVar[str] = ("asynchronous parameter server: workers push gradients and pull parameters without "
+                              "waiting for each other")
+
+    @property
+    def bound(self) -> Optional[int]:
+        return None
+
+    def layout(self, job: Job) -> Layout:
+        processes = job.processes or job.workers + 1
+        workers = processes - 1
+        if workers < 2:
+            raise PhalanxError(
+                f"--strategy {self.name} needs at least 2 workers (it runs one more process, the server): with "
+                f"{workers} worker nothing runs asynchronously; use --workers 2 or more, or --strategy sync"
+            )
+        if job.model is not None:
+            self._check_model(job.model)
+        server = RankPlan("server", "the parameter server (rank 0)", None, (0, 1))
+        ranks = (server,) + tuple(RankPlan("worker", f"worker {r}", r - 1, None, expendable=True)
+                                  for r in range(1, processes))
+        # The server shares the first worker's device: it holds one copy of the model and applies updates.
+        return Layout(ranks, (job.devices[0],) + tuple(job.devices), workers, lockstep=False)
+
+    def describe(self) -> str:
+        return "ps (asynchronous parameter server)"
+
+    def _check_model(self, model: torch.nn.Module) -> None:
+        buffers = [name for name, b in model.named_buffers() if b.is_floating_point()]
+        if buffers:  # only parameters travel: the server's copy of these would never change
+            raise PhalanxError(
+                f"--strategy {self.name} sends parameters only, and this model also keeps state in buffers "
+                f"({', '.join(buffers[:3])}{', ...' if len(buffers) > 3 else ''}, e.g. BatchNorm running "
+                "statistics): use --strategy sync or local-sgd for it, or a model without such buffers"
+            )
+
+    def runtime(self, build: Build) -> Runtime:
+        if build.plan.role == "server":
+            return ServerRuntime(build, self)
+        return WorkerRuntime(build, self.describe())
+
+
+@dataclasses.dataclass(frozen=True)
+class SSP(ParameterServer):
+    """Stale-synchronous parallel: a worker may run at most ``staleness`` steps ahead of the slowest."""
+
+    name: ClassVar[str] = "ssp"
+    summary: ClassVar[str] = "bounded staleness: a worker runs at most K steps ahead of the slowest (K = 0 is sync)"
+
+    staleness: int = option(4, "steps a worker may run ahead of the slowest live worker (0: synchronous)")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.staleness, int) or self.staleness < 0:
+            raise PhalanxError(f"--staleness must be 0 or more steps (0 is synchronous), got {self.staleness!r}")
+
+    @property
+    def bound(self) -> Optional[int]:
+        return self.staleness
+
+    def describe(self) -> str:
+        return f"ssp (parameter server, staleness bound {self.staleness} step{'s' * (self.staleness != 1)})"
+
+
+class ServerRuntime(Runtime):
+    """Rank 0: each of its 'steps' is serving until W more gradients are applied."""
+
+    def __init__(self, build: Build, options: ParameterServer):
+        super().__init__(build, description=options.describe())
+        self.server = Server(self.model, self.optimizer, self.ctx.world_size, self.ctx.device, options.bound,
+                             build.steps)
+
+    def train_step(self, x, y) -> torch.Tensor:
+        return self.server.serve_one_step()
+
+    def next_step(self, step: int) -> Optional[int]:
+        return self.server.global_step()
+
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss  # the server heard every worker's loss: it alone guards against divergence
+
+    def evaluate(self, batches) -> tuple[int, int]:
+        counts = count_correct(self.module, batches, self.ctx.device)  # the whole test set, no collective
+        return int(counts[0]), int(counts[1])
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.server.applied = int(state["step"]) * self.server.workers
+
+    def finish(self) -> None:
+        self.server.drain()
+
+    def report(self, final: bool = False) -> Report:
+        return Report(self.server.stats(final), [self.server.staleness.line(lead=self.server.max_lead)])
+
+    def close(self) -> None:
+        self.server.close()
+
+
+__all__ = ["ParameterServer", "SSP"]

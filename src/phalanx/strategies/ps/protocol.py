@@ -1,0 +1,94 @@
+"""The messages between a parameter server (rank 0) and its workers, over point-to-point.
+
+    worker -> server   HELLO                                  (once)
+    server -> worker   REPLY [version, stop, step] + parameters
+    worker -> server   PUSH [version used, loss] + gradient   (every step)
+    server -> worker   REPLY [version, stop, step] + parameters  (the reply is the next pull)
+    worker -> server   BYE [gradients pushed]                 (after a reply that says stop)
+
+Every header is three float64 numbers; parameters and gradients travel as one flat vector in
+the order of ``model.parameters()``. torch.distributed point-to-point (gloo or NCCL), so the
+same protocol runs across machines under torchrun.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+HELLO, PUSH, BYE = 0, 1, 2
+SERVER = 0
+
+
+@dataclasses.dataclass
+class Message:
+    """What the server heard from one worker (``header is None``: the worker is gone)."""
+
+    worker: int
+    kind: int
+    version: int = 0  #: PUSH: the parameter version the gradient was computed on
+    loss: float = 0.0  #: PUSH: the worker's loss on that batch
+    pushed: int = 0  #: BYE: gradients this worker pushed in all
+    grad: Optional[torch.Tensor] = None
+    error: str = ""  #: why the connection closed
+
+
+@dataclasses.dataclass
+class Reply:
+    version: int  #: gradients applied so far
+    stop: bool
+    step: int  #: the global step (gradients applied / workers)
+
+
+def _header(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64, device=device)
+
+
+# ---- the worker's side ----
+
+class WorkerChannel:
+    """A worker's connection to the server: every call blocks until it is done."""
+
+    def __init__(self, size: int, device: torch.device):
+        self.size, self.device = size, device
+
+    def hello(self) -> None:
+        dist.send(_header([HELLO, 0.0, 0.0], self.device), dst=SERVER)
+
+    def push(self, version: int, loss: float, grad: torch.Tensor) -> None:
+        dist.send(_header([PUSH, float(version), loss], self.device), dst=SERVER)
+        dist.send(grad.contiguous(), dst=SERVER)
+
+    def bye(self, pushed: int) -> None:
+        dist.send(_header([BYE, float(pushed), 0.0], self.device), dst=SERVER)
+
+    def reply(self) -> tuple[Reply, torch.Tensor]:
+        header = torch.zeros(3, dtype=torch.float64, device=self.device)
+        dist.recv(header, src=SERVER)
+        flat = torch.empty(self.size, device=self.device)
+        dist.recv(flat, src=SERVER)
+        return Reply(int(header[0]), bool(header[1]), int(header[2])), flat
+
+
+# ---- the server's side ----
+
+def receive(worker: int, size: int, device: torch.device) -> Message:
+    """The next message from ``worker`` (blocks; raises when the connection closes)."""
+    header = torch.zeros(3, dtype=torch.float64, device=device)
+    dist.recv(header, src=worker)
+    kind, a, b = int(header[0].item()), header[1].item(), header[2].item()
+    if kind == BYE:
+        return Message(worker, BYE, pushed=int(a))
+    if kind == PUSH:
+        grad = torch.empty(size, device=device)
+        dist.recv(grad, src=worker)
+        return Message(worker, PUSH, version=int(a), loss=float(b), grad=grad)
+    return Message(worker, HELLO)
+
+
+def send_reply(worker: int, reply: Reply, parameters: torch.Tensor, device: torch.device) -> None:
+    dist.send(_header([float(reply.version), float(reply.stop), float(reply.step)], device), dst=worker)
+    dist.send(parameters, dst=worker)

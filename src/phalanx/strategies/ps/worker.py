@@ -1,0 +1,68 @@
+"""A parameter-server worker (ranks 1..W): compute a gradient, push it, take the parameters back.
+
+The worker's optimizer is never stepped (the server owns the optimizer); what the worker holds
+between replies is the server's parameters of the version it last heard. Its view of the global
+step is the server's, and it stops when a reply says so, after saying BYE with the number of
+gradients it pushed (the server checks that every one was applied).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.nn.utils import vector_to_parameters
+
+from ..base import Build, Runtime
+from .protocol import WorkerChannel
+
+
+class WorkerRuntime(Runtime):
+    def __init__(self, build: Build, description: str):
+        super().__init__(build, description=description)
+        self.params = list(self.model.parameters())
+        self.channel = WorkerChannel(sum(p.numel() for p in self.params), self.ctx.device)
+        self.version = self.pushes = self.step_seen = 0
+        self.stop = False
+        self.joined = False
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not self.joined:
+            self.channel.hello()
+            self._pull()
+            self.joined = True
+        loss = self.forward_backward(x, y)
+        grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in self.params])
+        self.channel.push(self.version, float(loss), grad)
+        self.pushes += 1
+        self.model.zero_grad(set_to_none=True)
+        self._pull()
+        return loss
+
+    def _pull(self) -> None:
+        reply, flat = self.channel.reply()
+        with torch.no_grad():
+            vector_to_parameters(flat, self.params)
+        self.version, self.stop, self.step_seen = reply.version, reply.stop, reply.step
+        if self.stop:  # BYE carries how many gradients we pushed, so the server can account for each
+            self.channel.bye(self.pushes)
+
+    def next_step(self, step: int) -> Optional[int]:
+        # A worker's own count means nothing here: only the server's global step, or stop.
+        return None if self.stop else self.step_seen
+
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        # The server sees every pushed loss and guards against divergence; workers do not judge.
+        return torch.zeros(())
+
+    def evaluate(self, batches) -> tuple[int, int]:
+        return 0, 0  # the server evaluates; workers are not in step with it
+
+    def state_dict(self):
+        return None  # the server's parameters are the model
+
+    def load_state_dict(self, state) -> None:
+        pass  # the first reply brings the server's (restored) parameters
+
+    def finish(self) -> None:
+        pass  # no collective: the server drains the workers instead

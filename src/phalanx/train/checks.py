@@ -1,0 +1,280 @@
+"""Everything checked in the parent, before any worker starts: each bad input is one line, exit 2.
+
+Nothing here writes a file: the checkpoint directory is created only once every check passed.
+What needs a process group (nothing here does) is the strategies' business inside the workers.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import pickle
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from ..data import ArrayDataset, DataBundle, load_data
+from ..data.datasets import CIFAR_CROP, cifar10_sizes, check_cifar10_files
+from ..errors import PhalanxError
+from ..strategies import Layout
+from . import checkpoint as ckpt
+from .config import TrainConfig
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclasses.dataclass
+class DataFacts:
+    """What the parent knows of the data without loading a large set."""
+
+    input_shape: tuple[int, ...]
+    num_classes: int
+    train_size: int
+    example: tuple[torch.Tensor, torch.Tensor]  #: two examples as a model sees them
+    bundle: Optional[DataBundle] = None  #: the data itself, where it is small enough to send to the workers
+
+
+def data_facts(cfg: TrainConfig, user: Optional[DataBundle]) -> DataFacts:
+    if user is not None:
+        return _facts(user, user)
+    if cfg.data == "digits":
+        bundle = load_data("digits", seed=cfg.seed)
+        return _facts(bundle, bundle)  # small: loaded once here and sent to the workers
+    if cfg.data == "cifar10":
+        check_cifar10_files(cfg.data_dir)
+        train_size, _ = cifar10_sizes(cfg.data_dir)
+        shape = (3, CIFAR_CROP, CIFAR_CROP)
+        return DataFacts(shape, 10, train_size, (torch.zeros(2, *shape), torch.zeros(2, dtype=torch.long)))
+    shape, size = tuple(cfg.synthetic_shape), cfg.synthetic_size
+    return DataFacts(shape, 10, size - size // 5, (torch.zeros(2, *shape), torch.zeros(2, dtype=torch.long)))
+
+
+def _facts(bundle: DataBundle, keep: Optional[DataBundle]) -> DataFacts:
+    train = bundle.train
+    idx = torch.arange(min(2, len(train)))
+    example = (train.transform(train.x[idx], None), train.y[idx])
+    return DataFacts(bundle.input_shape, bundle.num_classes, len(train), example, keep)
+
+
+def user_data(train: Any, test: Any) -> Optional[DataBundle]:
+    """The user's (inputs, labels) pairs as a bundle, checked: numpy arrays welcome, labels integers >= 0."""
+    if train is None:
+        if test is not None:
+            raise PhalanxError("test_data was given without train_data: give both, or neither for a built-in set")
+        return None
+    train_ds = _dataset(train, "train_data")
+    test_ds = _dataset(test, "test_data") if test is not None else train_ds
+    if tuple(test_ds.x.shape[1:]) != tuple(train_ds.x.shape[1:]):
+        raise PhalanxError(f"test_data examples have shape {tuple(test_ds.x.shape[1:])} but train_data examples "
+                           f"{tuple(train_ds.x.shape[1:])}: give both sets the same example shape")
+    classes = int(max(train_ds.y.max(), test_ds.y.max())) + 1
+    return DataBundle("user", train_ds, test_ds, tuple(train_ds.x.shape[1:]), max(classes, 2))
+
+
+def _dataset(value: Any, name: str) -> ArrayDataset:
+    if isinstance(value, ArrayDataset):
+        return value
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise PhalanxError(f"{name} must be a pair (inputs, labels) of tensors or numpy arrays, "
+                           f"got {type(value).__name__}")
+    try:
+        x, y = (v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise PhalanxError(f"{name} must hold tensors or numpy arrays ({str(e).splitlines()[0][:120]})") from None
+    if len(y) == 0:
+        raise PhalanxError(f"{name} is empty: give at least one example")
+    return ArrayDataset(x, y)
+
+
+# --------------------------------------------------------------------------- sizes and the model
+
+
+def check_global_batch(cfg: TrainConfig, layout: Layout, facts: DataFacts) -> None:
+    shards = layout.shards
+    batch = cfg.batch_size * shards
+    if batch > facts.train_size:
+        how = f"{cfg.batch_size} per worker x {shards} workers" if shards > 1 else "every worker reads the whole batch"
+        raise PhalanxError(f"global batch {batch} ({how}) is larger than the {facts.train_size} training examples; "
+                           "use a smaller --batch-size")
+
+
+def check_straggler(cfg: TrainConfig, layout: Layout) -> None:
+    if cfg.straggler is not None and cfg.straggler[0] >= layout.world_size:
+        rank = cfg.straggler[0]
+        raise PhalanxError(f"--straggler {rank}:{cfg.straggler[1]:g} names rank {rank} but this run has ranks "
+                           f"0..{layout.world_size - 1}; pick one of them")
+
+
+def check_model(model: nn.Module, facts: DataFacts, loss_fn: Callable) -> None:
+    """One forward pass (and the loss) on two examples, in the parent: shapes and classes, or one clear line."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    x, y = facts.example[0].to(device), facts.example[1].to(device)
+    was_training = model.training
+    model.eval()  # eval: no BatchNorm statistics move, no dropout
+    try:
+        with torch.no_grad():
+            out = model(x)
+            if isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[1] < facts.num_classes:
+                raise PhalanxError(f"the model outputs {out.shape[1]} class scores but the labels go up to "
+                                   f"{facts.num_classes - 1}; make its last layer output {facts.num_classes}")
+            loss = loss_fn(out, y)
+    except PhalanxError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise PhalanxError(f"the model fails on an example batch of shape {tuple(x.shape)} ({type(e).__name__}: "
+                           f"{first}); make it accept inputs of shape (batch, {', '.join(map(str, facts.input_shape))})"
+                           ) from None
+    finally:
+        model.train(was_training)
+    if not isinstance(out, torch.Tensor) or out.dim() != 2:
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise PhalanxError(f"the model returns {shape}; phalanx trains classifiers: return scores of shape "
+                           f"(batch, classes)")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise PhalanxError("loss_fn must return one number (a mean over the batch), as F.cross_entropy does")
+
+
+# --------------------------------------------------------------------------- sending to spawned workers
+
+
+def check_sendable(model: Optional[nn.Module], loss_fn: Callable) -> None:
+    """Spawned workers get the model and loss by pickling: say so plainly when they cannot be."""
+    main = sys.modules.get("__main__")
+    if model is not None and type(model).__module__ == "__main__" and not getattr(main, "__file__", None):
+        raise PhalanxError(f"{type(model).__name__} is defined interactively (a notebook or a REPL), where spawned "
+                           "workers cannot import it: define it in a .py file and import it, or use workers=1")
+    for what, obj in (("the model", model), ("loss_fn", loss_fn)):
+        try:
+            pickle.dumps(obj)
+        except Exception as e:
+            first = (str(e).splitlines() or [type(e).__name__])[0][:160]
+            raise PhalanxError(f"{what} cannot be sent to the worker processes ({first}): it must be picklable; "
+                               "define classes and functions at module level, not as lambdas or local "
+                               "functions") from None
+
+
+def check_main_guard() -> None:
+    """A script that calls fit() outside ``if __name__ == "__main__":`` would start again in every worker."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    spec = getattr(main, "__spec__", None)
+    if not path or not os.path.isfile(path) or (spec is not None and spec.name.endswith("__main__")):
+        return  # nothing spawn would run again (a package's __main__.py is never re-run)
+    line, frame = None, sys._getframe()
+    while frame is not None:  # the outermost module-level line of the script that led here
+        if frame.f_globals is vars(main) and frame.f_code.co_name == "<module>":
+            line = frame.f_lineno
+        frame = frame.f_back
+    if line is None:
+        return
+    try:
+        tree = ast.parse(Path(path).read_text(), path)
+    except (OSError, SyntaxError, ValueError):
+        return
+    if not any(_is_main_guard(node) and node.lineno <= line <= (node.end_lineno or node.lineno)
+               for node in tree.body):
+        raise PhalanxError(f"{os.path.basename(path)} line {line} starts training at the top level of the script: "
+                           "phalanx spawns worker processes that import the script again, so put the call under "
+                           "'if __name__ == \"__main__\":'")
+
+
+def _is_main_guard(node: ast.AST) -> bool:
+    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare) or len(node.test.comparators) != 1:
+        return False
+    sides = [node.test.left, node.test.comparators[0]]
+    names = [s.id for s in sides if isinstance(s, ast.Name)]
+    values = [s.value for s in sides if isinstance(s, ast.Constant)]
+    return names == ["__name__"] and values == ["__main__"] and isinstance(node.test.ops[0], ast.Eq)
+
+
+def check_address(addr: str, deadline_s: float = 5.0) -> None:
+    """The rendezvous address must resolve quickly and belong to this machine (the parent listens on it)."""
+    found: list = []
+
+    def resolve() -> None:
+        try:
+            found.append(socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM))
+        except OSError as e:
+            found.append(e)
+
+    thread = threading.Thread(target=resolve, daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    if not found:
+        raise PhalanxError(f"--master-addr {addr} did not resolve within {deadline_s:g} s; use an address of this "
+                           "machine such as 127.0.0.1")
+    if isinstance(found[0], OSError):
+        raise PhalanxError(f"--master-addr {addr} does not resolve ({found[0].strerror or found[0]}); use an "
+                           "address of this machine such as 127.0.0.1")
+    family, _, _, _, sockaddr = found[0][0]
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((sockaddr[0], 0))
+    except OSError as e:
+        raise PhalanxError(f"--master-addr {addr} is not an address of this machine ({e.strerror or e}): the "
+                           "workers rendezvous on the machine that starts them; use 127.0.0.1, or torchrun for "
+                           "several machines") from None
+
+
+# --------------------------------------------------------------------------- files
+
+
+def check_metrics_path(cfg: TrainConfig) -> None:
+    """The metrics file must be creatable; its directory must exist unless it is the checkpoint directory."""
+    path = Path(cfg.metrics)
+    if path.is_dir():
+        raise PhalanxError(f"--metrics {path} is a directory; give a file name such as {path}/metrics.jsonl")
+    parent = path.parent
+    inside_checkpoints = parent.resolve() == Path(cfg.checkpoint_dir).resolve()
+    if not parent.is_dir():
+        if inside_checkpoints:
+            return  # created with the checkpoint directory, whose writability is checked there
+        raise PhalanxError(f"--metrics {path}: directory {parent} does not exist; create it or choose another path")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise PhalanxError(f"--metrics {path} cannot be written (permission denied); choose another path")
+
+
+def check_checkpoint_dir(cfg: TrainConfig) -> None:
+    """Without creating it: the checkpoint directory exists and is writable, or can be created."""
+    root = Path(cfg.checkpoint_dir)
+    probe = root
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise PhalanxError(f"cannot write checkpoints to {root}: {probe} is not a directory; choose another "
+                           "--checkpoint-dir")
+    if not os.access(probe, os.W_OK):
+        raise PhalanxError(f"cannot write checkpoints to {root}: permission denied; choose another --checkpoint-dir")
+
+
+def check_resume(cfg: TrainConfig, layout: Layout) -> tuple[Optional[str], int]:
+    """The checkpoint to resume from and its step (None, 0 without --resume); refuses a foreign one."""
+    if cfg.resume is None:
+        return None, 0
+    state = ckpt.load_checkpoint(cfg.resume)
+    meta = state.get("meta", {})
+    want = {"world_size": layout.world_size, "batch_size": cfg.batch_size, "model": cfg.model, "data": cfg.data,
+            "strategy": cfg.strategy.name}
+    fixes = {"world_size": f"--workers {meta.get('workers', meta.get('world_size'))}",
+             "batch_size": f"--batch-size {meta.get('batch_size')}", "model": f"--model {meta.get('model')}",
+             "data": f"--data {meta.get('data')}", "strategy": f"--strategy {meta.get('strategy')}"}
+    for key, value in want.items():
+        if key in meta and meta[key] != value:
+            raise PhalanxError(
+                f"checkpoint {state['path']} was written with {key} = {meta[key]!r} but this run has "
+                f"{value!r}; resume with the same settings ({fixes[key]})"
+            )
+    if state["step"] >= cfg.steps:
+        raise PhalanxError(
+            f"checkpoint {state['path']} is already at step {state['step']} and --steps is {cfg.steps}; "
+            "raise --steps to train further"
+        )
+    return state["path"], int(state["step"])

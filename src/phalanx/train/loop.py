@@ -1,0 +1,243 @@
+"""Inside a worker: the training loop. It knows nothing about parallelism.
+
+:func:`run_worker` builds this rank's data and model, lets the strategy's runtime wrap them,
+restores a checkpoint, and loops over global steps. The runtime is the only thing that knows the
+strategy; the loop calls its few methods (see ``strategies/base.py``) the same way for all.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import time
+import warnings
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..data import Prefetcher, ShardedBatches, eval_batches, load_data
+from ..errors import TrainingDiverged
+from ..launch import WorkerContext
+from ..models import build_model
+from ..strategies import Build
+from . import checkpoint as ckpt
+from .report import Reporter, step_line
+from .schedules import Schedule, scaled_lr
+from .trainer import Plan
+
+CHECKPOINT_FORMAT = "phalanx-checkpoint-1"
+
+
+def run_worker(ctx: WorkerContext, plan: Plan) -> dict[str, Any]:
+    run = WorkerRun(ctx, plan)
+    try:
+        return run.train()
+    finally:
+        run.close()
+
+
+class WorkerRun:
+    """One rank's share of the run."""
+
+    def __init__(self, ctx: WorkerContext, plan: Plan):
+        self.ctx, self.plan, self.cfg = ctx, plan, plan.config
+        self.me = plan.layout.ranks[ctx.rank]
+        cfg = self.cfg
+        self.data = plan.data or load_data(cfg.data, cfg.data_dir, tuple(cfg.synthetic_shape), cfg.synthetic_size,
+                                           cfg.seed)
+        self.global_batch = cfg.batch_size * plan.layout.shards
+        # This rank's share of every global step (None: it reads no data, e.g. a parameter server).
+        self.batches = None if self.me.shard is None else ShardedBatches(
+            self.data.train, cfg.batch_size, self.me.shard, plan.layout.shards, cfg.seed)
+        self.steps_per_epoch = len(self.data.train) // self.global_batch
+        example = next(self.batches(0)) if self.batches is not None else None
+        build = Build(ctx, plan.layout, self._build_model().to(ctx.device), self._make_optimizer, plan.loss_fn,
+                      cfg.steps, cfg.accumulate, example)
+        self.runtime = cfg.strategy.runtime(build)
+        self.schedule = Schedule(cfg.lr_schedule, cfg.lr_decay_every, cfg.lr_decay_factor, cfg.staircase,
+                                 cfg.warmup_steps, cfg.steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.runtime.optimizer, self.schedule)
+        # A parameter server's workers never step their own optimizer (the server does): torch
+        # would warn on every step that the schedule advances before the optimizer.
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+        self.step = 0
+        self.last_checkpoint: Optional[str] = None
+        if plan.resume_path:
+            self._restore(plan.resume_path)
+        self.reporter = Reporter(ctx.is_main, cfg.progress, cfg.metrics, cfg.steps, self.step,
+                                 append=plan.resume_path is not None)
+        self.prefetcher: Optional[Prefetcher] = None
+
+    def _build_model(self) -> nn.Module:
+        torch.manual_seed(self.cfg.seed)  # the same initial weights on every worker
+        if self.plan.model is not None:
+            return copy.deepcopy(self.plan.model)
+        return build_model(self.cfg.model, self.data.input_shape, self.data.num_classes)
+
+    def _make_optimizer(self, params) -> torch.optim.Optimizer:
+        lr = scaled_lr(self.cfg.lr, self.global_batch, self.cfg.lr_base_batch)
+        if self.cfg.optimizer == "adam":
+            return torch.optim.Adam(params, lr=lr, weight_decay=self.cfg.weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=self.cfg.momentum, weight_decay=self.cfg.weight_decay)
+
+    def _inputs(self) -> Iterator:
+        if self.batches is None:
+            return itertools.repeat((None, None))
+        self.prefetcher = Prefetcher(self.batches(self.step), self.ctx.device, self.cfg.prefetch)
+        return self.prefetcher
+
+    # ---- the loop ----
+    def train(self) -> dict[str, Any]:
+        self._header()
+        inputs = self._inputs()
+        start, first_step = time.perf_counter(), self.step
+        mark, mark_step = start, self.step
+        while self.step < self.cfg.steps:
+            x, y = next(inputs)
+            began = time.perf_counter()
+            loss = self.runtime.train_step(x, y)
+            self._straggle(time.perf_counter() - began)
+            self.scheduler.step()
+            value = float(self.runtime.global_loss(loss))
+            following = self.runtime.next_step(self.step)
+            if following is None:  # an asynchronous worker told to stop
+                break
+            self.step = following
+            self._guard(value)
+            self.reporter.advance(value)
+            if self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps:
+                now = time.perf_counter()
+                self._log(value, self.step - mark_step, now - mark)
+                mark, mark_step = now, self.step
+            if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.steps:
+                self._evaluate()
+            if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
+                self._save()
+        self.runtime.finish()
+        elapsed = time.perf_counter() - start
+        accuracy = self._evaluate()
+        if self.last_checkpoint is None or not self.last_checkpoint.endswith(f"{self.step:08d}.pt"):
+            self._save()
+        return self._summary(accuracy, self.step - first_step, elapsed)
+
+    def _straggle(self, seconds: float) -> None:
+        """--straggler RANK:FACTOR: this rank takes FACTOR times as long (sleeps the difference)."""
+        if self.cfg.straggler is not None and self.cfg.straggler[0] == self.ctx.rank:
+            time.sleep((self.cfg.straggler[1] - 1) * seconds)
+
+    def _guard(self, loss: float) -> None:
+        # Every rank holds the same agreed loss, so every rank stops at the same step.
+        if not math.isfinite(loss):
+            self._diverged(loss)
+
+    def _diverged(self, loss: float) -> None:
+        last = self.last_checkpoint or "none (no checkpoint was written before this step)"
+        self.reporter.record("diverged", step=self.step, loss=str(loss))
+        raise TrainingDiverged(
+            f"model diverged with loss = {loss} at step {self.step}; last good checkpoint: {last} "
+            "(lower --lr or add --warmup-steps, then --resume from it)"
+        )
+
+    def _log(self, loss: float, steps: int, seconds: float) -> None:
+        rate = steps * self.global_batch / max(seconds, 1e-9)
+        per_batch = seconds / max(steps, 1)
+        self.reporter.say(step_line(self.step, loss, rate, per_batch))
+        self.reporter.record("step", step=self.step, loss=loss, lr=self.scheduler.get_last_lr()[0],
+                             examples_per_sec=rate, sec_per_batch=per_batch, **self.runtime.report().fields)
+
+    def _evaluate(self) -> float:
+        part = self.me.evaluates
+        batches = eval_batches(self.data.test, 256, *part) if part is not None else iter(())
+        correct, total = self.runtime.evaluate(batches)
+        accuracy = correct / max(total, 1)
+        self.reporter.record("eval", step=self.step, accuracy=accuracy, examples=total)
+        if self.step < self.cfg.steps:
+            self.reporter.say(f"step {self.step}, test accuracy = {accuracy:.4f}")
+        return accuracy
+
+    # ---- checkpoints ----
+    def _save(self) -> None:
+        # The loss of this step was finite, but its update may not be: never save such weights.
+        if not all(torch.isfinite(p).all() for p in self.runtime.module.parameters()):
+            self._diverged(float("nan"))
+        state = self.runtime.state_dict()
+        rng = [torch.get_rng_state()]
+        if self.ctx.distributed and self.plan.layout.lockstep:
+            gathered: list = [None] * self.ctx.world_size
+            dist.all_gather_object(gathered, rng[0])
+            rng = gathered
+        path = str(ckpt.checkpoint_path(self.cfg.checkpoint_dir, self.step))
+        if self.ctx.is_main and state is not None:
+            ckpt.save_checkpoint(
+                {"format": CHECKPOINT_FORMAT, "step": self.step, **state,
+                 "scheduler": self.scheduler.state_dict(), "rng": rng, "meta": self._meta(),
+                 "data_position": {"epoch": self.step // self.steps_per_epoch,
+                                   "batch_in_epoch": self.step % self.steps_per_epoch}},
+                self.cfg.checkpoint_dir, self.step, self.cfg.keep_checkpoints,
+            )
+            self.reporter.record("checkpoint", step=self.step, path=path)
+        self.last_checkpoint = path
+
+    def _meta(self) -> dict[str, Any]:
+        return {"world_size": self.ctx.world_size, "workers": self.plan.workers, "batch_size": self.cfg.batch_size,
+                "model": self.cfg.model, "data": self.cfg.data, "strategy": self.cfg.strategy.name,
+                "seed": self.cfg.seed, "input_shape": list(self.data.input_shape),
+                "num_classes": self.data.num_classes}
+
+    def _restore(self, path: str) -> None:
+        state = ckpt.load_checkpoint(path)
+        self.runtime.load_state_dict(state)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        rng = state.get("rng") or []
+        if self.ctx.rank < len(rng):
+            torch.set_rng_state(rng[self.ctx.rank])
+        self.last_checkpoint = state["path"]
+
+    # ---- what rank 0 prints ----
+    def _header(self) -> None:
+        devs = sorted({str(d) for d in self.plan.layout.devices})
+        backend = self.ctx.backend or "none (one process)"
+        resumed = f", resuming at step {self.step}" if self.step else ""
+        model = type(self.plan.model).__name__ if self.plan.model is not None else self.cfg.model
+        self.reporter.say(
+            f"phalanx train: strategy {self.runtime.description}, world size {self.ctx.world_size}, devices "
+            f"{', '.join(devs)}, backend {backend}, global batch {self.global_batch} "
+            f"({self._batch_split()}), {model} on {self.data.name}{resumed}"
+        )
+        for line in self.runtime.notes:
+            self.reporter.say(line)
+        self.reporter.say(self.plan.recipe)
+
+    def _batch_split(self) -> str:
+        shards = self.plan.layout.shards
+        if shards == self.ctx.world_size:
+            return f"{self.cfg.batch_size} per worker x {self.ctx.world_size}"
+        if shards == 1:
+            return "every worker reads the whole batch"
+        return f"{self.cfg.batch_size} per worker x {shards} workers"
+
+    def _summary(self, accuracy: float, steps: int, seconds: float) -> dict[str, Any]:
+        rate = steps * self.global_batch / max(seconds, 1e-9)
+        report = self.runtime.report(final=True)
+        summary = {"steps": self.step, "test_accuracy": accuracy, "examples_per_sec": rate,
+                   "train_seconds": seconds, "checkpoint": self.last_checkpoint, "metrics": self.cfg.metrics,
+                   "world_size": self.ctx.world_size, "strategy": self.cfg.strategy.name, **report.fields}
+        self.reporter.record("summary", **summary)
+        self.reporter.close()
+        self.reporter.say(f"test accuracy {accuracy:.4f} after {self.step} steps")
+        self.reporter.say(f"throughput {rate:.1f} examples/sec (global), training time {seconds:.1f} s")
+        for line in report.lines:
+            self.reporter.say(line)
+        self.reporter.say(f"checkpoint {self.last_checkpoint}")
+        self.reporter.say(f"metrics {self.cfg.metrics}")
+        return summary
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        self.runtime.close()
+        self.reporter.close()
