@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx import Pipeline
+from phalanx.strategies import runtime_for
 from phalanx.launch import launch
 from phalanx.pipeline.balance import ideal_bubble
 
@@ -91,7 +92,7 @@ def _timed_steps(ctx, strategy, x, y, steps: int) -> float:
     dist.barrier()
     start = time.perf_counter()
     for _ in range(steps):
-        strategy.global_loss(strategy.train_step(x, y, F.mse_loss))
+        strategy.global_loss(strategy.train_step(x, y))
     took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return took.item()
@@ -103,8 +104,8 @@ def bubble_worker(ctx, args) -> dict:
     for schedule, m in variants:
         torch.manual_seed(0)
         model = nn.Sequential(*[SleepBlock(args.forward_ms / 1e3, args.backward_ms / 1e3) for _ in range(STAGES)])
-        pipe = Pipeline(chunks=m, schedule=schedule, balance=(1,) * STAGES)
-        pipe.setup(ctx, model, _optimizer)
+        pipe = runtime_for(Pipeline(chunks=m, schedule=schedule, balance=(1,) * STAGES), ctx, model, _optimizer,
+                           F.mse_loss)
         pipes[(schedule, m)] = pipe
     x, y = torch.randn(8 * max(MICRO), 16), torch.randn(8 * max(MICRO), 16)
     samples: dict = {v: [] for v in variants}
@@ -134,9 +135,8 @@ def balance_worker(ctx, args, make_model, width: int) -> dict:
     pipes, plans = {}, {}
     for name, balance in variants.items():
         torch.manual_seed(0)
-        pipe = Pipeline(chunks=args.chunks, balance=balance)
-        pipe.example_batch(x, y)
-        pipe.setup(ctx, make_model(), _optimizer)
+        pipe = runtime_for(Pipeline(chunks=args.chunks, balance=balance), ctx, make_model(), _optimizer, F.mse_loss,
+                           example=(x, y))
         pipes[name], plans[name] = pipe, pipe.plan.lines()
     samples: dict = {name: [] for name in variants}
     for repeat in range(args.repeats + 1):

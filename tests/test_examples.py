@@ -14,7 +14,7 @@ def test_quadratic_fit_on_two_towers_finds_the_curve_and_matches_one_tower(tmp_p
     assert two.returncode == 0, two.stderr
     assert "towers: cpu, cpu" in two.stdout
     w = _w(two.stdout)
-    assert abs(w[0] - 5) < 0.05 and abs(w[1]) < 0.05 and abs(w[2] - 3) < 0.6, w
+    assert abs(w[0] - 5) < 0.05 and abs(w[1]) < 0.05 and abs(w[2] - 3) < 0.05, w  # y = 5x² + 3, every coefficient
     one = python_script(REPO / "examples" / "quadratic_fit.py", "--towers", "1", cwd=tmp_path)
     assert one.returncode == 0, one.stderr
     assert max(abs(a - b) for a, b in zip(w, _w(one.stdout))) < 0.01  # the split changes nothing

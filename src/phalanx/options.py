@@ -109,9 +109,8 @@ def _argparse_type(parse: Callable[[str], Any], flag: str) -> Callable[[str], An
         except PhalanxError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
         except ValueError:
-            kind = getattr(parse, "__name__", "value")
-            raise argparse.ArgumentTypeError(f"{flag} takes {'a number' if kind in ('int', 'float') else kind}"
-                                             f"{' (whole)' if kind == 'int' else ''}, got {text!r}") from None
+            kind = {"int": "a whole number", "float": "a number"}.get(getattr(parse, "__name__", ""), "another value")
+            raise argparse.ArgumentTypeError(f"{flag} takes {kind}, got {text!r}") from None
 
     convert.__name__ = getattr(parse, "__name__", "value")
     return convert

@@ -12,6 +12,7 @@ import os
 import pickle
 import socket
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -120,26 +121,32 @@ def check_model(model: nn.Module, facts: DataFacts, loss_fn: Callable) -> None:
     model.eval()  # eval: no BatchNorm statistics move, no dropout
     try:
         with torch.no_grad():
-            out = model(x)
-            if isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[1] < facts.num_classes:
+            out = _first_line_of_failure(lambda: model(x), f"the model fails on an example batch of shape "
+                                         f"{tuple(x.shape)}", f"make it accept inputs of shape (batch, "
+                                         f"{', '.join(map(str, facts.input_shape))})")
+            if not isinstance(out, torch.Tensor) or out.dim() != 2:
+                shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise PhalanxError(f"the model returns {shape} for a batch of {len(x)}; phalanx trains "
+                                   "classifiers: return scores of shape (batch, classes)")
+            if out.shape[1] < facts.num_classes:
                 raise PhalanxError(f"the model outputs {out.shape[1]} class scores but the labels go up to "
                                    f"{facts.num_classes - 1}; make its last layer output {facts.num_classes}")
-            loss = loss_fn(out, y)
+            loss = _first_line_of_failure(lambda: loss_fn(out, y), f"loss_fn fails on the model's output of "
+                                          f"shape {tuple(out.shape)}", "make it take (scores, integer labels)")
+    finally:
+        model.train(was_training)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise PhalanxError("loss_fn must return one number (a mean over the batch), as F.cross_entropy does")
+
+
+def _first_line_of_failure(call: Callable[[], Any], what: str, fix: str) -> Any:
+    try:
+        return call()
     except PhalanxError:
         raise
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise PhalanxError(f"the model fails on an example batch of shape {tuple(x.shape)} ({type(e).__name__}: "
-                           f"{first}); make it accept inputs of shape (batch, {', '.join(map(str, facts.input_shape))})"
-                           ) from None
-    finally:
-        model.train(was_training)
-    if not isinstance(out, torch.Tensor) or out.dim() != 2:
-        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise PhalanxError(f"the model returns {shape}; phalanx trains classifiers: return scores of shape "
-                           f"(batch, classes)")
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise PhalanxError("loss_fn must return one number (a mean over the batch), as F.cross_entropy does")
+        raise PhalanxError(f"{what} ({type(e).__name__}: {first}); {fix}") from None
 
 
 # --------------------------------------------------------------------------- sending to spawned workers
@@ -238,8 +245,14 @@ def check_metrics_path(cfg: TrainConfig) -> None:
         if inside_checkpoints:
             return  # created with the checkpoint directory, whose writability is checked there
         raise PhalanxError(f"--metrics {path}: directory {parent} does not exist; create it or choose another path")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise PhalanxError(f"--metrics {path} cannot be written (permission denied); choose another path")
+    try:  # prove it: a probe file created and removed at once (the metrics file itself is left alone)
+        fd, probe = tempfile.mkstemp(prefix=".phalanx-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+        if path.exists():
+            open(path, "a").close()
+    except OSError as e:
+        raise PhalanxError(f"--metrics {path} cannot be written ({e.strerror or e}); choose another path") from None
 
 
 def check_checkpoint_dir(cfg: TrainConfig) -> None:

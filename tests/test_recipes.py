@@ -1,0 +1,31 @@
+"""Every built-in model trains with its own recipe: no flag besides --model (DESIGN.md test tier 4).
+
+``cnn`` with ``sync`` is the default run, tested in test_cli.py; the other seven pairs are here.
+"""
+
+import re
+
+import pytest
+
+from helpers import run_cli
+from phalanx import TrainConfig, Trainer
+from phalanx.models import RECIPES
+
+PAIRS = [(m, s) for m in RECIPES for s in ("sync", "pipeline") if (m, s) != ("cnn", "sync")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, strategy", PAIRS, ids=[f"{m}-{s}" for m, s in PAIRS])
+def test_every_built_in_model_reaches_090_on_digits_with_its_recipe(model, strategy, tmp_path):
+    if (model, strategy) == ("lstm", "sync"):  # through the command, as a user types it: the header names the recipe
+        out = run_cli("train", "--model", "lstm", "--log-every", "1000", cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "recipe: adam, lr 0.01, 300 steps (lstm default; any flag overrides)" in out.stdout.splitlines()
+        accuracy = float(re.search(r"test accuracy (\d\.\d+) after 300 steps", out.stdout).group(1))
+    else:
+        config = TrainConfig(model=model, strategy=strategy, workers=2, devices="cpu", progress="none",
+                             log_every=1000, checkpoint_dir=str(tmp_path / "c"))
+        summary = Trainer(config).fit()
+        assert summary["steps"] == RECIPES[model].steps
+        accuracy = summary["test_accuracy"]
+    assert accuracy >= 0.90, (model, strategy, accuracy)
