@@ -89,11 +89,38 @@ def test_compression_halves_the_bytes_sent():
     assert per_rank[1]["None"] == 2 * 4000  # a member: reduce, broadcast
 
 
+def _degenerate_bytes(ctx):
+    out = {}
+    for islands in ([[0, 1, 2, 3]], [[0], [1], [2], [3]]):
+        state = HierarchicalState.build(islands, ctx.rank, ctx.world_size)
+        total = torch.ones(1000) * (ctx.rank + 1)
+        state.reduce(total)
+        out[str(islands)] = (state.bytes_sent, total[0].item())
+    return out
+
+
+def test_degenerate_islands_are_one_flat_all_reduce():
+    out = run_workers(_degenerate_bytes, 4)
+    assert out == {"[[0, 1, 2, 3]]": (4000, 10.0), "[[0], [1], [2], [3]]": (4000, 10.0)}  # one all-reduce each
+
+
+def test_wire_buffers_are_kept_from_step_to_step():
+    from phalanx.reduce import WireBuffers
+
+    wire = WireBuffers(torch.bfloat16)
+    first = wire.cast(torch.ones(10))
+    again = wire.cast(torch.full((10,), 2.0))
+    assert again is first and again.dtype == torch.bfloat16 and again[0].item() == 2.0
+    assert wire.cast(torch.ones(5)) is not first  # another bucket size: its own buffer
+
+
 def test_island_validation_and_auto_choice():
     assert validate_islands([[3, 2], [1, 0]], 4) == [[0, 1], [2, 3]]
     with pytest.raises(PhalanxError, match=r"must list every rank 0..3 exactly once \(they cover \[0, 1, 1, 2\]\)"):
         validate_islands([[0, 1], [1, 2]], 4)
     assert choose_reduction("auto", [[0, 1], [2, 3]]) == "hierarchical"
+    assert choose_reduction("auto", [[0, 1], [2, 3]], cpu=True) == "flat"  # CPU workers: nothing to win
+    assert choose_reduction("auto", [[0, 1, 2, 3]]) == "flat"  # one island
     assert choose_reduction("auto", [[0], [1]]) == "flat"
     assert choose_reduction("auto", None) == "flat"
     with pytest.raises(PhalanxError, match="unknown --reduce 'ring'"):
@@ -106,7 +133,9 @@ def test_training_with_hierarchical_bf16_through_the_cli(tmp_path):
     out = run_cli("train", "--steps", "100", "--reduce", "hierarchical", "--islands", "0;1", "--compress", "bf16",
                   cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert "hierarchical over islands [[0], [1]], bf16 on the wire" in out.stdout.splitlines()[0]
+    # one rank per island: the hierarchy has nothing to do, so it is the flat all-reduce (never a cost)
+    assert ("flat all-reduce (islands [[0], [1]]: one rank per island, nothing to reduce hierarchically), bf16 on "
+            "the wire") in out.stdout.splitlines()[0]
     assert float(out.stdout.split("test accuracy ")[1].split()[0]) >= 0.95
     bad = run_cli("train", "--reduce", "hierarchical", cwd=tmp_path)
     assert bad.returncode == 2 and "needs the islands spelled out" in bad.stderr

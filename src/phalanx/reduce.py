@@ -14,9 +14,11 @@ kept between buckets but not within one.
 
 Compression (``--compress bf16|fp16``) casts the bucket to half precision before it travels and
 back to the gradient's dtype after, halving the bytes on every link; it combines with both flat
-and hierarchical reduction (a flat compressed reduction is torch's own ``bf16_compress_hook`` /
-``fp16_compress_hook``). gloo reduces bf16/fp16 on the CPU as well (torch 2.13), so this runs on
-CPU workers too.
+and hierarchical reduction. It is torch's ``bf16_compress_hook`` with one change: the half-precision
+buffers are kept from step to step (:class:`WireBuffers`) instead of allocated per bucket per step.
+gloo reduces bf16/fp16 on the CPU as well (torch 2.13), so this runs on CPU workers too, but gloo
+adds fp16 element by element (slower than fp32) and on loopback a byte costs about as much to cast
+as to send: see docs/topology.md for what it saves where.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .errors import PhalanxError
 
@@ -55,6 +56,55 @@ def validate_islands(islands, world_size: int) -> list[list[int]]:
     return sorted(sorted(island) for island in islands)
 
 
+def degenerate(islands: list[list[int]]) -> Optional[str]:
+    """Why reducing island by island would do nothing a flat all-reduce does not (None: it would)."""
+    if len(islands) == 1:
+        return "a single island"
+    if all(len(island) == 1 for island in islands):
+        return "one rank per island"
+    return None
+
+
+class WireBuffers:
+    """Half-precision buffers kept from step to step, one per bucket shape.
+
+    Casting a gradient bucket into a *fresh* tensor every step costs a page-faulting allocation
+    as large as the bucket (measured: 34 ms for a 64 MB bucket, more than the all-reduce saves);
+    copying into a buffer that stays costs only the conversion.
+    """
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def cast(self, flat: torch.Tensor) -> torch.Tensor:
+        key = (flat.numel(), flat.device)
+        wire = self.buffers.get(key)
+        if wire is None:
+            wire = self.buffers[key] = torch.empty(flat.numel(), dtype=self.dtype, device=flat.device)
+        return wire.copy_(flat)
+
+
+@dataclasses.dataclass
+class CompressState:
+    """A flat all-reduce of each bucket in half precision (the state of :func:`compress_hook`)."""
+
+    wire: WireBuffers
+    world_size: int
+
+
+def compress_hook(state, bucket):  # no annotations: DDP checks them, and they would be strings here
+    """DDP communication hook: the bucket averaged over all ranks, travelling in half precision."""
+    flat = bucket.buffer()
+    wire = state.wire.cast(flat).div_(state.world_size)  # divided first: fp16 sums must not overflow
+    future = dist.all_reduce(wire, async_op=True).get_future()
+
+    def back(_):
+        return flat.copy_(wire)
+
+    return future.then(back)
+
+
 @dataclasses.dataclass
 class HierarchicalState:
     """Process groups for one rank's hierarchical reduction (built identically on every rank)."""
@@ -64,6 +114,7 @@ class HierarchicalState:
     world_size: int
     dtype: Optional[torch.dtype]
     island_group: Optional[dist.ProcessGroup] = None
+    wire: Optional[WireBuffers] = None
     leaders_group: Optional[dist.ProcessGroup] = None
     leader: int = 0
     #: bytes handed to collectives by this rank (for tests and benchmarks)
@@ -73,7 +124,7 @@ class HierarchicalState:
     def build(cls, islands: list[list[int]], rank: int, world_size: int, dtype: Optional[torch.dtype] = None
               ) -> "HierarchicalState":
         islands = validate_islands(islands, world_size)
-        state = cls(islands, rank, world_size, dtype)
+        state = cls(islands, rank, world_size, dtype, wire=WireBuffers(dtype) if dtype is not None else None)
         # new_group is itself a collective: every rank creates every group, in the same order.
         for island in islands:
             group = dist.new_group(island)
@@ -83,9 +134,17 @@ class HierarchicalState:
         return state
 
     def reduce(self, flat: torch.Tensor) -> torch.Tensor:
-        """The sum over all ranks of ``flat`` (in place), via island leaders."""
-        wire = flat.to(self.dtype) if self.dtype is not None else flat
+        """The sum over all ranks of ``flat`` (in place), via island leaders.
+
+        Where the islands give the hierarchy nothing to do (one island, or one rank each) this is
+        the flat all-reduce itself, so choosing hierarchical never costs there.
+        """
+        wire = self.wire.cast(flat) if self.wire is not None else flat
         count = wire.numel() * wire.element_size()
+        if degenerate(self.islands):
+            dist.all_reduce(wire)
+            self.bytes_sent += count
+            return flat.copy_(wire) if wire is not flat else flat
         dist.reduce(wire, dst=self.leader, group=self.island_group)
         self.bytes_sent += count
         if self.rank == self.leader and len(self.islands) > 1:
@@ -106,33 +165,42 @@ def hierarchical_hook(state, bucket):  # no annotations: DDP checks them, and th
     return future
 
 
-def choose_reduction(reduce: str, islands: Optional[list[list[int]]]) -> str:
-    """``auto`` picks hierarchical where islands exist and at least one holds several ranks."""
+def choose_reduction(reduce: str, islands: Optional[list[list[int]]], cpu: bool = False) -> str:
+    """``auto`` picks hierarchical only where the topology gives it something to win.
+
+    That is GPUs in several islands, one of which holds several ranks: the links between islands
+    are slower than those within. CPU workers on one machine all talk over the same memory, so
+    ``auto`` keeps them flat.
+    """
     if reduce not in REDUCTIONS:
         raise PhalanxError(f"unknown --reduce {reduce!r}: choose one of {', '.join(REDUCTIONS)}")
     if reduce != "auto":
         return reduce
-    useful = islands is not None and len(islands) > 1 and any(len(i) > 1 for i in islands)
+    useful = not cpu and islands is not None and degenerate([list(i) for i in islands]) is None
     return "hierarchical" if useful else "flat"
 
 
 def apply_reduction(ddp_model, reduce: str, compress: Optional[str], islands: Optional[list[list[int]]],
-                    world_size: int, rank: int) -> str:
+                    world_size: int, rank: int, cpu: bool = False) -> str:
     """Register the right communication hook on ``ddp_model``; return a phrase for the run header."""
     if compress not in COMPRESSIONS:
         raise PhalanxError(f"unknown --compress {compress!r}: choose bf16 or fp16")
-    kind = choose_reduction(reduce, islands)
+    kind = choose_reduction(reduce, islands, cpu)
+    described = "flat all-reduce"
     if kind == "hierarchical":
         if islands is None:
             raise PhalanxError("--reduce hierarchical needs islands: on GPUs they come from the topology "
                                "(phalanx topology); in the API pass Sync(islands=[[0, 1], [2, 3]])")
-        state = HierarchicalState.build(islands, rank, world_size, COMPRESSIONS[compress])
-        ddp_model.register_comm_hook(state, hierarchical_hook)
-        described = f"hierarchical over islands {state.islands}"
-    elif compress is not None:
-        hook = default_hooks.bf16_compress_hook if compress == "bf16" else default_hooks.fp16_compress_hook
-        ddp_model.register_comm_hook(None, hook)
-        described = "flat all-reduce"
-    else:
-        described = "flat all-reduce"
+        islands = validate_islands(islands, world_size)
+        why = degenerate(islands)
+        if why is None:
+            state = HierarchicalState.build(islands, rank, world_size, COMPRESSIONS[compress])
+            ddp_model.register_comm_hook(state, hierarchical_hook)
+            described = f"hierarchical over islands {state.islands}"
+        else:
+            described = f"flat all-reduce (islands {islands}: {why}, nothing to reduce hierarchically)"
+    if described.startswith("flat") and compress is not None:
+        ddp_model.register_comm_hook(CompressState(WireBuffers(COMPRESSIONS[compress]), world_size), compress_hook)
+    if compress == "fp16" and cpu:
+        return described + ", fp16 on the wire (gloo adds fp16 slowly on the CPU: bf16 is faster there)"
     return described + (f", {compress} on the wire" if compress else "")
