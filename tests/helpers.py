@@ -51,3 +51,35 @@ def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.Completed
 def python_script(path: Path, *args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(path), *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The worker processes a phalanx command started, oldest first (rank order)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            cmdline = open(f"/proc/{entry}/cmdline").read()
+        except OSError:
+            continue
+        if int(stat[1]) == pid and "spawn_main" in cmdline:
+            found.append((int(stat[19]), int(entry)))  # start time, pid
+    return [p for _, p in sorted(found)]
+
+
+def run_and_signal(args: list[str], cwd: Path, after_line: str, signal_: int, rank: int | None = None,
+                   timeout: float = 300) -> tuple[int, str, str]:
+    """Run ``phalanx *args``; when a stdout line starts with ``after_line`` send ``signal_`` to worker
+    ``rank`` (None: to the phalanx command itself). Returns (exit status, stdout, stderr)."""
+    proc = subprocess.Popen(phalanx_cmd() + args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(after_line):
+            os.kill(proc.pid if rank is None else spawned_children(proc.pid)[rank], signal_)
+            break
+    rest, err = proc.communicate(timeout=timeout)  # a hang fails here instead of stalling the suite
+    return proc.returncode, "".join(lines) + rest, err

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from phalanx.errors import PhalanxError
+from phalanx.errors import PhalanxError, StorageError
 from phalanx.train.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint,
                                       remove_stale_temporaries, save_checkpoint)
 
@@ -50,7 +50,7 @@ def test_failed_save_removes_its_temporary(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", broken_save)
-    with pytest.raises(OSError):
+    with pytest.raises(StorageError, match="No space left on device"):
         save_checkpoint({"format": "phalanx-checkpoint-1", "step": 2}, tmp_path, 2, keep=3)
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000001.pt"]
 

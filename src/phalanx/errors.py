@@ -29,3 +29,9 @@ class WorkerFailed(PhalanxError):
         self.detail = detail
         self.who = who or f"worker {rank}"
         super().__init__(f"{self.who} failed: {detail}")
+
+
+class StorageError(PhalanxError):
+    """A checkpoint could not be written (disk full, permission denied); nothing saved before was lost."""
+
+    exit_code = 1

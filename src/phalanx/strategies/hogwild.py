@@ -1,7 +1,8 @@
 """Hogwild!: workers on one machine update shared parameters without locks.
 
 Communication: none. Rank 0 writes the initial parameters into one flat float32 buffer in shared
-memory (a file under /dev/shm that every worker maps); every worker's parameters are views into
+memory (a file under /dev/shm that every worker maps, then unlinked at once, so the memory goes
+with the last worker however the job ends); every worker's parameters are views into
 that buffer, so each optimizer step writes straight into what the others read, with no lock
 (Niu et al., 2011). Optimizer state (momentum) is private to each worker. A counter slot per
 worker in the same buffer counts updates, so the staleness of each update (the updates others
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tempfile
 from typing import ClassVar
 
@@ -49,6 +51,28 @@ class Hogwild(Options):
         return HogwildRuntime(build, self)
 
 
+def reclaim_leftovers(directory: str) -> list[str]:
+    """Remove shared-memory files of Hogwild runs whose creator is gone (killed between creating the
+    file and every worker mapping it, the only moment a file can be left behind)."""
+    removed = []
+    for name in os.listdir(directory):
+        m = re.match(r"phalanx-hogwild-(\d+)-", name)
+        if m and not _alive(int(m.group(1))):
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class HogwildRuntime(Runtime):
     def __init__(self, build: Build, options: Hogwild):
         ctx, model = build.ctx, build.model
@@ -72,13 +96,17 @@ class HogwildRuntime(Runtime):
         self.counters = shared[size:]
         if ctx.distributed:
             dist.barrier()  # nobody reads before rank 0 has written the initial values
+            if self.path is not None:  # every rank has mapped it: the name can go, the memory stays mapped
+                os.unlink(self.path)    # (and goes with the last process, however it ends: nothing leaks)
+                self.path = None
         super().__init__(build, description=options.describe())
 
     def _map_shared(self, ctx, count: int) -> torch.Tensor:
         name = [None]
         if ctx.rank == 0:
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            fd, path = tempfile.mkstemp(prefix="phalanx-hogwild-", dir=shm)
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            reclaim_leftovers(shm)
+            fd, path = tempfile.mkstemp(prefix=f"phalanx-hogwild-{os.getpid()}-", dir=shm)
             os.ftruncate(fd, count * 4)
             os.close(fd)
             name = [path]

@@ -1,23 +1,39 @@
-"""Atomic checkpoints: write a temporary file, fsync, rename; keep the last K.
+"""Checkpoints you can trust: atomic, checksummed, verified on load, one job per directory.
 
-A kill at any moment leaves either the previous checkpoint or the new one, never a torn file,
-because ``os.replace`` within one directory is atomic. Files are named ``step-00000120.pt`` so the
-newest is found by name; everything in them loads with ``torch.load(weights_only=True)``
-(tensors, numbers, strings, lists and dicts only).
+- **Atomic.** Written to a temporary file, fsynced, renamed: ``os.replace`` within one directory
+  is atomic, so a kill at any moment leaves the previous checkpoint or the new one, never a torn
+  file. Files are named ``step-00000120.pt`` so the newest is found by name.
+- **Checksummed.** Every checkpoint holds the SHA-256 of its payload (every tensor's bytes,
+  dtype and shape, every other value, by key), recomputed and compared on load: a byte flipped
+  on disk is found before it is trained on. torch's own zip reader does not check.
+- **Verified resume.** ``--resume DIR`` takes the newest checkpoint that verifies and names any
+  newer one it skipped.
+- **Storage errors** (disk full, permission denied) are one line naming the previous good
+  checkpoint; the half-written temporary file is removed.
+- **One job per directory.** :class:`DirectoryLock` (``flock`` on ``.phalanx.lock``, released by
+  the kernel when the holder dies, so it is never stale) refuses a second job, naming the first.
+
+Everything loads with ``torch.load(weights_only=True)`` (tensors, numbers, strings, lists, dicts).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import hashlib
 import os
 import re
+import socket
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from ..errors import PhalanxError
+from ..errors import PhalanxError, StorageError
 
+FORMAT = "phalanx-checkpoint-1"
+LOCK_NAME = ".phalanx.lock"
 _NAME = re.compile(r"^step-(\d+)\.pt$")
 
 
@@ -65,6 +81,28 @@ def to_cpu(obj: Any) -> Any:
     return obj
 
 
+def payload_digest(state: dict[str, Any]) -> str:
+    """SHA-256 of everything in ``state`` but its own checksum: tensors by bytes, dtype and shape."""
+    digest = hashlib.sha256()
+
+    def walk(obj: Any, where: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().cpu().contiguous()
+            digest.update(f"{where}:{t.dtype}:{tuple(t.shape)};".encode())
+            digest.update(t.reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(obj, dict):
+            for key in sorted(obj, key=str):
+                walk(obj[key], f"{where}/{key}")
+        elif isinstance(obj, (list, tuple)):
+            for i, value in enumerate(obj):
+                walk(value, f"{where}[{i}]")
+        else:
+            digest.update(f"{where}={obj!r};".encode())
+
+    walk({k: v for k, v in state.items() if k not in ("checksum", "path", "skipped")}, "")
+    return digest.hexdigest()
+
+
 def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
     """Delete half-written checkpoints that a killed run left behind (never a finished one)."""
     root = Path(directory)
@@ -75,44 +113,135 @@ def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
 
 
 def save_checkpoint(state: dict[str, Any], directory: str | os.PathLike, step: int, keep: int) -> Path:
-    """Write ``state`` atomically as the checkpoint of ``step``; prune to the newest ``keep``."""
+    """Write ``state`` (plus its checksum) atomically as the checkpoint of ``step``; keep the newest ``keep``."""
     root = Path(directory)
     final = checkpoint_path(root, step)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=root)
+    previous = latest_checkpoint(root)
+    payload = to_cpu(state)
+    payload["checksum"] = payload_digest(payload)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=root)
         with os.fdopen(fd, "wb") as f:
-            torch.save(to_cpu(state), f)
+            torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as e:
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+        cause = _os_error(e)
+        if cause is not None:
+            raise _storage_error(cause, final, previous) from None
         raise
     for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
         old.unlink(missing_ok=True)
     return final
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a checkpoint safely; a missing, corrupt or foreign file is a clear error."""
-    p = Path(path)
-    if p.is_dir():
-        found = latest_checkpoint(p)
-        if found is None:
-            raise PhalanxError(f"no checkpoint (step-*.pt) in {p}; train first, or pass a checkpoint file to --resume")
-        p = found
-    if not p.is_file():
-        raise PhalanxError(f"checkpoint {p} does not exist; pass an existing file or directory to --resume")
+def _os_error(e: BaseException) -> Optional[OSError]:
+    """The OSError behind ``e``: torch's zip writer reports a full disk as a RuntimeError ("unexpected
+    pos ...") raised while handling the OSError."""
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, OSError):
+            return e
+        e, seen = (e.__cause__ or e.__context__), seen + 1
+    return None
+
+
+def _storage_error(e: OSError, target: Path, previous: Optional[Path]) -> StorageError:
+    code = errno.errorcode.get(e.errno, "") if e.errno else ""
+    why = f"{e.strerror or e}{f' ({code})' if code else ''}"
+    if previous is None:
+        kept = "no earlier checkpoint exists"
+        then = "then run again"
+    else:
+        kept = f"nothing was lost: the previous checkpoint {previous} is intact"
+        then = f"then continue with --resume {previous}"
+    fix = "free some space" if e.errno == errno.ENOSPC else "fix the directory's permissions"
+    return StorageError(f"cannot write checkpoint {target}: {why}; {kept}; {fix} or choose another "
+                        f"--checkpoint-dir, {then}")
+
+
+def _read(p: Path) -> dict[str, Any]:
+    """Load and verify one file; PhalanxError naming what is wrong with it."""
     try:
         state = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a bad file
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PhalanxError(
-            f"checkpoint {p} is corrupt or not a phalanx checkpoint ({first[:120]}); "
-            "resume from an earlier step-*.pt in the same directory"
-        ) from None
-    if not isinstance(state, dict) or state.get("format") != "phalanx-checkpoint-1":
+        if first.startswith("Weights only load failed"):
+            first = "it holds objects a checkpoint never holds"
+        raise PhalanxError(f"checkpoint {p} is corrupt or not a phalanx checkpoint ({first[:120]}); "
+                           "resume from an earlier step-*.pt in the same directory") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise PhalanxError(f"{p} is not a phalanx checkpoint; pass a step-*.pt written by phalanx train")
+    expected = state.get("checksum")
+    if expected is not None and payload_digest(state) != expected:
+        raise PhalanxError(f"checkpoint {p} is corrupt (its checksum does not match: the file changed after it "
+                           "was written); resume from an earlier step-*.pt in the same directory")
     state["path"] = str(p)
     return state
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Load a verified checkpoint: a file, or the newest one in a directory that verifies.
+
+    From a directory, ``state["skipped"]`` lists (path, why) of every newer checkpoint that did not.
+    """
+    p = Path(path)
+    if p.is_dir():
+        found = list_checkpoints(p)
+        if not found:
+            raise PhalanxError(f"no checkpoint (step-*.pt) in {p}; train first, or pass a checkpoint file to --resume")
+        skipped: list[tuple[str, str]] = []
+        for candidate in reversed(found):
+            try:
+                state = _read(candidate)
+            except PhalanxError as e:
+                skipped.append((str(candidate), str(e)))
+                continue
+            state["skipped"] = skipped
+            return state
+        raise PhalanxError(f"no checkpoint in {p} verifies ({len(found)} tried, newest {found[-1].name}: "
+                           f"{skipped[0][1]})")
+    if not p.is_file():
+        raise PhalanxError(f"checkpoint {p} does not exist; pass an existing file or directory to --resume")
+    return _read(p)
+
+
+class DirectoryLock:
+    """Hold ``<directory>/.phalanx.lock`` for a job's life: a second job on the directory is refused.
+
+    ``flock`` is released by the kernel when the holding process exits, however it exits, so a
+    lock is never left behind by a crash.
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        self.path = Path(directory) / LOCK_NAME
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> "DirectoryLock":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise PhalanxError(f"checkpoint directory {self.path.parent} is in use by another phalanx job "
+                               f"({holder}); wait for it to finish, or choose another --checkpoint-dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing drops the flock
+            self.fd = None
+
+    def __enter__(self) -> "DirectoryLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()

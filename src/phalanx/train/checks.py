@@ -14,6 +14,7 @@ import socket
 import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -273,6 +274,8 @@ def check_resume(cfg: TrainConfig, layout: Layout) -> tuple[Optional[str], int]:
     if cfg.resume is None:
         return None, 0
     state = ckpt.load_checkpoint(cfg.resume)
+    for path, why in state.get("skipped", []):
+        warnings.warn(f"skipped {path}, newer than {Path(state['path']).name}: {why.split('; resume from')[0]}")
     meta = state.get("meta", {})
     want = {"world_size": layout.world_size, "batch_size": cfg.batch_size, "model": cfg.model, "data": cfg.data,
             "strategy": cfg.strategy.name}

@@ -28,7 +28,6 @@ from .report import Reporter, step_line
 from .schedules import Schedule, scaled_lr
 from .trainer import Plan
 
-CHECKPOINT_FORMAT = "phalanx-checkpoint-1"
 
 
 def run_worker(ctx: WorkerContext, plan: Plan) -> dict[str, Any]:
@@ -68,7 +67,7 @@ class WorkerRun:
         if plan.resume_path:
             self._restore(plan.resume_path)
         self.reporter = Reporter(ctx.is_main, cfg.progress, cfg.metrics, cfg.steps, self.step,
-                                 append=plan.resume_path is not None)
+                                 resumed_from=plan.resume_path)
         self.prefetcher: Optional[Prefetcher] = None
 
     def _build_model(self) -> nn.Module:
@@ -172,7 +171,7 @@ class WorkerRun:
         path = str(ckpt.checkpoint_path(self.cfg.checkpoint_dir, self.step))
         if self.ctx.is_main and state is not None:
             ckpt.save_checkpoint(
-                {"format": CHECKPOINT_FORMAT, "step": self.step, **state,
+                {"format": ckpt.FORMAT, "step": self.step, **state,
                  "scheduler": self.scheduler.state_dict(), "rng": rng, "meta": self._meta(),
                  "data_position": {"epoch": self.step // self.steps_per_epoch,
                                    "batch_in_epoch": self.step % self.steps_per_epoch}},

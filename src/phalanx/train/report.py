@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -15,11 +16,31 @@ def step_line(step: int, loss: float, examples_per_sec: float, sec_per_batch: fl
     return f"step {step}, loss = {loss:.2f} ({examples_per_sec:.1f} examples/sec; {sec_per_batch:.3f} sec/batch)"
 
 
+def keep_until(path: str, step: int) -> None:
+    """Drop the records of steps after ``step`` (a run that went past its last checkpoint before it
+    stopped), so that a resumed run's records follow on without repeating steps. Atomic rewrite."""
+    file = Path(path)
+    if not file.is_file():
+        return
+    kept = []
+    for line in file.read_text().splitlines():
+        try:
+            event = json.loads(line)
+            at = event.get("step", event.get("steps", 0))
+        except (ValueError, AttributeError):
+            at = 0  # not ours to judge: kept as it was
+        if not isinstance(at, int) or at <= step:
+            kept.append(line)
+    tmp = file.with_name(f".{file.name}.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(tmp, file)
+
+
 class Reporter:
     """Prints on rank 0 only; every other rank gets a silent one."""
 
     def __init__(self, enabled: bool, progress: str, metrics_path: Optional[str], total_steps: int,
-                 start_step: int, append: bool):
+                 start_step: int, resumed_from: Optional[str] = None):
         self.enabled = enabled
         self.metrics = None
         self.bar = None
@@ -27,7 +48,11 @@ class Reporter:
             return
         if metrics_path:
             Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
-            self.metrics = open(metrics_path, "a" if append else "w", buffering=1)
+            if resumed_from is not None:
+                keep_until(metrics_path, start_step)
+            self.metrics = open(metrics_path, "a" if resumed_from is not None else "w", buffering=1)
+            if resumed_from is not None:
+                self.record("resume", step=start_step, checkpoint=resumed_from)
         use_bar = progress == "bar" or (progress == "auto" and sys.stdout.isatty())
         self.quiet = progress == "none"
         if use_bar:

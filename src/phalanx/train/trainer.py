@@ -95,8 +95,12 @@ class Trainer:
         cfg = plan.config
         created = not Path(cfg.checkpoint_dir).exists()
         ckpt.ensure_writable(cfg.checkpoint_dir)
-        ckpt.remove_stale_temporaries(cfg.checkpoint_dir)
+        # One job per checkpoint directory: the process that writes the checkpoints holds the lock.
+        lock = ckpt.DirectoryLock(cfg.checkpoint_dir) if launcher_rank() == 0 else None
         try:
+            if lock is not None:
+                lock.acquire()
+            ckpt.remove_stale_temporaries(cfg.checkpoint_dir)
             return launch(run_worker, list(plan.layout.devices), (plan,), threads=cfg.threads, addr=cfg.master_addr,
                           timeout_s=cfg.timeout_s, tolerate=plan.layout.expendable)
         except WorkerFailed as e:
@@ -104,9 +108,26 @@ class Trainer:
             hint = f"\nlast checkpoint: {last}; continue with --resume {last}" if last else ""
             raise WorkerFailed(e.rank, e.detail + hint, plan.layout.label(e.rank)) from None
         except PhalanxError:
-            if created and Path(cfg.checkpoint_dir).is_dir() and not any(Path(cfg.checkpoint_dir).iterdir()):
-                Path(cfg.checkpoint_dir).rmdir()  # leave nothing behind for a run that never started
+            if created and lock is not None and lock.fd is not None:
+                _remove_if_empty(Path(cfg.checkpoint_dir))  # leave nothing behind for a run that never started
             raise
+        finally:
+            if lock is not None:
+                lock.release()
+
+
+def _remove_if_empty(root: Path) -> None:
+    """Remove a checkpoint directory this run created, if nothing but its lock file is in it."""
+    if root.is_dir() and all(p.name == ckpt.LOCK_NAME for p in root.iterdir()):
+        (root / ckpt.LOCK_NAME).unlink(missing_ok=True)
+        root.rmdir()
+
+
+def launcher_rank() -> int:
+    """This process's rank in a job started by torchrun (0 when phalanx starts the workers itself)."""
+    import os
+
+    return int(os.environ["RANK"]) if in_torchrun() else 0
 
 
 def worker_devices(cfg: TrainConfig) -> list[torch.device]:
