@@ -73,6 +73,12 @@ def launcher_world_size() -> Optional[int]:
     return job.world_size if job is not None else None
 
 
+def launcher_rank() -> int:
+    """This process's rank in a job another launcher started (0 when phalanx starts the workers itself)."""
+    job = joined()
+    return job.rank if job is not None else 0
+
+
 def world_size(devices: Sequence[torch.device]) -> int:
     """Workers in the job: the launcher's world size, else one per device slot."""
     return launcher_world_size() or len(devices)

@@ -20,7 +20,7 @@ from torch import nn
 from ..data import DataBundle
 from ..devices import backend_for, resolve_devices
 from ..errors import PhalanxError, WorkerFailed
-from ..launch import in_torchrun, launch
+from ..launch import in_torchrun, launch, launcher_rank, launcher_world_size
 from ..models import build_model
 from ..strategies import Job, Layout
 from . import checkpoint as ckpt
@@ -72,7 +72,7 @@ class Trainer:
         model = self.model if user_model else build_model(cfg.model, facts.input_shape, facts.num_classes)
         checks.check_model(model, facts, self.loss_fn)
         devices = worker_devices(cfg)
-        job = Job(tuple(devices), cfg.batch_size, cfg.accumulate, processes=_launcher_world_size(),
+        job = Job(tuple(devices), cfg.batch_size, cfg.accumulate, processes=launcher_world_size(),
                   gpu_islands=_gpu_islands(devices, cfg), model=model)
         layout = cfg.strategy.layout(job)
         checks.check_global_batch(cfg, layout, facts)
@@ -123,13 +123,6 @@ def _remove_if_empty(root: Path) -> None:
         root.rmdir()
 
 
-def launcher_rank() -> int:
-    """This process's rank in a job started by torchrun (0 when phalanx starts the workers itself)."""
-    import os
-
-    return int(os.environ["RANK"]) if in_torchrun() else 0
-
-
 def worker_devices(cfg: TrainConfig) -> list[torch.device]:
     """One device per worker: the selected GPUs, or ``workers`` CPU slots (default 2)."""
     found = resolve_devices(cfg.devices, strict=cfg.strict_devices)
@@ -145,12 +138,6 @@ def worker_devices(cfg: TrainConfig) -> list[torch.device]:
         )
     backend_for(found[:workers])
     return found[:workers]
-
-
-def _launcher_world_size() -> Optional[int]:
-    from ..launch import launcher_world_size
-
-    return launcher_world_size()  # torchrun's WORLD_SIZE or Slurm's task count; None when phalanx spawns
 
 
 def _gpu_islands(devices: list[torch.device], cfg: TrainConfig) -> Optional[tuple[tuple[int, ...], ...]]:
