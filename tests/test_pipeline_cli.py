@@ -37,7 +37,8 @@ def test_stacked_lstm_through_the_cli_reaches_090_and_its_checkpoint_is_the_unsp
     assert lines[0].startswith("phalanx train: strategy pipeline (2 stages, 4 micro-batches, 1f1b), world size 2")
     assert "global batch 32 (every worker reads the whole batch)" in lines[0]
     assert lines[1].startswith("pipeline plan: 5 blocks in 2 stages, balanced by measured time")
-    assert re.fullmatch(r"  stage 0 \(rank 0\): blocks 0\.\.\d \(\d\), [\d,]+ parameters, \d+\.\d\d ms per "
+    # (the partition follows measured times, which depend on the machine's load: one block or several)
+    assert re.fullmatch(r"  stage 0 \(rank 0\): blocks 0(\.\.\d)? \(\d\), [\d,]+ parameters, \d+\.\d\d ms per "
                         r"micro-batch \(fwd\+bwd\)", lines[2])
     assert re.search(r"predicted bubble \d+\.\d%", lines[4])
     assert accuracy(out.stdout) >= 0.90

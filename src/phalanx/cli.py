@@ -19,12 +19,13 @@ import warnings
 from typing import Callable, Optional, Sequence
 
 from . import __version__
-from .errors import PhalanxError, WorkerFailed
+from .errors import PhalanxError, Stopped, WorkerFailed
 from .options import add_flags, declared, field_flag, given
 
 #: How ``phalanx train --help`` groups the training flags (every TrainConfig field appears once).
 SECTIONS = {
-    "parallelism": ("strategy", "devices", "strict_devices", "workers", "threads", "master_addr", "timeout_s"),
+    "parallelism": ("strategy", "devices", "strict_devices", "workers", "threads", "master_addr"),
+    "faults": ("timeout_s", "hang_timeout_s", "max_restarts"),
     "model and data": ("model", "data", "data_dir", "synthetic_shape", "synthetic_size"),
     "optimisation (unset: the model's recipe)": (
         "steps", "batch_size", "accumulate", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
@@ -92,7 +93,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .train import Trainer
 
     started = time.perf_counter()
-    summary = Trainer(config_from_args(args)).fit()
+    try:
+        summary = Trainer(config_from_args(args)).fit()
+    except Stopped as e:
+        again = " ".join(["phalanx", *[a for a in sys.argv[1:] if a != "--resume"], "--resume"])
+        print(f"{e}; continue with: {again}" if e.summary else str(e), file=sys.stderr, flush=True)
+        return e.exit_code
     if summary is not None:
         print(f"wall time {time.perf_counter() - started:.1f} s (including worker start-up)", flush=True)
     return 0

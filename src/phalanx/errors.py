@@ -24,10 +24,11 @@ class WorkerFailed(PhalanxError):
 
     exit_code = 1
 
-    def __init__(self, rank: int, detail: str, who: str = ""):
+    def __init__(self, rank: int, detail: str, who: str = "", step: "int | None" = None):
         self.rank = rank
         self.detail = detail
         self.who = who or f"worker {rank}"
+        self.step = step  # the last step this rank reported, where known
         super().__init__(f"{self.who} failed: {detail}")
 
 
@@ -35,3 +36,21 @@ class StorageError(PhalanxError):
     """A checkpoint could not be written (disk full, permission denied); nothing saved before was lost."""
 
     exit_code = 1
+
+
+class JobHung(PhalanxError):
+    """No rank the job needs made progress for --hang-timeout seconds; the report names who is stuck where."""
+
+    exit_code = 1
+
+
+class Stopped(PhalanxError):
+    """The job was asked to stop (SIGTERM, SIGINT): every worker stopped at one step, a checkpoint was saved."""
+
+    def __init__(self, message: str, signame: str = "SIGTERM", summary: object = None):
+        import signal
+
+        super().__init__(message)
+        self.signame = signame
+        self.summary = summary
+        self.exit_code = 128 + int(getattr(signal, signame, signal.SIGTERM))

@@ -18,11 +18,13 @@ World size 1 runs in the calling process with no process group at all.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -35,8 +37,9 @@ from multiprocessing import connection as mp_connection
 
 from . import errors
 from .devices import backend_for
-from .errors import PhalanxError, WorkerFailed
+from .errors import JobHung, PhalanxError, Stopped, WorkerFailed
 from .launch_env import Joined, joined
+from .watch import PREFIX, Progress, Watcher, enable_flight_recorder, store_client
 
 #: How long a collective may wait for a peer before gloo/NCCL gives up. A dead peer is normally
 #: noticed much sooner, by the parent seeing the process exit.
@@ -52,6 +55,10 @@ class WorkerContext:
     local_rank: int
     device: torch.device
     backend: str | None  # None: world size 1, no process group
+    #: the job's rendezvous store (None: world size 1), for agreements outside the process group
+    store: Optional[dist.Store] = dataclasses.field(default=None, compare=False, repr=False)
+    #: this rank's published progress and the stop request it received
+    progress: Progress = dataclasses.field(default_factory=lambda: Progress(0), compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -111,14 +118,17 @@ def _init_worker(
     store: dist.Store | None,
     timeout_s: float,
     init_method: str = "env://",
+    progress: Optional[Progress] = None,
 ) -> WorkerContext:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if threads:
         torch.set_num_threads(threads)
+    progress = progress or Progress(rank)
     if world_size == 1:
-        return WorkerContext(rank, 1, local_rank, device, None)
+        return WorkerContext(rank, 1, local_rank, device, None, progress=progress)
     backend = backend_for([device])
+    enable_flight_recorder()  # so that a hang report can say which collective each rank waits in
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
     if store is not None:
         kwargs["store"] = store
@@ -127,7 +137,8 @@ def _init_worker(
     if device.type == "cuda":
         kwargs["device_id"] = device
     dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
-    return WorkerContext(rank, world_size, local_rank, device, backend)
+    store = store if store is not None else dist.distributed_c10d._get_default_store()
+    return WorkerContext(rank, world_size, local_rank, device, backend, store=store, progress=progress)
 
 
 def _shutdown() -> None:
@@ -145,18 +156,27 @@ def _spawned_worker(
     port: int,
     timeout_s: float,
     results: Any,
+    watched: bool = True,
 ) -> None:
     world_size = len(devices)
+    progress = Progress(local_rank)
+    progress.handle_signals()  # SIGTERM/SIGINT: stop at a step boundary, not a KeyboardInterrupt traceback
     try:
         store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
-        ctx = _init_worker(local_rank, world_size, local_rank, devices[local_rank], threads, store, timeout_s)
+        if watched:
+            progress.publish(store_client(addr, port, timeout_s))
+        ctx = _init_worker(local_rank, world_size, local_rank, devices[local_rank], threads, store, timeout_s,
+                           progress=progress)
         value = fn(ctx, *args)
         if local_rank == 0:
             results.put(("result", 0, _to_bytes(value)))
+        progress.at(progress.step, "leaving")
         _leave_together()
     except PhalanxError as e:
-        # Bad input found inside a worker: send the message home, then fail so the rest stop too.
-        results.put(("error", local_rank, (time.time(), type(e).__name__, str(e))))
+        # Bad input found inside a worker (or a failure it diagnosed itself, such as a server that lost
+        # every worker): send the message home, then fail so the rest stop too.
+        text = e.detail if isinstance(e, WorkerFailed) else str(e)
+        results.put(("error", local_rank, (time.time(), type(e).__name__, text)))
         raise SystemExit(3)
     except BaseException:
         # Stamp the time: when one worker crashes its peers crash next ("connection closed"),
@@ -164,6 +184,7 @@ def _spawned_worker(
         results.put(("crash", local_rank, (time.time(), traceback.format_exc())))
         raise
     finally:
+        progress.close()
         _shutdown()
     # Skip the interpreter's teardown: a C++ thread of torch's (gloo, the thread pool) that is
     # still joinable when static destructors run aborts the process ("terminate called without an
@@ -173,17 +194,26 @@ def _spawned_worker(
     os._exit(0)
 
 
-def _leave_together() -> None:
-    """Wait until every live rank is done before closing connections (a lost rank is skipped)."""
+def _leave_together(wait_s: float = 30.0) -> None:
+    """Wait until every live rank is done before closing connections (a lost rank is skipped).
+
+    On gloo a monitored barrier with a deadline: a rank that is frozen (an asynchronous strategy's
+    hung worker, dropped by its server) must not keep the others from leaving.
+    """
     try:
-        dist.barrier()
-    except Exception:  # a peer is gone (an asynchronous strategy's lost worker): nothing to wait for
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=wait_s))
+        else:
+            dist.barrier()
+    except Exception:  # a peer is gone or frozen: nothing to wait for
         pass
 
 
 def _rebuild_error(rank: int, name: str, message: str) -> PhalanxError:
+    if name == "WorkerFailed":
+        return WorkerFailed(rank, message)  # still a failed run (exit 1), named by its rank
     cls = getattr(errors, name, None)
-    if isinstance(cls, type) and issubclass(cls, PhalanxError) and cls is not WorkerFailed:
+    if isinstance(cls, type) and issubclass(cls, PhalanxError):
         try:
             return cls(message)
         except TypeError:
@@ -207,11 +237,19 @@ def launch(
     addr: str = "127.0.0.1",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     tolerate: Optional[Callable[[int], bool]] = None,
+    hang_timeout_s: float = 0.0,
+    label: Optional[Callable[[int], str]] = None,
+    lockstep: bool = True,
 ) -> Any:
     """Run ``fn(ctx, *args)`` on one worker per entry of ``devices``; return rank 0's result.
 
     ``fn`` and ``args`` must be picklable (workers are spawned, not forked, so CUDA stays usable).
     Inside torchrun or srun this process is the worker: ``devices`` is indexed by its local rank.
+    A rank for which ``tolerate(rank)`` holds may die without ending the job. With
+    ``hang_timeout_s`` > 0 the parent watches every rank's progress and ends a job in which no
+    rank it needs moved for that long with :class:`JobHung` naming who is stuck where. SIGTERM
+    and SIGINT are passed on to the workers, which stop together at a step boundary; a second
+    one stops them at once.
     """
     if threads is None and all(d.type == "cpu" for d in devices):
         threads = threads_per_worker(local_world_size(len(devices)))
@@ -220,7 +258,8 @@ def launch(
         return _run_joined(job, fn, devices, args, threads, timeout_s)
     if len(devices) == 1:
         ctx = _init_worker(0, 1, 0, devices[0], threads, None, timeout_s)
-        return fn(ctx, *args)
+        with _signals_to(lambda name: ctx.progress.request_stop(name)):
+            return fn(ctx, *args)
 
     store = dist.TCPStore(addr, 0, len(devices), is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
@@ -228,58 +267,110 @@ def launch(
     results = spawn.SimpleQueue()
     procs = mp.start_processes(
         _spawned_worker,
-        args=(fn, args, list(devices), threads, addr, store.port, timeout_s, results),
+        args=(fn, args, list(devices), threads, addr, store.port, timeout_s, results, hang_timeout_s > 0),
         nprocs=len(devices),
         join=False,
         start_method="spawn",
     )
+    watcher = Watcher(dist.PrefixStore(PREFIX, store), len(devices), hang_timeout_s, label or (lambda r: f"rank {r}"),
+                      tolerate or (lambda r: False), lockstep)
     try:
-        received = _monitor(procs.processes, results, tolerate)
-    except KeyboardInterrupt:
-        _terminate(procs.processes)
-        raise
+        received = _monitor(procs.processes, results, tolerate, watcher)
+    finally:
+        _terminate(procs.processes)  # whatever happened, no worker outlives the launch
     for kind, _rank, value in received:
         if kind == "result":
             return torch.load(io.BytesIO(value), weights_only=False)
     return None
 
 
-def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], bool]]) -> list[tuple]:
-    """Wait for every worker; drain their reports meanwhile; on a failure stop the rest and raise.
+def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], bool]],
+             watcher: Watcher) -> list[tuple]:
+    """Wait for every worker; drain their reports meanwhile; on a failure or a hang stop the rest and raise.
 
     A rank for which ``tolerate(rank)`` is true may die without ending the job (an asynchronous
-    strategy's worker: its server carries on without it).
+    strategy's worker: its server carries on without it). Once rank 0 has delivered its result,
+    ranks that are still alive after a grace period (a frozen worker its server dropped) are
+    ended. Signals received meanwhile are passed on to every worker (see :func:`_forward`).
     """
     received: list[tuple] = []
     alive = set(range(len(processes)))
-    while alive:
-        # Drain while waiting: a large result blocks its sender until the pipe is read.
-        received += _drain(results)
-        mp_connection.wait([processes[r].sentinel for r in alive], timeout=0.2)
-        for rank in sorted(alive):
-            code = processes[rank].exitcode
-            if code is None:
-                continue
-            alive.discard(rank)
-            if code == 0 or (tolerate is not None and tolerate(rank)):
-                continue
-            _terminate([processes[r] for r in alive])
+    done_at: Optional[float] = None
+    with _signals_to(_Forward(processes, alive)):
+        while alive:
+            # Drain while waiting: a large result blocks its sender until the pipe is read.
             received += _drain(results)
-            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-            raise _failure(received, (rank, f"process {processes[rank].pid} {how}"), killed=code < 0)
+            if done_at is None and any(kind == "result" for kind, _, _ in received):
+                done_at = time.monotonic()
+            mp_connection.wait([processes[r].sentinel for r in alive], timeout=0.2)
+            for rank in sorted(alive):
+                code = processes[rank].exitcode
+                if code is None:
+                    continue
+                alive.discard(rank)
+                if code == 0 or (tolerate is not None and tolerate(rank)):
+                    continue
+                _terminate([processes[r] for r in alive])
+                received += _drain(results)
+                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+                raise _failure(received, (rank, f"process {processes[rank].pid} {how}"), killed=code < 0,
+                               last_step=watcher.last_step(rank))
+            if done_at is not None and time.monotonic() - done_at > LEAVE_GRACE_S:
+                break  # the result is home; whoever has not left by now is frozen
+            if done_at is None and watcher.hung():
+                report = watcher.report()
+                _terminate([processes[r] for r in alive])
+                raise JobHung(f"the job made no progress for {watcher.timeout:g} s (--hang-timeout): {report}")
     return received + _drain(results)
 
 
-def _terminate(processes: list, grace_s: float = 5.0) -> None:
+#: How long ranks may take to leave once rank 0 delivered its result.
+LEAVE_GRACE_S = 60.0
+
+
+class _Forward:
+    """The first SIGTERM/SIGINT goes on to every worker (they stop together at a step boundary and
+    save a checkpoint); a second one ends them at once."""
+
+    def __init__(self, processes: list, alive: set):
+        self.processes, self.alive = processes, alive
+        self.first: Optional[str] = None
+
+    def __call__(self, name: str) -> None:
+        if self.first is not None:
+            _terminate([self.processes[r] for r in self.alive])
+            raise Stopped(f"stopped at once by a second {name}; checkpoints are written atomically, so the newest "
+                          "one in the checkpoint directory is whole", name)
+        self.first = name
+        for rank in self.alive:
+            if self.processes[rank].is_alive():
+                os.kill(self.processes[rank].pid, getattr(signal, name))
+
+
+@contextlib.contextmanager
+def _signals_to(handler: Callable[[str], None]):
+    """While inside, SIGTERM and SIGINT call ``handler(name)`` (in the main thread only; elsewhere nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig in previous:
+        signal.signal(sig, lambda signum, frame: handler(signal.Signals(signum).name))
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _terminate(processes: list) -> None:
+    """End these workers now: SIGKILL (workers take SIGTERM as a request to stop at a step boundary,
+    and checkpoints are written atomically, so nothing is torn)."""
     for p in processes:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
             p.kill()
-            p.join()
+    for p in processes:
+        p.join()
 
 
 def _to_bytes(value: Any) -> bytes:
@@ -289,7 +380,8 @@ def _to_bytes(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _failure(reports: list[tuple], first: tuple[int, str], killed: bool) -> PhalanxError:
+def _failure(reports: list[tuple], first: tuple[int, str], killed: bool, last_step: Optional[int] = None
+             ) -> PhalanxError:
     """The error to raise for a failed job.
 
     A worker's own PhalanxError wins (it is the user's problem, stated plainly); then a process
@@ -303,14 +395,21 @@ def _failure(reports: list[tuple], first: tuple[int, str], killed: bool) -> Phal
     crashes = sorted((v[0], r, v[1]) for kind, r, v in reports if kind == "crash")
     if crashes and not killed:
         _, rank, tb = crashes[0]
-        return WorkerFailed(rank, tb.rstrip())
-    return WorkerFailed(*first)
+        return WorkerFailed(rank, tb.rstrip(), step=last_step if rank == first[0] else None)
+    return WorkerFailed(*first, step=last_step)
 
 
 def _run_joined(job: Joined, fn, devices, args, threads, timeout_s):
-    """This process is rank ``job.rank`` of a job torchrun or srun started: join it and run ``fn``."""
+    """This process is rank ``job.rank`` of a job torchrun or srun started: join it and run ``fn``.
+
+    torchrun passes SIGTERM (and a terminal's SIGINT reaches every rank): each asks this rank to
+    stop at the step boundary all ranks agree on, through the job's store.
+    """
     device = devices[job.local_rank % len(devices)]
-    ctx = _init_worker(job.rank, job.world_size, job.local_rank, device, threads, None, timeout_s, job.init_method)
+    progress = Progress(job.rank)
+    progress.handle_signals()  # torchrun passes SIGTERM on to its workers
+    ctx = _init_worker(job.rank, job.world_size, job.local_rank, device, threads, None, timeout_s, job.init_method,
+                       progress=progress)
     try:
         return fn(ctx, *args)
     finally:

@@ -77,6 +77,9 @@ class Layout:
     shards: int  #: data shards per global step: the global batch is batch size x shards
     lockstep: bool  #: every rank takes every global step together (collectives are safe)
     islands: Optional[tuple[tuple[int, ...], ...]] = None  #: ranks grouped by direct links (topology)
+    #: how the ranks stop early when asked (SIGTERM, SIGINT): "agree" on one step boundary (ranks in
+    #: step with each other), "server" (rank 0 decides and tells the others), "each" (every rank at its own)
+    stop_rule: str = "agree"
 
     @property
     def world_size(self) -> int:

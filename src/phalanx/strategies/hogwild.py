@@ -42,7 +42,8 @@ class Hogwild(Options):
         if job.processes is not None and local not in (None, str(job.processes)):
             raise PhalanxError("hogwild runs on one machine only (its parameters live in shared memory); "
                                "use --strategy ps or ssp across machines")
-        return data_parallel(job)
+        # No collective per step: each worker stops at its own next step when asked.
+        return dataclasses.replace(data_parallel(job), stop_rule="each")
 
     def describe(self) -> str:
         return "hogwild (lock-free updates to shared memory)"

@@ -101,7 +101,12 @@ class TrainConfig:
     progress: str = option("auto", "auto draws a bar on a terminal", choices=PROGRESS)
     prefetch: int = option(2, "batches prepared ahead of the towers")
     master_addr: str = option("127.0.0.1", "address the workers rendezvous on (one machine)")
-    timeout_s: float = option(300.0, "seconds a collective waits for a peer", flag="--timeout")
+    timeout_s: float = option(300.0, "seconds a collective waits for a peer (at least twice --hang-timeout, so "
+                                     "that a hang is diagnosed first)", flag="--timeout")
+    hang_timeout_s: float = option(120.0, "end a job in which no rank moved for this many seconds, with a report "
+                                          "naming the stuck rank and where it is (0: never)", flag="--hang-timeout")
+    max_restarts: int = option(0, "when a worker dies or the job hangs, restart every worker from the newest "
+                                  "checkpoint, up to this many times")
     #: set by resolved(): the unset fields are filled in (no flag; not for users)
     _resolved: bool = dataclasses.field(default=False, repr=False)
 
@@ -131,7 +136,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise PhalanxError(f"--{name} must be at least 1, got {value!r}")
-        for name in ("eval_every", "checkpoint_every", "warmup_steps", "seed"):
+        for name in ("eval_every", "checkpoint_every", "warmup_steps", "seed", "max_restarts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise PhalanxError(f"{_flag(name)} must be 0 or more, got {value!r}")
@@ -166,6 +171,8 @@ class TrainConfig:
             raise PhalanxError(f"--lr-decay-factor must be in (0, 1], got {self.lr_decay_factor}")
         if not 0 < self.timeout_s < math.inf:
             raise PhalanxError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
+        if not 0 <= self.hang_timeout_s < math.inf:
+            raise PhalanxError(f"--hang-timeout must be 0 (never) or a number of seconds, got {self.hang_timeout_s}")
 
     def _check_applicable(self) -> None:
         """A value given for an option that does nothing with the chosen setting is refused."""
@@ -211,7 +218,7 @@ def recipe_name(cfg: TrainConfig, user_model: bool) -> str:
 
 
 def _flag(name: str) -> str:
-    return "--timeout" if name == "timeout_s" else "--" + name.replace("_", "-")
+    return {"timeout_s": "--timeout", "hang_timeout_s": "--hang-timeout"}.get(name, "--" + name.replace("_", "-"))
 
 
 def _positive_int(name: str, value: Any) -> None:

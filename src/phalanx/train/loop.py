@@ -63,6 +63,7 @@ class WorkerRun:
         # would warn on every step that the schedule advances before the optimizer.
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
         self.step = 0
+        self.stop_at: Optional[int] = None  # the step every rank stops at, once a stop was requested
         self.last_checkpoint: Optional[str] = None
         if plan.resume_path:
             self._restore(plan.resume_path)
@@ -94,7 +95,11 @@ class WorkerRun:
         inputs = self._inputs()
         start, first_step = time.perf_counter(), self.step
         mark, mark_step = start, self.step
+        progress = self.ctx.progress
         while self.step < self.cfg.steps:
+            if self._stopping():
+                break
+            progress.at(self.step + 1, "the training step")
             x, y = next(inputs)
             began = time.perf_counter()
             loss = self.runtime.train_step(x, y)
@@ -115,12 +120,35 @@ class WorkerRun:
                 self._evaluate()
             if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
                 self._save()
+        progress.at(self.step, "finishing")
         self.runtime.finish()
         elapsed = time.perf_counter() - start
-        accuracy = self._evaluate()
+        stopped = self.ctx.progress.stop_requested if self.stop_at is not None else None
+        accuracy = None if stopped else self._evaluate()  # a stop asked for speed: save, then go
         if self.last_checkpoint is None or not self.last_checkpoint.endswith(f"{self.step:08d}.pt"):
             self._save()
-        return self._summary(accuracy, self.step - first_step, elapsed)
+        return self._summary(accuracy, self.step - first_step, elapsed, stopped)
+
+    def _stopping(self) -> bool:
+        """Whether this rank stops before the next step: a stop was requested (SIGTERM, SIGINT) and
+        the step the ranks agreed on is reached. Costs one attribute read unless a stop was asked."""
+        if self.ctx.progress.stop_requested is None:
+            return False
+        if self.stop_at is None:
+            self.stop_at = self._agree_on_stop()
+        return self.stop_at is not None and self.step >= self.stop_at
+
+    def _agree_on_stop(self) -> Optional[int]:
+        """The step to stop at, by the layout's rule (None: this rank is told by another when to stop)."""
+        rule = self.plan.layout.stop_rule
+        if not self.ctx.distributed or rule == "each":
+            return self.step
+        if rule == "server":
+            return self.step if self.ctx.rank == 0 else None
+        # In step with each other, ranks are at most a step apart, and every rank got the signal before
+        # the first proposer's boundary: two steps ahead of it is a boundary no rank has passed yet.
+        # The first proposal stored wins (compare_set), so every rank reads the same step.
+        return int(self.ctx.store.compare_set("phalanx/stop_at", "", str(self.step + 2)))
 
     def _straggle(self, seconds: float) -> None:
         """--straggler RANK:FACTOR: this rank takes FACTOR times as long (sleeps the difference)."""
@@ -148,6 +176,7 @@ class WorkerRun:
                              examples_per_sec=rate, sec_per_batch=per_batch, **self.runtime.report().fields)
 
     def _evaluate(self) -> float:
+        self.ctx.progress.at(self.step, "evaluation")
         part = self.me.evaluates
         batches = eval_batches(self.data.test, 256, *part) if part is not None else iter(())
         correct, total = self.runtime.evaluate(batches)
@@ -160,6 +189,7 @@ class WorkerRun:
     # ---- checkpoints ----
     def _save(self) -> None:
         # The loss of this step was finite, but its update may not be: never save such weights.
+        self.ctx.progress.at(self.step, "checkpointing")
         if not all(torch.isfinite(p).all() for p in self.runtime.module.parameters()):
             self._diverged(float("nan"))
         state = self.runtime.state_dict()
@@ -219,15 +249,20 @@ class WorkerRun:
             return "every worker reads the whole batch"
         return f"{self.cfg.batch_size} per worker x {shards} workers"
 
-    def _summary(self, accuracy: float, steps: int, seconds: float) -> dict[str, Any]:
+    def _summary(self, accuracy: Optional[float], steps: int, seconds: float, stopped: Optional[str] = None
+                 ) -> dict[str, Any]:
         rate = steps * self.global_batch / max(seconds, 1e-9)
         report = self.runtime.report(final=True)
         summary = {"steps": self.step, "test_accuracy": accuracy, "examples_per_sec": rate,
                    "train_seconds": seconds, "checkpoint": self.last_checkpoint, "metrics": self.cfg.metrics,
-                   "world_size": self.ctx.world_size, "strategy": self.cfg.strategy.name, **report.fields}
+                   "world_size": self.ctx.world_size, "strategy": self.cfg.strategy.name, "stopped_by": stopped,
+                   "watch_cpu_seconds": round(self.ctx.progress.cpu_seconds, 4), **report.fields}
         self.reporter.record("summary", **summary)
         self.reporter.close()
-        self.reporter.say(f"test accuracy {accuracy:.4f} after {self.step} steps")
+        if stopped:
+            self.reporter.say(f"stopped at step {self.step} by {stopped}")
+        else:
+            self.reporter.say(f"test accuracy {accuracy:.4f} after {self.step} steps")
         self.reporter.say(f"throughput {rate:.1f} examples/sec (global), training time {seconds:.1f} s")
         for line in report.lines:
             self.reporter.say(line)

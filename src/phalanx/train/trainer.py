@@ -10,6 +10,9 @@ then launches one process per rank of the layout, each running :func:`~phalanx.t
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -19,7 +22,7 @@ from torch import nn
 
 from ..data import DataBundle
 from ..devices import backend_for, resolve_devices
-from ..errors import PhalanxError, WorkerFailed
+from ..errors import JobHung, PhalanxError, Stopped, WorkerFailed
 from ..launch import in_torchrun, launch, launcher_rank, launcher_world_size
 from ..models import build_model
 from ..strategies import Job, Layout
@@ -84,13 +87,15 @@ class Trainer:
             checks.check_address(cfg.master_addr)
         checks.check_checkpoint_dir(cfg)
         checks.check_metrics_path(cfg)
+        if cfg.resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 \
+                and ckpt.list_checkpoints(cfg.checkpoint_dir):
+            # torchrun --max-restarts started this process again: continue from the newest checkpoint.
+            cfg = dataclasses.replace(cfg, resume=cfg.checkpoint_dir)
         resume_path, _ = checks.check_resume(cfg, layout)
         return Plan(cfg, layout, self.model, facts.bundle, self.loss_fn, resume_path,
                     self.config.recipe_line(user_model), len(devices))
 
     def fit(self) -> dict[str, Any]:
-        from .loop import run_worker
-
         plan = self.plan()
         cfg = plan.config
         created = not Path(cfg.checkpoint_dir).exists()
@@ -101,12 +106,7 @@ class Trainer:
             if lock is not None:
                 lock.acquire()
             ckpt.remove_stale_temporaries(cfg.checkpoint_dir)
-            return launch(run_worker, list(plan.layout.devices), (plan,), threads=cfg.threads, addr=cfg.master_addr,
-                          timeout_s=cfg.timeout_s, tolerate=plan.layout.expendable)
-        except WorkerFailed as e:
-            last = ckpt.latest_checkpoint(cfg.checkpoint_dir)
-            hint = f"\nlast checkpoint: {last}; continue with --resume {last}" if last else ""
-            raise WorkerFailed(e.rank, e.detail + hint, plan.layout.label(e.rank)) from None
+            summary = self._run_restarting(plan)
         except PhalanxError:
             if created and lock is not None and lock.fd is not None:
                 _remove_if_empty(Path(cfg.checkpoint_dir))  # leave nothing behind for a run that never started
@@ -114,6 +114,55 @@ class Trainer:
         finally:
             if lock is not None:
                 lock.release()
+        if summary is not None and summary.get("stopped_by"):
+            raise Stopped(f"stopped at step {summary['steps']} by {summary['stopped_by']}; checkpoint "
+                          f"{summary['checkpoint']}", summary["stopped_by"], summary)
+        return summary
+
+    def _run_restarting(self, plan: Plan) -> dict[str, Any]:
+        """Launch; when a worker dies or the job hangs, start every worker again from the newest
+        checkpoint (up to --max-restarts times): exact resume makes the result the uninterrupted one."""
+        from .loop import run_worker
+
+        cfg, restarts = plan.config, 0
+        while True:
+            try:
+                return launch(run_worker, list(plan.layout.devices), (plan,), threads=cfg.threads,
+                              addr=cfg.master_addr, timeout_s=max(cfg.timeout_s, 2 * cfg.hang_timeout_s),
+                              tolerate=plan.layout.expendable, hang_timeout_s=cfg.hang_timeout_s,
+                              label=plan.layout.label, lockstep=plan.layout.lockstep)
+            except (WorkerFailed, JobHung) as e:
+                newest = ckpt.latest_checkpoint(cfg.checkpoint_dir)
+                if restarts >= cfg.max_restarts:
+                    if isinstance(e, JobHung):
+                        raise
+                    hint = f"\nlast checkpoint: {newest}; continue with --resume {newest}" if newest else ""
+                    raise WorkerFailed(e.rank, e.detail + hint, plan.layout.label(e.rank)) from None
+                restarts += 1
+                plan = dataclasses.replace(plan, resume_path=self._restart_point(cfg))
+                where = f"checkpoint step {ckpt.load_checkpoint(plan.resume_path)['step']}" if plan.resume_path \
+                    else "the start (no checkpoint yet)"
+                print(f"{_what_failed(e, plan.layout)}; restart {restarts} of {cfg.max_restarts} from {where}",
+                      file=sys.stderr, flush=True)
+
+    @staticmethod
+    def _restart_point(cfg: TrainConfig) -> Optional[str]:
+        """The newest checkpoint that verifies (None: none yet, start again from step 0)."""
+        if not ckpt.list_checkpoints(cfg.checkpoint_dir):
+            return None
+        state = ckpt.load_checkpoint(cfg.checkpoint_dir)
+        return state["path"]
+
+
+def _what_failed(e: PhalanxError, layout: Layout) -> str:
+    """``worker 1 died at step 57 (SIGKILL)`` / ``the job hung``: the restart line's first half."""
+    if isinstance(e, JobHung):
+        return f"the job hung ({str(e).split(': ', 1)[-1].splitlines()[0]})"
+    at = f" at step {e.step}" if getattr(e, "step", None) is not None else ""
+    detail = e.detail.strip().splitlines()
+    how = re.search(r"killed by (\w+)", detail[0]) if detail else None
+    why = how.group(1) if how else (detail[-1][:120] if detail else "no report")
+    return f"{layout.label(e.rank)} died{at} ({why})"
 
 
 def _remove_if_empty(root: Path) -> None:

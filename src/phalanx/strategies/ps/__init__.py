@@ -56,7 +56,7 @@ class ParameterServer(Options):
         ranks = (server,) + tuple(RankPlan("worker", f"worker {r}", r - 1, None, expendable=True)
                                   for r in range(1, processes))
         # The server shares the first worker's device: it holds one copy of the model and applies updates.
-        return Layout(ranks, (job.devices[0],) + tuple(job.devices), workers, lockstep=False)
+        return Layout(ranks, (job.devices[0],) + tuple(job.devices), workers, lockstep=False, stop_rule="server")
 
     def describe(self) -> str:
         return "ps (asynchronous parameter server)"
