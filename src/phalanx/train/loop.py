@@ -21,6 +21,7 @@ from torch import nn
 from ..data import Prefetcher, ShardedBatches, eval_batches, load_data
 from ..errors import TrainingDiverged
 from ..launch import WorkerContext
+from ..memory import Held, describe, held, largest
 from ..models import build_model
 from ..strategies import Build
 from . import checkpoint as ckpt
@@ -223,18 +224,31 @@ class WorkerRun:
     def _summary(self, accuracy: float, steps: int, seconds: float) -> dict[str, Any]:
         rate = steps * self.global_batch / max(seconds, 1e-9)
         report = self.runtime.report(final=True)
+        mine, most = self._memory()
         summary = {"steps": self.step, "test_accuracy": accuracy, "examples_per_sec": rate,
                    "train_seconds": seconds, "checkpoint": self.last_checkpoint, "metrics": self.cfg.metrics,
-                   "world_size": self.ctx.world_size, "strategy": self.cfg.strategy.name, **report.fields}
+                   "world_size": self.ctx.world_size, "strategy": self.cfg.strategy.name,
+                   "memory_bytes": mine.as_dict(), **({"memory_bytes_max": most.as_dict()} if most else {}),
+                   **report.fields}
         self.reporter.record("summary", **summary)
         self.reporter.close()
         self.reporter.say(f"test accuracy {accuracy:.4f} after {self.step} steps")
         self.reporter.say(f"throughput {rate:.1f} examples/sec (global), training time {seconds:.1f} s")
+        self.reporter.say(describe(mine, most))
         for line in report.lines:
             self.reporter.say(line)
         self.reporter.say(f"checkpoint {self.last_checkpoint}")
         self.reporter.say(f"metrics {self.cfg.metrics}")
         return summary
+
+    def _memory(self) -> tuple[Held, Optional[Held]]:
+        """This rank's parameter, gradient and optimizer bytes; the max over ranks where ranks are in step."""
+        mine = held(self.runtime.module, self.runtime.optimizer)
+        if not (self.ctx.distributed and self.plan.layout.lockstep):
+            return mine, None
+        every: list = [None] * self.ctx.world_size
+        dist.all_gather_object(every, mine)
+        return mine, largest(every)
 
     def close(self) -> None:
         if self.prefetcher is not None:
