@@ -76,15 +76,20 @@ def largest(figures: Iterable[Held]) -> Held:
     return Held(*(max(getattr(f, k) for f in figures) for k in ("parameters", "gradients", "optimizer")))
 
 
-def megabytes(n: int) -> str:
-    return f"{n / 1e6:.2f} MB" if n >= 10_000 else f"{n / 1e6:.4f} MB"
+def size(n: int) -> str:
+    """Bytes for people: 1.3 kB, 0.60 MB, 2.41 GB."""
+    if n < 1_000_000:
+        return f"{n / 1e3:.1f} kB"
+    return f"{n / 1e6:.2f} MB" if n < 1_000_000_000 else f"{n / 1e9:.2f} GB"
 
 
-def describe(mine: Held, most: Held | None = None) -> str:
-    """One summary line: rank 0's figures, and the largest rank's total where it differs."""
-    line = (f"memory per rank: parameters {megabytes(mine.parameters)}, gradients {megabytes(mine.gradients)}, "
-            f"optimizer state {megabytes(mine.optimizer)} (rank 0, total {megabytes(mine.total)}")
+def describe(mine: Held, most: Held | None = None) -> list[str]:
+    """Summary lines: rank 0's figures, and the max of each over the ranks where it differs."""
+    def parts(h: Held) -> str:
+        return (f"parameters {size(h.parameters)}, gradients {size(h.gradients)}, optimizer state "
+                f"{size(h.optimizer)} (total {size(h.total)})")
+
+    lines = [f"memory per rank: {parts(mine)} on rank 0"]
     if most is not None and most != mine:
-        line += f"; largest rank: {megabytes(most.parameters)} + {megabytes(most.gradients)} + " \
-                f"{megabytes(most.optimizer)}"
-    return line + ")"
+        lines.append(f"  max over ranks: {parts(most)}")
+    return lines

@@ -206,8 +206,10 @@ class FSDPRuntime(Runtime):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         try:
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=by_name(state["optimizer"], self._names()),
+            # Copies of the containers: set_state_dict writes this rank's DTensor shards into the
+            # dicts it is given, and the caller's checkpoint must stay a plain one.
+            set_state_dict(self.model, self.optimizer, model_state_dict=_containers(state["model"]),
+                           optim_state_dict=_containers(by_name(state["optimizer"], self._names())),
                            options=StateDictOptions(full_state_dict=True, strict=True))
         except (RuntimeError, KeyError, ValueError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
@@ -225,6 +227,15 @@ class FSDPRuntime(Runtime):
 
     def report(self, final: bool = False) -> Report:
         return Report({"sharded_blocks": [name for name, _ in self.units] if self.sharded else []})
+
+
+def _containers(value: Any) -> Any:
+    """A copy of nested dicts and lists that shares the tensors (nothing large is copied)."""
+    if isinstance(value, dict):
+        return {k: _containers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_containers(v) for v in value]
+    return value
 
 
 @contextlib.contextmanager

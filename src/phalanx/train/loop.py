@@ -234,7 +234,8 @@ class WorkerRun:
         self.reporter.close()
         self.reporter.say(f"test accuracy {accuracy:.4f} after {self.step} steps")
         self.reporter.say(f"throughput {rate:.1f} examples/sec (global), training time {seconds:.1f} s")
-        self.reporter.say(describe(mine, most))
+        for line in describe(mine, most):
+            self.reporter.say(line)
         for line in report.lines:
             self.reporter.say(line)
         self.reporter.say(f"checkpoint {self.last_checkpoint}")
