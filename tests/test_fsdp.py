@@ -15,20 +15,27 @@ from the same seed against one process on the whole batch (worker start-up domin
 - evaluation when ranks hold different numbers of test batches;
 - memory: every built-in model's parameters, gradients and optimizer state per rank are within
   10% of a replica's / W.
+
+Then whole runs: the CLI trains the default digits model to >= 0.95 on 2 workers, reports half a
+replica per rank and saves the unsplit model; --resume continues exactly; sync and pipeline
+report their memory too; a model with no blocks is refused before a worker starts.
 """
 
 import copy
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import gather, run_workers
-from phalanx import FSDP, Sync
+from helpers import gather, run_cli, run_workers
+from phalanx import FSDP, Pipeline, Sync, TrainConfig, Trainer
+from phalanx.errors import PhalanxError
 from phalanx.launch import WorkerContext
 from phalanx.memory import held
 from phalanx.models import MODELS, build_model, cnn
 from phalanx.strategies import runtime_for
+from phalanx.train.checkpoint import latest_checkpoint
 
 K, SPLIT = 4, 2  # steps compared; the step the resumed runs start from
 BATCH = 12  # splits evenly over 2 and 3 workers
@@ -212,3 +219,104 @@ def test_each_rank_holds_a_replicas_memory_over_w_within_ten_percent(two, three,
             share = getattr(replica, part) / workers
             assert abs(getattr(mine, part) - share) <= 0.10 * share, (name, rank, part, mine, replica)
     assert sum(m.parameters for m in (two if workers == 2 else three)["memory"][name]) == replica.parameters
+
+
+# --------------------------------------------------------------------------- whole runs (spawned workers)
+
+
+def replica_bytes(name: str = "cnn") -> int:
+    """A whole replica's parameter bytes (= its gradients' = SGD-with-momentum's state) of a built-in model."""
+    return sum(p.numel() * p.element_size() for p in build_model(name, (1, 8, 8), 10).parameters())
+
+
+def summary_of(metrics) -> dict:
+    return [json.loads(line) for line in metrics.read_text().splitlines() if '"summary"' in line][-1]
+
+
+def digits_accuracy(model: torch.nn.Module) -> float:
+    from phalanx.data import load_data
+
+    test = load_data("digits", seed=0).test
+    with torch.no_grad():
+        return (model(test.transform(test.x, None)).argmax(1) == test.y).float().mean().item()
+
+
+@pytest.mark.slow
+def test_cli_trains_the_default_digits_model_to_095_holding_half_a_replica_per_rank(tmp_path):
+    out = run_cli("train", "--strategy", "fsdp", "--log-every", "100", "--progress", "lines", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("phalanx train: strategy fsdp (fully_shard), world size 2, devices cpu, backend gloo")
+    assert lines[1] == ("fsdp plan: 4 blocks (0, 1, 2, 3) each sharded over a 1-D mesh of 2 ranks (cpu, gloo); "
+                        "parameters gathered for forward, freed, gathered again for backward")
+    summary = summary_of(tmp_path / "checkpoints" / "metrics.jsonl")
+    assert summary["test_accuracy"] >= 0.95
+    half = replica_bytes() / 2
+    for figures in (summary["memory_bytes"], summary["memory_bytes_max"]):
+        assert set(figures) == {"parameters", "gradients", "optimizer"}
+        assert all(abs(v - half) <= 0.10 * half for v in figures.values()), figures
+    assert f"memory per rank: parameters {summary['memory_bytes']['parameters'] / 1e3:.1f} kB" in out.stdout
+    # The checkpoint is the unsplit model's: it loads, with its optimizer, and scores what the run reported.
+    state = torch.load(tmp_path / "checkpoints" / "step-00000300.pt", weights_only=True)
+    model = cnn((1, 8, 8), 10)
+    model.load_state_dict(state["model"])
+    torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9).load_state_dict(state["optimizer"])
+    assert digits_accuracy(model) == pytest.approx(summary["test_accuracy"], abs=1 / 360 + 1e-9)
+
+
+def _train(tmp, name: str, **overrides) -> dict:
+    cfg = dict(strategy="fsdp", steps=8, batch_size=8, workers=2, devices="cpu", optimizer="adam", lr=0.01,
+               log_every=100, progress="none", checkpoint_dir=str(tmp / name), checkpoint_every=4)
+    cfg.update(overrides)
+    summary = Trainer(TrainConfig(**cfg)).fit()
+    return {"summary": summary, "state": torch.load(latest_checkpoint(tmp / name), weights_only=True)}
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(tmp_path):
+    # Adam (state to carry over) and a decaying rate (a schedule to carry over; exponential, which,
+    # unlike cosine, does not depend on --steps, so the first half is the same run as the straight one's).
+    decay = dict(lr_schedule="exponential", lr_decay_every=2, lr_decay_factor=0.5)
+    straight = _train(tmp_path, "straight", **decay)
+    _train(tmp_path, "split", steps=4, **decay)
+    resumed = _train(tmp_path, "split", resume=str(tmp_path / "split"), **decay)
+    assert resumed["state"]["step"] == 8
+    rates = [run["state"]["optimizer"]["param_groups"][0]["lr"] for run in (straight, resumed)]
+    assert rates == [0.01 / 16] * 2
+    for key, value in straight["state"]["model"].items():
+        torch.testing.assert_close(resumed["state"]["model"][key], value, rtol=1e-5, atol=1e-6)
+    for i, state in straight["state"]["optimizer"]["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(resumed["state"]["optimizer"]["state"][i][key], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_sync_and_pipeline_report_their_memory_too(tmp_path):
+    whole = replica_bytes()
+    sync = _train(tmp_path, "sync", strategy="sync", steps=2, optimizer="sgd", checkpoint_every=0)["summary"]
+    assert sync["memory_bytes"] == sync["memory_bytes_max"] == {"parameters": whole, "gradients": whole,
+                                                                   "optimizer": whole}
+    pipe = _train(tmp_path, "pipe", strategy=Pipeline(balance=(1, 3), chunks=2), steps=2, optimizer="sgd",
+                  checkpoint_every=0)["summary"]
+    stage0 = sum(p.numel() * 4 for p in cnn((1, 8, 8), 10)[0].parameters())
+    assert pipe["memory_bytes"] == {"parameters": stage0, "gradients": stage0, "optimizer": stage0}
+    assert pipe["memory_bytes_max"]["parameters"] == whole - stage0  # stage 1 holds the rest
+
+
+class NoBlocks(torch.nn.Module):
+    """Parameters but no submodule: nothing for fsdp to shard block by block."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(64, 10))
+
+    def forward(self, x):
+        return x.flatten(1) @ self.weight
+
+
+def test_a_model_without_blocks_is_refused_before_any_worker_starts(tmp_path):
+    x, y = torch.randn(40, 1, 8, 8), torch.randint(0, 10, (40,))
+    config = TrainConfig(strategy=FSDP(), workers=2, devices="cpu", checkpoint_dir=str(tmp_path / "c"))
+    with pytest.raises(PhalanxError, match="NoBlocks has no blocks to shard: fsdp shards each block"):
+        Trainer(config, model=NoBlocks(), train_data=(x, y)).fit()
+    assert not (tmp_path / "c").exists()

@@ -7,14 +7,19 @@ stage's two replicas average their gradients (DDP over the stage's replica group
 configuration runs inside ONE launch (four workers' start-up dominates on two cores), each from
 the same seed, against one process on the whole batch: the loss of every step, the gradients of
 the last step, the parameters after K steps, one whole-model checkpoint that loads into the plain
-model, and the evaluation count summed over the replicas.
+model, and the evaluation count summed over the replicas. Then the CLI end to end on 4 workers,
+and W not a multiple of P refused.
 """
 
+import json
+
+import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import gather, run_workers
+from helpers import gather, run_cli, run_workers
 from phalanx.launch import WorkerContext
+from phalanx.models import cnn
 from phalanx.strategies import Pipeline, runtime_for
 from test_pipeline_equivalence import BATCH, K, TOL, assert_same, batches, make_model, make_optimizer, reference
 
@@ -81,3 +86,36 @@ def test_two_stages_times_two_replicas_equal_the_unsplit_model_on_the_whole_batc
     assert "2 stages x 2 data-parallel replicas" in some["description"]
     assert any("mesh: 2 stages x 2 replicas = 4 ranks" in line for line in some["notes"])
     assert any("stage 1 (ranks 2, 3)" in line for line in some["notes"])
+
+
+@pytest.mark.slow
+def test_cli_trains_the_default_digits_model_to_095_on_two_stages_times_two_replicas(tmp_path):
+    out = run_cli("train", "--strategy", "pipeline", "--stages", "2", "--workers", "4", "--log-every", "100",
+                  "--progress", "lines", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("phalanx train: strategy pipeline (2 stages x 2 data-parallel replicas, 4 "
+                               "micro-batches, gpipe), world size 4")
+    assert lines[2].startswith("  mesh: 2 stages x 2 replicas = 4 ranks (rank = stage x 2 + replica)")
+    assert lines[3].startswith("  stage 0 (ranks 0, 1): blocks") and lines[4].startswith("  stage 1 (ranks 2, 3)")
+    summary = [json.loads(line) for line in (tmp_path / "checkpoints" / "metrics.jsonl").read_text().splitlines()
+               if '"summary"' in line][-1]
+    assert summary["test_accuracy"] >= 0.95 and summary["replicas"] == 2 and summary["world_size"] == 4
+    # One whole-model checkpoint (replica 0's stages): the unsplit network scores what the run reported.
+    state = torch.load(tmp_path / "checkpoints" / "step-00000300.pt", weights_only=True)
+    model = cnn((1, 8, 8), 10)
+    model.load_state_dict(state["model"])
+    from phalanx.data import load_data
+
+    test = load_data("digits", seed=0).test
+    with torch.no_grad():
+        plain = (model(test.transform(test.x, None)).argmax(1) == test.y).float().mean().item()
+    assert plain == pytest.approx(summary["test_accuracy"], abs=1 / 360 + 1e-9)
+
+
+def test_workers_not_a_multiple_of_stages_is_one_line_with_the_arithmetic(tmp_path):
+    out = run_cli("train", "--strategy", "pipeline", "--stages", "2", "--workers", "3", cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr == ("error: --workers 3 is not a multiple of --stages 2 (3 / 2 = 1.5 replicas of the pipeline); "
+                          "use --workers 2 or 4\n")
+    assert not list(tmp_path.iterdir())
