@@ -133,8 +133,19 @@ def uneven_evaluation(ctx: WorkerContext) -> tuple:
     return test, gather(ctx, runtime.evaluate(mine))
 
 
+def different_start(ctx: WorkerContext) -> str:
+    """Every rank builds its model from another seed: fully_shard would keep a patchwork of them."""
+    torch.manual_seed(ctx.rank)
+    try:
+        runtime_for(FSDP(), ctx, cnn((1, 8, 8), 10), sgd)
+    except PhalanxError as e:
+        return str(e)
+    return "no error"
+
+
 def _two_workers(ctx: WorkerContext) -> dict:
     return {
+        "different start": different_start(ctx),
         "sgd": run(ctx, FSDP(), "sgd"),
         "adam": run(ctx, FSDP(), "adam"),
         "adam kept gathered": run(ctx, FSDP(reshard_after_forward=False), "adam"),
@@ -192,6 +203,24 @@ def test_checkpoint_is_the_plain_model_and_optimizer_and_continues_exactly_there
 @pytest.mark.parametrize("label", ["fsdp(2) -> fsdp(3)", "fsdp(2) -> sync(3)"])
 def test_checkpoint_resumes_in_fsdp_on_another_worker_count_and_in_sync(three, label):
     assert_same(three[label], reference("adam"), label)
+
+
+def test_replicas_that_start_different_are_a_loud_error(two):
+    assert two["different start"].startswith("replicas differ at start (rank 0 fingerprint")
+    assert two["different start"].endswith("build the model identically on every worker (same seed, same code)")
+
+
+def test_the_start_check_fingerprints_every_tensor_in_chunks_without_a_float64_copy_of_the_model():
+    from phalanx.strategies.fsdp import fingerprint
+
+    model = make_model()
+    flat = torch.cat([p.detach().double().flatten() for p in model.parameters()])
+    ramp = torch.linspace(1.0, 2.0, len(flat), dtype=torch.float64)
+    want = torch.stack([flat.sum(), (flat * flat).sum(), (flat * ramp).sum()])
+    torch.testing.assert_close(fingerprint(model, chunk=1000), want, rtol=1e-12, atol=1e-9)
+    with torch.no_grad():
+        next(model.parameters())[0, 0, 0, 0] += 1e-6
+    assert not torch.allclose(fingerprint(model), want, rtol=1e-12, atol=0)
 
 
 def test_one_process_is_the_plain_model_with_nothing_to_shard():
