@@ -8,10 +8,12 @@ from the same seed against one process on the whole batch (worker start-up domin
   known failure of sharded averaging on gloo (gradients summed over ranks instead of averaged,
   a relative error of W - 1) or a shard applied to the wrong rows cannot hide, and float64
   because Adam divides by sqrt(v): in float32 the rounding of near-zero gradients, which
-  depends on how the batch was split, moves such parameters by up to 1e-4 of lr;
+  depends on how the batch was split, moves such parameters by up to 1e-4 of lr. And SGD in
+  float32 to 1e-5, because that is where the averaging can go wrong: fsdp reduce-scatters float32
+  gradients with ReduceOp.AVG (gloo's, in one collective) but float64 ones with SUM, then divides;
 - the checkpoint: the full model and the full optimizer state, in the plain optimizer's
   numbering; it loads into the unsplit model (which then continues exactly), into fsdp on 3
-  workers and into sync on 3 workers (both continue exactly);
+  workers, into sync on 3 workers and into a 3-stage pipeline (each continues exactly);
 - evaluation when ranks hold different numbers of test batches;
 - memory: every built-in model's parameters, gradients and optimizer state per rank are within
   10% of a replica's / W.
@@ -39,17 +41,17 @@ from phalanx.train.checkpoint import latest_checkpoint
 
 K, SPLIT = 4, 2  # steps compared; the step the resumed runs start from
 BATCH = 12  # splits evenly over 2 and 3 workers
-TOL = dict(rtol=1e-9, atol=1e-10)
+TOL = {torch.float64: dict(rtol=1e-9, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-6)}
 
 
-def make_model() -> torch.nn.Module:
+def make_model(dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     torch.manual_seed(0)
-    return cnn((1, 8, 8), 10).double()
+    return cnn((1, 8, 8), 10).to(dtype)
 
 
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(dtype: torch.dtype = torch.float64) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(BATCH, 1, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 10, (BATCH,), generator=g))
+    return [(torch.randn(BATCH, 1, 8, 8, generator=g).to(dtype), torch.randint(0, 10, (BATCH,), generator=g))
             for _ in range(K)]
 
 
@@ -64,15 +66,15 @@ def adam(params):
 OPTIMIZERS = {"sgd": sgd, "adam": adam}
 
 
-def reference(opt: str, steps: int = K, start: dict = None) -> dict:
+def reference(opt: str, steps: int = K, start: dict = None, dtype: torch.dtype = torch.float64) -> dict:
     """One process on the whole batch (from a checkpoint's state when ``start`` is given)."""
-    model = make_model()
+    model = make_model(dtype)
     optimizer = OPTIMIZERS[opt](model.parameters())
     if start is not None:
         start = copy.deepcopy(start)  # Adam counts its steps in place, in the tensor it was given
         model.load_state_dict(start["model"])
         optimizer.load_state_dict(start["optimizer"])
-    for x, y in batches()[start["step"] if start else 0:steps]:
+    for x, y in batches(dtype)[start["step"] if start else 0:steps]:
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -84,32 +86,36 @@ def my_part(ctx: WorkerContext, t: torch.Tensor) -> torch.Tensor:
     return t[ctx.rank * n:(ctx.rank + 1) * n]
 
 
-def run(ctx: WorkerContext, options, opt: str, steps: int = K, accumulate: int = 1, start: dict = None) -> dict:
+def run(ctx: WorkerContext, options, opt: str, steps: int = K, accumulate: int = 1, start: dict = None,
+        dtype: torch.dtype = torch.float64) -> dict:
     """``steps`` steps of ``options`` on this rank's part of each batch; rank 0 gets the full checkpoint."""
-    example = tuple(my_part(ctx, t) for t in batches()[0])
-    runtime = runtime_for(options, ctx, make_model(), OPTIMIZERS[opt], F.cross_entropy, accumulate=accumulate,
+    # Every stage of a pipeline reads the whole batch; data-parallel ranks read their part.
+    part = (lambda t: t) if isinstance(options, Pipeline) else (lambda t: my_part(ctx, t))
+    example = tuple(part(t) for t in batches(dtype)[0])
+    runtime = runtime_for(options, ctx, make_model(dtype), OPTIMIZERS[opt], F.cross_entropy, accumulate=accumulate,
                           example=example)
     if start is not None:
         # A copy: the checkpoint's tensors arrive in shared memory from the parent (torch.multiprocessing),
         # and Adam counts its steps in place, in the tensor it was given.
         start = copy.deepcopy(start)
         runtime.load_state_dict(start)
-    for x, y in batches()[start["step"] if start else 0:steps]:
-        runtime.train_step(my_part(ctx, x), my_part(ctx, y))
+    for x, y in batches(dtype)[start["step"] if start else 0:steps]:
+        runtime.train_step(part(x), part(y))
     state = runtime.state_dict()
     return None if state is None else {**state, "step": steps}
 
 
 def assert_same(got: dict, want: dict, label: str) -> None:
     assert list(got["model"]) == list(want["model"]), label  # the plain model's keys, in order
+    tol = TOL[next(iter(want["model"].values())).dtype]
     for name, p in want["model"].items():
-        torch.testing.assert_close(got["model"][name], p, **TOL, msg=lambda m: f"{label}: {name}: {m}")
+        torch.testing.assert_close(got["model"][name], p, **tol, msg=lambda m: f"{label}: {name}: {m}")
     g, w = got["optimizer"], want["optimizer"]
     assert [grp["params"] for grp in g["param_groups"]] == [grp["params"] for grp in w["param_groups"]], label
     assert g["state"].keys() == w["state"].keys(), label
     for i, state in w["state"].items():
         for key, value in state.items():
-            torch.testing.assert_close(g["state"][i][key], value, **TOL, msg=lambda m: f"{label}: state {i} {key}: {m}")
+            torch.testing.assert_close(g["state"][i][key], value, **tol, msg=lambda m: f"{label}: state {i} {key}: {m}")
 
 
 def memory_of_builtins(ctx: WorkerContext, options) -> dict:
@@ -147,6 +153,7 @@ def _two_workers(ctx: WorkerContext) -> dict:
     return {
         "different start": different_start(ctx),
         "sgd": run(ctx, FSDP(), "sgd"),
+        "sgd float32": run(ctx, FSDP(), "sgd", dtype=torch.float32),
         "adam": run(ctx, FSDP(), "adam"),
         "adam kept gathered": run(ctx, FSDP(reshard_after_forward=False), "adam"),
         "sgd accumulate 3": run(ctx, FSDP(), "sgd", accumulate=3),
@@ -159,9 +166,11 @@ def _two_workers(ctx: WorkerContext) -> dict:
 def _three_workers(ctx: WorkerContext, checkpoint: dict) -> dict:
     return {
         "sgd": run(ctx, FSDP(), "sgd"),
+        "sgd float32": run(ctx, FSDP(), "sgd", dtype=torch.float32),
         "adam": run(ctx, FSDP(), "adam"),
         "fsdp(2) -> fsdp(3)": run(ctx, FSDP(), "adam", start=checkpoint),
         "fsdp(2) -> sync(3)": run(ctx, Sync(), "adam", start=checkpoint),
+        "fsdp(2) -> pipeline(3)": run(ctx, Pipeline(chunks=2, balance="params"), "adam", start=checkpoint),
         "memory": memory_of_builtins(ctx, FSDP()),
         "eval": uneven_evaluation(ctx),
     }
@@ -177,14 +186,18 @@ def three(two):
     return run_workers(_three_workers, 3, two["checkpoint"])
 
 
-@pytest.mark.parametrize("label", ["sgd", "adam", "adam kept gathered", "sgd accumulate 3"])
+def want(label: str) -> dict:
+    return reference("adam" if "adam" in label else "sgd", dtype=torch.float32 if "float32" in label else torch.float64)
+
+
+@pytest.mark.parametrize("label", ["sgd", "sgd float32", "adam", "adam kept gathered", "sgd accumulate 3"])
 def test_fsdp_on_two_workers_equals_one_process_on_the_whole_batch(two, label):
-    assert_same(two[label], reference("adam" if "adam" in label else "sgd"), f"2 workers, {label}")
+    assert_same(two[label], want(label), f"2 workers, {label}")
 
 
-@pytest.mark.parametrize("label", ["sgd", "adam"])
+@pytest.mark.parametrize("label", ["sgd", "sgd float32", "adam"])
 def test_fsdp_on_three_workers_with_uneven_shards_equals_one_process(three, label):
-    assert_same(three[label], reference(label), f"3 workers, {label}")  # 10 classes: rows split 4, 3, 3
+    assert_same(three[label], want(label), f"3 workers, {label}")  # 10 classes: rows split 4, 3, 3
 
 
 def test_the_comparison_is_not_between_untouched_weights(two):
@@ -200,8 +213,8 @@ def test_checkpoint_is_the_plain_model_and_optimizer_and_continues_exactly_there
     assert_same(reference("adam", start=saved), reference("adam"), "fsdp(2) -> plain model")
 
 
-@pytest.mark.parametrize("label", ["fsdp(2) -> fsdp(3)", "fsdp(2) -> sync(3)"])
-def test_checkpoint_resumes_in_fsdp_on_another_worker_count_and_in_sync(three, label):
+@pytest.mark.parametrize("label", ["fsdp(2) -> fsdp(3)", "fsdp(2) -> sync(3)", "fsdp(2) -> pipeline(3)"])
+def test_checkpoint_resumes_in_fsdp_on_another_worker_count_in_sync_and_in_a_pipeline(three, label):
     assert_same(three[label], reference("adam"), label)
 
 
