@@ -99,6 +99,7 @@ def run(ctx: WorkerContext, options, opt: str, steps: int = K, accumulate: int =
         # and Adam counts its steps in place, in the tensor it was given.
         start = copy.deepcopy(start)
         runtime.load_state_dict(start)
+        assert all(type(v) is torch.Tensor for v in start["model"].values())  # still a plain checkpoint
     for x, y in batches(dtype)[start["step"] if start else 0:steps]:
         runtime.train_step(part(x), part(y))
     state = runtime.state_dict()
