@@ -165,7 +165,6 @@ class PipelineRuntime(Runtime):
                                      mesh_dim_names=("stage", "replica"))
         return self.mesh.get_group("stage"), self.mesh.get_group("replica")
 
-
     def _make_plan(self, named: list[tuple[str, nn.Module]], build: Build) -> StagePlan:
         options, blocks = self.options, [b for _, b in named]
         check_stages(len(blocks), self.stages)
