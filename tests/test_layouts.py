@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from phalanx import SSP, Hogwild, LocalSGD, ParameterServer, Pipeline, Sync
+from phalanx import FSDP, SSP, Hogwild, LocalSGD, ParameterServer, Pipeline, Sync
 from phalanx.errors import PhalanxError
 from phalanx.models import lstm
 from phalanx.strategies import STRATEGIES, Job
@@ -17,7 +17,7 @@ def cpus(n: int) -> tuple:
     return (CPU,) * n
 
 
-@pytest.mark.parametrize("options", [Sync(), LocalSGD(), Hogwild()], ids=lambda o: o.name)
+@pytest.mark.parametrize("options", [Sync(), LocalSGD(), Hogwild(), FSDP()], ids=lambda o: o.name)
 @pytest.mark.parametrize("workers", [1, 2, 3, 4])
 def test_data_parallel_layouts_one_worker_per_device_each_its_own_shard(options, workers):
     layout = options.layout(Job(cpus(workers), batch_size=8))
@@ -64,8 +64,26 @@ def test_pipeline_layout_one_stage_per_worker_all_reading_the_whole_batch(stages
     assert layout.label(1 if stages > 1 else 0).startswith("stage")
 
 
+@pytest.mark.parametrize("stages, workers", [(2, 4), (2, 6), (3, 6), (1, 3)])
+def test_pipeline_times_data_parallel_layout_is_a_stage_major_mesh_each_replica_its_own_shard(stages, workers):
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(5)])
+    layout = Pipeline(stages=stages).layout(Job(cpus(workers), batch_size=8, model=model))
+    replicas = workers // stages
+    assert layout.world_size == workers and layout.shards == replicas and layout.lockstep
+    assert [r.role for r in layout.ranks] == ["stage"] * workers
+    # rank = stage x replicas + replica: the stages of one replica read one shard, replicas differ
+    assert [r.shard for r in layout.ranks] == [rank % replicas for rank in range(workers)]
+    assert [r.evaluates for r in layout.ranks] == [(rank % replicas, replicas) for rank in range(workers)]
+    last = workers - 1
+    assert layout.label(last) == f"stage {stages - 1} replica {replicas - 1} (rank {last})"
+    assert not any(r.expendable for r in layout.ranks)
+
+
 @pytest.mark.parametrize("kwargs, job, message", [
     (dict(stages=3), Job(cpus(2)), "--stages 3 needs 3 workers .* add --workers 3"),
+    (dict(stages=2), Job(cpus(5)), r"--workers 5 is not a multiple of --stages 2 \(5 / 2 = 2.5 replicas of the "
+                                   r"pipeline\); use --workers 4 or 6"),
+    (dict(stages=3), Job(cpus(1), processes=7), r"--workers 7 is not a multiple of --stages 3 .*use --workers 6 or 9"),
     (dict(chunks=4), Job(cpus(2), batch_size=30), r"batch 30 does not split into 4 equal micro-batches .* = 7.5"),
     (dict(chunks=2), Job(cpus(2), batch_size=16, accumulate=3), r"--chunks 2 x --accumulate 3"),
     (dict(balance="3,3"), Job(cpus(2), model=lstm((1, 8, 8), 10)), r"--balance 3,3 sums to 6 \(3 \+ 3\) but the model has 5"),
@@ -75,6 +93,50 @@ def test_pipeline_layout_one_stage_per_worker_all_reading_the_whole_batch(stages
 def test_pipeline_layout_refuses_what_cannot_run(kwargs, job, message):
     with pytest.raises(PhalanxError, match=message):
         Pipeline(**kwargs).layout(job)
+
+
+class NoBlocks(nn.Module):
+    """Parameters but no submodule: nothing for fsdp to shard block by block."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(64, 10))
+
+    def forward(self, x):
+        return x.flatten(1) @ self.weight
+
+
+class Named(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8))
+        self.act = nn.ReLU()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.act(self.encoder(x)))
+
+
+def test_fsdp_shards_each_block_the_sequential_children_a_user_model_s_children_or_the_named_ones():
+    from phalanx.strategies.fsdp import shard_units
+
+    names = lambda units: [n for n, _ in units]  # noqa: E731
+    assert names(shard_units(lstm((1, 8, 8), 10))) == ["0", "1", "2", "3", "4"]
+    assert names(shard_units(Named())) == ["encoder", "head"]  # modules without parameters are no unit
+    assert names(shard_units(Named(), ("encoder.0", "encoder.1", "head"))) == ["encoder.0", "encoder.1", "head"]
+    assert FSDP(blocks="encoder, head").blocks == ("encoder", "head")
+    assert FSDP().layout(Job(cpus(3), model=Named())).world_size == 3
+
+
+@pytest.mark.parametrize("options, model, message", [
+    (FSDP(), NoBlocks(), "NoBlocks has no blocks to shard: .* make the model an nn.Sequential of blocks"),
+    (FSDP(), nn.Sequential(nn.ReLU(), nn.Flatten()), "Sequential has no blocks to shard"),
+    (FSDP(blocks=("encoder", "decoder")), Named(),
+     r"--blocks names 'decoder', which is not a submodule of Named \(its children: encoder, act, head\)"),
+])
+def test_fsdp_layout_refuses_a_model_with_nothing_to_shard(options, model, message):
+    with pytest.raises(PhalanxError, match=message):
+        options.layout(Job(cpus(2), model=model))
 
 
 def test_sync_orders_gpus_by_island_and_hands_the_rank_islands_to_the_runtime():
@@ -116,7 +178,7 @@ def test_options_are_frozen_and_validated_with_the_arithmetic():
 def test_every_strategy_is_registered_and_exported():
     import phalanx
 
-    assert set(STRATEGIES) == {"sync", "ps", "ssp", "hogwild", "local-sgd", "pipeline"}
+    assert set(STRATEGIES) == {"sync", "ps", "ssp", "hogwild", "local-sgd", "pipeline", "fsdp"}
     for cls in STRATEGIES.values():
         assert getattr(phalanx, cls.__name__) is cls, cls.__name__
 

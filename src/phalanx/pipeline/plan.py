@@ -19,6 +19,7 @@ class StagePlan:
     how: str  #: "time", "params" or "explicit"
     micro_batches: int  #: M
     schedule: str  #: gpipe | 1f1b
+    replicas: int = 1  #: data-parallel copies of the pipeline (rank = stage x replicas + replica)
 
     @property
     def stages(self) -> int:
@@ -40,10 +41,15 @@ class StagePlan:
         out = [f"pipeline plan: {len(self.names)} blocks in {p} stages, balanced {how}; {m} micro-batches per step, "
                f"{self.schedule} schedule"]
         per_stage = self.stage_seconds()
+        r = self.replicas
+        if r > 1:
+            out.append(f"  mesh: {p} stages x {r} replicas = {p * r} ranks (rank = stage x {r} + replica); each "
+                       f"replica reads its own data shard, each stage's {r} replicas average their gradients")
         for s, (lo, hi) in enumerate(bounds(self.counts)):
             blocks = self.names[lo] if hi - lo == 1 else f"{self.names[lo]}..{self.names[hi - 1]}"
             timing = "" if per_stage is None else f", {per_stage[s] * 1e3:.2f} ms per micro-batch (fwd+bwd)"
-            out.append(f"  stage {s} (rank {s}): blocks {blocks} ({hi - lo}), "
+            ranks = f"rank {s}" if r == 1 else f"ranks {', '.join(str(s * r + k) for k in range(r))}"
+            out.append(f"  stage {s} ({ranks}): blocks {blocks} ({hi - lo}), "
                        f"{sum(self.params[lo:hi]):,} parameters{timing}")
         ideal = ideal_bubble(p, m)
         if per_stage is None:

@@ -3,7 +3,7 @@
 Each is options (a frozen dataclass whose fields are its CLI flags), a pure layout computed in
 the parent, and a runtime built in every worker (see ``base.py``). One module per strategy:
 
-- ``sync.py``: :class:`Sync` (DDP);
+- ``sync.py``: :class:`Sync` (DDP); ``fsdp.py``: :class:`FSDP` (torch's ``fully_shard``);
 - ``ps/``: :class:`ParameterServer` and :class:`SSP` (protocol, gate, server, worker);
 - ``hogwild.py``: :class:`Hogwild`; ``local_sgd.py``: :class:`LocalSGD`;
 - ``pipeline.py``: :class:`Pipeline` (engine helpers in ``phalanx/pipeline/``).
@@ -15,6 +15,7 @@ import dataclasses
 
 from ..errors import PhalanxError
 from .base import Build, Job, Layout, Options, RankPlan, Report, Runtime, runtime_for
+from .fsdp import FSDP
 from .hogwild import Hogwild
 from .local_sgd import LocalSGD
 from .pipeline import Pipeline
@@ -23,7 +24,7 @@ from .sync import Sync
 
 #: CLI name -> options class.
 STRATEGIES: dict[str, type[Options]] = {cls.name: cls for cls in (Sync, ParameterServer, SSP, Hogwild, LocalSGD,
-                                                                  Pipeline)}
+                                                                  Pipeline, FSDP)}
 
 
 def strategy_class(name: str) -> type[Options]:
@@ -37,5 +38,5 @@ def takers(field: str) -> list[str]:
     return [name for name, cls in STRATEGIES.items() if field in {f.name for f in dataclasses.fields(cls)}]
 
 
-__all__ = ["Build", "Hogwild", "Job", "Layout", "LocalSGD", "Options", "ParameterServer", "Pipeline", "RankPlan",
-           "Report", "Runtime", "SSP", "STRATEGIES", "Sync", "runtime_for", "strategy_class", "takers"]
+__all__ = ["Build", "FSDP", "Hogwild", "Job", "Layout", "LocalSGD", "Options", "ParameterServer", "Pipeline",
+           "RankPlan", "Report", "Runtime", "SSP", "STRATEGIES", "Sync", "runtime_for", "strategy_class", "takers"]

@@ -1,12 +1,20 @@
-"""Pipeline model parallelism: ``torch.distributed.pipelining`` is the engine.
+"""Pipeline model parallelism, optionally × data parallelism: ``torch.distributed.pipelining`` is the engine.
 
-Each worker holds one stage, a contiguous run of the model's blocks (rank r = stage r). A step
-cuts the batch into M micro-batches; stage r receives micro-batch activations from r−1 and sends
-its outputs to r+1 (point-to-point, in the order GPipe or 1F1B prescribes), and the gradients
-flow back the same way. Every rank loads the same whole batch: the first stage feeds the inputs,
-the last one the labels. The last stage alone knows the loss, so :meth:`global_loss` broadcasts
-it; :meth:`evaluate` runs the pipeline forward and broadcasts the last stage's counts; a
-checkpoint gathers every stage's parameters and optimizer state to rank 0 as one whole model.
+Each worker holds one stage, a contiguous run of the model's blocks. A step cuts the batch into
+M micro-batches; stage s receives micro-batch activations from s−1 and sends its outputs to s+1
+(point-to-point, in the order GPipe or 1F1B prescribes), and the gradients flow back the same
+way. Every stage of a pipeline loads the same batch: the first stage feeds the inputs, the last
+one the labels. The last stage alone knows the loss, so :meth:`global_loss` sums it over the
+ranks (the others add zero); :meth:`evaluate` runs the pipeline forward and sums the last
+stages' counts; a checkpoint gathers one pipeline's stages to rank 0 as one whole model.
+
+With W = R·P workers for P stages, R replicas of the pipeline train side by side on a 2-D device
+mesh (stages × replicas; rank = stage·R + replica, so one stage's replicas are neighbours, as in
+torchtitan): each replica reads its own data shard and runs its own schedule over its pipeline
+group; after the schedule each stage averages its gradients over its replica group (one flat
+all-reduce; see :meth:`PipelineRuntime._average_over_replicas` for why not DDP), so every replica
+takes the same step: the step of the unsplit model on the R shards together. W = P is one
+pipeline, rank r = stage r, exactly as without replicas.
 
 What phalanx adds to the engine (helpers in ``phalanx/pipeline/``): the split (any
 ``nn.Sequential`` or ``pipeline_blocks()``), the exact balancing by parameters or measured time,
@@ -88,9 +96,7 @@ class Pipeline(Options):
     def layout(self, job: Job) -> Layout:
         processes = job.processes or job.workers
         stages = self.stages or processes
-        if stages != processes:
-            raise PhalanxError(f"--stages {stages} needs {stages} workers (one per stage) but this run has "
-                               f"{processes}; add --workers {stages}")
+        replicas = check_mesh(stages, processes)
         self._check_stages(stages)
         micro = self.chunks * job.accumulate
         if job.batch_size is not None and job.batch_size % micro:
@@ -104,12 +110,15 @@ class Pipeline(Options):
             check_stages(blocks, stages)
             if isinstance(self.balance, tuple):
                 check_counts(self.balance, blocks, stages)
-        # Every stage reads the whole batch (inputs for the first, labels for the last): one data shard.
-        ranks = tuple(RankPlan("stage", f"stage {r} (rank {r})", 0, (0, 1)) for r in range(processes))
-        return Layout(ranks, tuple(job.devices), shards=1, lockstep=True)
+        # Every stage of one replica reads the same batch (inputs for the first, labels for the
+        # last): one data shard, and one part of the test set, per replica.
+        ranks = tuple(RankPlan("stage", mesh_label(rank, replicas), rank % replicas, (rank % replicas, replicas))
+                      for rank in range(processes))
+        return Layout(ranks, tuple(job.devices), shards=replicas, lockstep=True)
 
-    def describe(self, stages: Any = "one per worker") -> str:
-        return f"pipeline ({self.stages or stages} stages, {self.chunks} micro-batches, {self.schedule})"
+    def describe(self, stages: Any = "one per worker", replicas: int = 1) -> str:
+        copies = f" x {replicas} data-parallel replicas" if replicas > 1 else ""
+        return f"pipeline ({self.stages or stages} stages{copies}, {self.chunks} micro-batches, {self.schedule})"
 
     def runtime(self, build: Build) -> Runtime:
         return PipelineRuntime(build, self)
@@ -122,21 +131,39 @@ class PipelineRuntime(Runtime):
         ctx, model = build.ctx, build.model
         self.build, self.ctx, self.options = build, ctx, options
         self.stages = options.stages or ctx.world_size
+        self.replicas = check_mesh(self.stages, ctx.world_size)
+        #: this rank's place on the mesh (rank = stage x replicas + replica)
+        self.stage_index, self.replica = divmod(ctx.rank, self.replicas)
+        #: this replica's pipeline (point-to-point) and this stage's replicas (gradient all-reduce);
+        #: None: the default group (one pipeline) or no group at all
+        self.pipe_group, self.replica_group = self._mesh_groups()
         named = model_blocks(model)
         self.plan = self._make_plan(named, build)
         index = {id(p): i for i, p in enumerate(model.parameters())}
         self._stage = None
         self._schedules: dict[Any, Any] = {}
         if self.stages > 1:
-            lo, hi = bounds(self.plan.counts)[ctx.rank]
+            lo, hi = bounds(self.plan.counts)[self.stage_index]
             model = StageModule(named[lo:hi])
+        self.stage_module = model
         #: the whole model's parameter index of each of this stage's parameters
         self.local_to_global = [index[id(p)] for p in model.parameters()]
-        super().__init__(build, model, description=options.describe(self.stages), notes=self.plan.lines())
+        super().__init__(build, model, description=options.describe(self.stages, self.replicas),
+                         notes=self.plan.lines())
         if self.stages > 1:
             from torch.distributed.pipelining import PipelineStage
 
-            self._stage = PipelineStage(self.model, ctx.rank, self.stages, ctx.device)
+            self._stage = PipelineStage(self.model, self.stage_index, self.stages, ctx.device, group=self.pipe_group)
+
+    def _mesh_groups(self) -> tuple[Any, Any]:
+        """Process groups of the 2-D mesh (stages x replicas); (None, None) for one pipeline."""
+        if self.replicas == 1:
+            return None, None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh(self.ctx.device.type, (self.stages, self.replicas),
+                                     mesh_dim_names=("stage", "replica"))
+        return self.mesh.get_group("stage"), self.mesh.get_group("replica")
 
     def _make_plan(self, named: list[tuple[str, nn.Module]], build: Build) -> StagePlan:
         options, blocks = self.options, [b for _, b in named]
@@ -154,7 +181,8 @@ class PipelineRuntime(Runtime):
         seconds = self._measure(blocks, example) if example is not None else None
         counts = tuple(options.balance) if how == "explicit" else \
             partition(seconds if how == "time" else params, self.stages)
-        return StagePlan(counts, [n for n, _ in named], params, seconds, how, options.chunks, options.schedule)
+        return StagePlan(counts, [n for n, _ in named], params, seconds, how, options.chunks, options.schedule,
+                         self.replicas)
 
     def _measure(self, blocks: list[nn.Module], example: torch.Tensor) -> list[float]:
         """Per-block seconds, averaged over ranks so that every rank computes the same partition."""
@@ -169,11 +197,11 @@ class PipelineRuntime(Runtime):
 
     @property
     def is_first(self) -> bool:
-        return self.ctx.rank == 0
+        return self.stage_index == 0
 
     @property
     def is_last(self) -> bool:
-        return self.ctx.rank == self.stages - 1
+        return self.stage_index == self.stages - 1
 
     # ---- a training step ----
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -181,7 +209,11 @@ class PipelineRuntime(Runtime):
         if len(x) % micro:
             raise PhalanxError(f"batch {len(x)} does not split into {micro} equal micro-batches")
         if self._stage is None:  # one stage: the whole model, micro-batched in-process as the engine would
-            return super().train_step(x, y, parts=micro)
+            loss = self.forward_backward(x, y, parts=micro)
+            self._average_over_replicas()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            return loss
         schedule = self._training_schedule(micro)
         losses: list[torch.Tensor] = []
         if self.is_first:
@@ -190,11 +222,35 @@ class PipelineRuntime(Runtime):
             schedule.step(target=y, losses=losses, return_outputs=False)
         else:
             schedule.step(return_outputs=False)
+        self._average_over_replicas()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.is_last:
             return torch.stack([loss.detach() for loss in losses]).mean()
         return torch.zeros((), device=self.ctx.device)  # only the last stage knows it: see global_loss
+
+    def _average_over_replicas(self) -> None:
+        """Average this stage's gradients over its replicas: one flat all-reduce per dtype.
+
+        Why not DDP around the stage, which the engine knows how to drive: in torch 2.13 DDP's
+        bucket rebuild fails on a pipeline's second step ("rebuilt parameter indices size is not
+        same as original model parameters size"), and with ``static_graph`` the replicas' gradients
+        came out different. One all-reduce after the schedule costs the overlap with the last
+        backward, and is exact.
+        """
+        if self.replica_group is None:
+            return
+        params = [p for p in self.stage_module.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # every replica must send the same layout
+                p.grad = torch.zeros_like(p)
+        for dtype in sorted({p.grad.dtype for p in params}, key=str):
+            grads = [p.grad for p in params if p.grad.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.replica_group)
+            flat /= self.replicas
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g))
 
     def _training_schedule(self, micro: int):
         if micro not in self._schedules:
@@ -205,17 +261,21 @@ class PipelineRuntime(Runtime):
         return self._schedules[micro]
 
     def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss, on every rank (broadcast from it)."""
+        """The mean of the last stages' losses over the replicas, on every rank (the other stages add 0)."""
         if self._stage is None:
-            return loss
+            return super().global_loss(loss)
         out = loss.detach().reshape(()).to(self.ctx.device, torch.float32).clone()
-        dist.broadcast(out, src=self.stages - 1)
-        return out
+        dist.all_reduce(out)
+        return out / self.replicas
 
     # ---- evaluation ----
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch]) -> tuple[int, int]:
-        """(correct, total) over the batches, which every rank must be given identically."""
+        """(correct, total) over every replica's part of the test set.
+
+        Every stage of one replica must be given the same batches; replicas evaluate their parts
+        independently (no collective between them until the counts are summed).
+        """
         if self._stage is None:
             return super().evaluate(batches)
         was_training = self.model.training
@@ -232,7 +292,7 @@ class PipelineRuntime(Runtime):
                 schedule.eval()
         self.model.train(was_training)
         counts = counts.to(self.ctx.device)
-        dist.broadcast(counts, src=self.stages - 1)
+        dist.all_reduce(counts)  # the last stage of every replica counted its part; the others hold zeros
         return int(counts[0]), int(counts[1])
 
     def _eval_schedule(self, shape: tuple, dtype: torch.dtype):
@@ -242,18 +302,26 @@ class PipelineRuntime(Runtime):
             from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
             micro = max(m for m in range(1, min(self.options.chunks, shape[0]) + 1) if shape[0] % m == 0)
-            stage = PipelineStage(self.model, self.ctx.rank, self.stages, self.ctx.device)
+            # The bare stage: evaluation needs no gradient reduction, so it never waits for other replicas.
+            stage = PipelineStage(self.stage_module, self.stage_index, self.stages, self.ctx.device,
+                                  group=self.pipe_group)
             self._schedules[key] = ScheduleGPipe(stage, micro, loss_fn=None, scale_grads=False)
         return self._schedules[key]
 
     # ---- checkpoints ----
     def state_dict(self) -> Optional[dict[str, Any]]:
-        """Rank 0 gets the whole model's state_dict and one optimizer state (see ``pipeline/state.py``)."""
+        """Rank 0 gets the whole model's state_dict and one optimizer state (see ``pipeline/state.py``).
+
+        Called on every rank; only replica 0's stages take part (replicas hold the same state).
+        """
         if self._stage is None:
             return super().state_dict()
-        part = (self.model.full_state_dict(), opt_state.to_global(self.optimizer.state_dict(), self.local_to_global))
-        parts: Optional[list] = [None] * self.ctx.world_size if self.ctx.rank == 0 else None
-        dist.gather_object(part, parts, dst=0)
+        if self.replica != 0:
+            return None  # every replica holds the same weights and optimizer state: replica 0's are saved
+        part = (self.stage_module.full_state_dict(),
+                opt_state.to_global(self.optimizer.state_dict(), self.local_to_global))
+        parts: Optional[list] = [None] * self.stages if self.ctx.rank == 0 else None
+        dist.gather_object(part, parts, dst=0, group=self.pipe_group)  # replica 0's pipeline; rank 0 is stage 0
         if parts is None:
             return None
         model: dict[str, torch.Tensor] = {}
@@ -265,12 +333,13 @@ class PipelineRuntime(Runtime):
         """Every stage takes its blocks' weights and its parameters' optimizer state."""
         if self._stage is None:
             return super().load_state_dict(state)
-        self.model.load_full_state_dict(state["model"])
+        self.stage_module.load_full_state_dict(state["model"])
         self.optimizer.load_state_dict(opt_state.split(state["optimizer"], self.local_to_global))
 
     def report(self, final: bool = False) -> Report:
-        fields = {"stages": self.plan.stages, "chunks": self.options.chunks, "schedule": self.options.schedule,
-                  "balance": list(self.plan.counts), "predicted_bubble": round(self.plan.bubble(), 4)}
+        fields = {"stages": self.plan.stages, "replicas": self.replicas, "chunks": self.options.chunks,
+                  "schedule": self.options.schedule, "balance": list(self.plan.counts),
+                  "predicted_bubble": round(self.plan.bubble(), 4)}
         return Report(fields)
 
     def close(self) -> None:
@@ -278,4 +347,22 @@ class PipelineRuntime(Runtime):
         self._stage = None
 
 
-__all__ = ["Pipeline", "SCHEDULES"]
+def check_mesh(stages: int, processes: int) -> int:
+    """Replicas of a ``stages``-stage pipeline on ``processes`` workers; a clear error unless a whole number."""
+    if processes < stages:
+        raise PhalanxError(f"--stages {stages} needs {stages} workers (one per stage) but this run has "
+                           f"{processes}; add --workers {stages}")
+    if processes % stages:
+        below, above = processes // stages * stages, -(-processes // stages) * stages
+        raise PhalanxError(f"--workers {processes} is not a multiple of --stages {stages} ({processes} / {stages} = "
+                           f"{processes / stages:.3g} replicas of the pipeline); use --workers {below} or {above}")
+    return processes // stages
+
+
+def mesh_label(rank: int, replicas: int) -> str:
+    """How messages name a rank: ``stage 1 (rank 1)``, or ``stage 1 replica 0 (rank 2)`` on a 2-D mesh."""
+    stage, replica = divmod(rank, replicas)
+    return f"stage {stage} (rank {rank})" if replicas == 1 else f"stage {stage} replica {replica} (rank {rank})"
+
+
+__all__ = ["Pipeline", "SCHEDULES", "check_mesh", "mesh_label"]

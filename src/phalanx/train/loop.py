@@ -21,6 +21,7 @@ from torch import nn
 from ..data import Prefetcher, ShardedBatches, eval_batches, load_data
 from ..errors import TrainingDiverged
 from ..launch import WorkerContext
+from ..memory import Held, describe, held, largest
 from ..models import build_model
 from ..strategies import Build
 from . import checkpoint as ckpt
@@ -253,10 +254,13 @@ class WorkerRun:
                  ) -> dict[str, Any]:
         rate = steps * self.global_batch / max(seconds, 1e-9)
         report = self.runtime.report(final=True)
+        mine, most = self._memory()
         summary = {"steps": self.step, "test_accuracy": accuracy, "examples_per_sec": rate,
                    "train_seconds": seconds, "checkpoint": self.last_checkpoint, "metrics": self.cfg.metrics,
                    "world_size": self.ctx.world_size, "strategy": self.cfg.strategy.name, "stopped_by": stopped,
-                   "watch_cpu_seconds": round(self.ctx.progress.cpu_seconds, 4), **report.fields}
+                   "watch_cpu_seconds": round(self.ctx.progress.cpu_seconds, 4),
+                   "memory_bytes": mine.as_dict(), **({"memory_bytes_max": most.as_dict()} if most else {}),
+                   **report.fields}
         self.reporter.record("summary", **summary)
         self.reporter.close()
         if stopped:
@@ -264,11 +268,22 @@ class WorkerRun:
         else:
             self.reporter.say(f"test accuracy {accuracy:.4f} after {self.step} steps")
         self.reporter.say(f"throughput {rate:.1f} examples/sec (global), training time {seconds:.1f} s")
+        for line in describe(mine, most):
+            self.reporter.say(line)
         for line in report.lines:
             self.reporter.say(line)
         self.reporter.say(f"checkpoint {self.last_checkpoint}")
         self.reporter.say(f"metrics {self.cfg.metrics}")
         return summary
+
+    def _memory(self) -> tuple[Held, Optional[Held]]:
+        """This rank's parameter, gradient and optimizer bytes; the max over ranks where ranks are in step."""
+        mine = held(self.runtime.module, self.runtime.optimizer)
+        if not (self.ctx.distributed and self.plan.layout.lockstep):
+            return mine, None
+        every: list = [None] * self.ctx.world_size
+        dist.all_gather_object(every, mine)
+        return mine, largest(every)
 
     def close(self) -> None:
         if self.prefetcher is not None:

@@ -1,0 +1,219 @@
+"""sync against fsdp on the same model, side by side: what sharding costs in throughput, what it saves.
+
+Two models: the built-in cifar10 network (1.07 M parameters) and a wide MLP (7 blocks, hidden
+2048: 24.6 M parameters, 98 MB of float32 weights, no block more than 17 MB, so that the one
+block fsdp gathers at a time is small beside the whole), both on synthetic 3x24x24 images. Variants:
+``sync`` (DDP), ``fsdp`` (torch's fully_shard, parameters freed after each block's forward) and
+``fsdp-keep`` (``--no-reshard-after-forward``: gathered once per step). Each run is a fresh job of
+2 workers through phalanx's own runtimes (``runtime_for``), a fixed random batch per rank, the
+first steps a warm-up left out of the timing. Variants are interleaved within every repeat (load
+drift hits all alike); medians with their spread and the ratios fsdp / sync are printed and saved
+with the machine and versions under benchmarks/results/.
+
+Per rank it reports two memory figures:
+
+- **held**: bytes of parameters + gradients + optimizer state the rank holds (``phalanx.memory``,
+  the figure phalanx prints in every run's summary); goal for fsdp on W workers: about 1/W of
+  sync's (0.5 here);
+- **peak**: what the process really reached while training: ``torch.cuda.max_memory_allocated``
+  on a GPU (every tensor: activations, DDP's buckets, fsdp's gathered blocks); on the CPU the
+  process's peak resident set from just before the first step (VmHWM, reset through
+  /proc/self/clear_refs), which also counts the interpreter, torch and the model as built
+  (a few hundred MB that neither variant can save), so compare its differences, not its ratio.
+  CPU workers run with ``MALLOC_MMAP_THRESHOLD_=1048576``: fsdp allocates and frees a gathered
+  block per block and step, and glibc's default (a threshold that grows with what was freed)
+  then keeps that memory in a fragmented heap, so the resident set creeps up to about twice
+  what is live (measured: 0.96 GB resident, 0.45 GB after malloc_trim, for the wide MLP).
+
+Devices: ``--devices cpu`` (gloo, 1 torch thread per worker by default), ``cuda`` (NCCL, one GPU
+per worker: it needs 2 GPUs, since NCCL cannot put two ranks on one device), ``auto`` (cuda where
+2 GPUs exist, else cpu).
+
+    python3 benchmarks/sharded.py                                   # 5 repeats, both models
+    python3 benchmarks/sharded.py --repeats 1 --steps 2 --warmup 1 --batch 8 --models cifar10   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import resource
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from phalanx import FSDP, Sync
+from phalanx.launch import launch
+from phalanx.memory import Held, held, size
+from phalanx.models import cifar10
+from phalanx.strategies import runtime_for
+
+from _common import save_result, spread
+
+SHAPE = (3, 24, 24)
+WORKERS = 2
+
+
+def wide_mlp(hidden: int = 2048, depth: int = 5) -> nn.Sequential:
+    """Flatten + Linear(1728, hidden), ``depth`` blocks Linear(hidden, hidden), a head: one block each."""
+    blocks = [nn.Sequential(nn.Flatten(), nn.Linear(math.prod(SHAPE), hidden), nn.ReLU())]
+    blocks += [nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU()) for _ in range(depth)]
+    return nn.Sequential(*blocks, nn.Linear(hidden, 10))
+
+
+MODELS = {"cifar10": lambda: cifar10(SHAPE, 10), "wide-mlp": wide_mlp}
+VARIANTS = {"sync": Sync(), "fsdp": FSDP(), "fsdp-keep": FSDP(reshard_after_forward=False)}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def worker(ctx, variant: str, model_name: str, batch: int, warmup: int, steps: int, lr: float) -> list:
+    """One timed run on this rank; rank 0 returns every rank's (seconds, held bytes, peak bytes)."""
+    torch.manual_seed(0)  # the same initial weights on every rank (fsdp checks it)
+    model = MODELS[model_name]().to(ctx.device)
+    runtime = runtime_for(VARIANTS[variant], ctx, model, lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9),
+                          F.cross_entropy)
+    g = torch.Generator().manual_seed(ctx.rank)
+    x = torch.randn(batch, *SHAPE, generator=g).to(ctx.device)
+    y = torch.randint(0, 10, (batch,), generator=g).to(ctx.device)
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    else:
+        _reset_peak_rss()
+    start = time.perf_counter()
+    for step in range(warmup + steps):
+        if step == warmup:
+            _sync(ctx.device)
+            dist.barrier()
+            start = time.perf_counter()
+        runtime.train_step(x, y)
+    _sync(ctx.device)
+    dist.barrier()  # every rank's steps are in the time
+    seconds = time.perf_counter() - start
+    if ctx.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(ctx.device)
+    else:
+        peak = _peak_rss()
+    mine = (seconds, held(runtime.module, runtime.optimizer), peak)
+    every: list = [None] * ctx.world_size
+    dist.all_gather_object(every, mine)
+    return every
+
+
+def _reset_peak_rss() -> None:
+    """Linux: start the process's peak resident set (VmHWM) again from what it holds now."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # then the peak counts from the process's start (see _peak_rss)
+
+
+def _peak_rss() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kilobytes
+
+
+def devices_for(choice: str) -> list[torch.device]:
+    gpus = torch.cuda.device_count()
+    if choice == "auto":
+        choice = "cuda" if gpus >= WORKERS else "cpu"
+    if choice == "cuda":
+        if gpus < WORKERS:
+            raise SystemExit(f"--devices cuda needs {WORKERS} GPUs (one per worker: NCCL cannot put two ranks on one "
+                             f"device) but {gpus} found; use --devices cpu")
+        return [torch.device("cuda", i) for i in range(WORKERS)]
+    return [torch.device("cpu")] * WORKERS
+
+
+def one_run(variant: str, model: str, devices: list, args) -> dict:
+    threads = args.threads if devices[0].type == "cpu" else None
+    ranks = launch(worker, devices, (variant, model, args.batch, args.warmup, args.steps, args.lr), threads=threads)
+    slowest = max(seconds for seconds, _, _ in ranks)
+    return {"examples_per_sec": args.batch * len(devices) * args.steps / slowest,
+            "held": max((h for _, h, _ in ranks), key=lambda h: h.total), "peak": max(p for _, _, p in ranks)}
+
+
+def report(model: str, runs: dict, devices: list) -> dict:
+    """Print one model's table and ratios; return what is saved."""
+    params = sum(p.numel() for p in MODELS[model]().parameters())
+    where = f"{devices[0].type} ({'nccl' if devices[0].type == 'cuda' else 'gloo'})"
+    peak_kind = "peak allocated" if devices[0].type == "cuda" else "peak RSS in training"
+    print(f"\n{model} ({params / 1e6:.2f} M parameters), {WORKERS} workers on {where}: median (min-max) over repeats")
+    print(f"  {'variant':<10} {'examples/sec':>24}   held per rank: params + grads + optimizer = total   {peak_kind}")
+    out = {}
+    for variant, results in runs.items():
+        rates = [r["examples_per_sec"] for r in results]
+        h: Held = results[-1]["held"]  # held bytes do not vary between repeats
+        peak = statistics.median(r["peak"] for r in results)
+        lo, hi = spread(rates)
+        print(f"  {variant:<10} {statistics.median(rates):9.1f} ({lo:7.1f}-{hi:7.1f})   {size(h.parameters)} + "
+              f"{size(h.gradients)} + {size(h.optimizer)} = {size(h.total)}   {size(int(peak))}")
+        out[variant] = {"examples_per_sec": rates, "median_examples_per_sec": statistics.median(rates),
+                        "held_bytes": h.as_dict(), "held_total": h.total, "median_peak_bytes": peak}
+    sync = out["sync"]
+    for variant in [v for v in out if v != "sync"]:
+        mine = out[variant]
+        paired = [f["examples_per_sec"] / s["examples_per_sec"] for f, s in zip(runs[variant], runs["sync"])]
+        mine["throughput_ratio"] = mine["median_examples_per_sec"] / sync["median_examples_per_sec"]
+        mine["paired_throughput_ratios"] = paired
+        mine["held_ratio"] = mine["held_total"] / sync["held_total"]
+        mine["peak_saved_bytes"] = sync["median_peak_bytes"] - mine["median_peak_bytes"]
+        print(f"  {variant} / sync: throughput {mine['throughput_ratio']:.3f} (paired {statistics.median(paired):.3f}, "
+              f"{min(paired):.3f}-{max(paired):.3f}); held memory per rank {mine['held_ratio']:.3f} (goal about "
+              f"1/{WORKERS} = {1 / WORKERS:.2f}); {peak_kind} {size(int(mine['median_peak_bytes']))} vs "
+              f"{size(int(sync['median_peak_bytes']))} (saves {size(max(0, int(mine['peak_saved_bytes'])))})")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--batch", type=int, default=64, help="images per worker per step")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12, help="timed steps per run")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per CPU worker")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--devices", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated: {', '.join(VARIANTS)} "
+                                                                  "(sync is always run: the ratios are against it)")
+    args = p.parse_args()
+    models = [m for m in args.models.split(",") if m]
+    variants = ["sync"] + [v for v in args.variants.split(",") if v and v != "sync"]
+    unknown = [m for m in models if m not in MODELS] + [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown model or variant: {', '.join(unknown)}")
+    devices = devices_for(args.devices)
+    if devices[0].type == "cpu":  # read by the spawned workers' C library at start (see the docstring)
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")
+
+    runs = {m: {v: [] for v in variants} for m in models}
+    for r in range(args.repeats):
+        for model in models:
+            for variant in variants:
+                result = one_run(variant, model, devices, args)
+                runs[model][variant].append(result)
+                print(f"repeat {r + 1}/{args.repeats}  {model:<8} {variant:<9} {result['examples_per_sec']:9.1f} "
+                      f"examples/sec  held {size(result['held'].total)}  peak {size(result['peak'])}", flush=True)
+
+    saved = {model: report(model, runs[model], devices) for model in models}
+    save_result("sharded", args=vars(args), devices=[str(d) for d in devices], workers=WORKERS, results=saved,
+                malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+                goal="fsdp holds about 1/W of sync's parameters + gradients + optimizer state per rank; on CPU it "
+                     "costs throughput (the figure to report), on GPUs (NCCL) the cost should be small")
+
+
+if __name__ == "__main__":
+    main()

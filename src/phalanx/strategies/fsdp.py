@@ -1,0 +1,310 @@
+"""Sharded data parallelism: torch's ``fully_shard`` (FSDP2) is the engine.
+
+Every rank trains on its own shard of the batch, as with ``sync``, but no rank keeps a whole
+replica: each parameter (a :class:`~torch.distributed.tensor.DTensor` sharded on dim 0 over a
+1-D device mesh of all ranks) lives 1/W on each rank, and so do its gradient and its optimizer
+state, because the optimizer only ever sees the local shards. Each block of the model is one
+unit of communication:
+
+- forward: before a block runs, its parameters are all-gathered (one collective per block);
+  after it, they are freed again (``--reshard-after-forward``, the default) or kept until backward;
+- backward: the block's parameters are all-gathered again (when they were freed), its gradients
+  computed, then reduce-scattered: every rank receives the average over ranks of its own shard;
+- the optimizer steps on the local shards only; nothing else moves.
+
+So W workers with batch B compute what one process computes with batch W·B (the equivalence
+test checks this in float64 for SGD and Adam on 2 and 3 ranks), while each rank holds about 1/W
+of the parameters, gradients and optimizer state, plus one gathered block at a time.
+
+Blocks are the model's own structure: an ``nn.Sequential``'s children (every built-in model), a
+``pipeline_blocks()`` method's modules, any other model's top-level children, or the submodules
+named in ``FSDP(blocks=...)`` / ``--blocks``. A model with no block holding parameters is refused.
+
+Checkpoints hold the full model and the full optimizer state, gathered to rank 0 by torch's
+distributed-checkpoint helpers (``get_state_dict`` / ``set_state_dict``, full state dicts), and
+renumbered the way a plain optimizer numbers its parameters: the file is exactly what an
+unsplit model and its optimizer would save, so it loads into the plain model, into ``sync``, or
+into ``fsdp`` on another number of workers.
+
+One process (world size 1) runs the plain model, with no process group and nothing to shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, ClassVar, Iterable, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import PhalanxError
+from ..options import option
+from .base import Batch, Build, Job, Layout, Options, Report, Runtime, count_correct, data_parallel
+
+
+def parse_blocks(value: Union[str, Iterable[str]]) -> tuple[str, ...]:
+    """``"encoder,decoder"`` or ``["encoder", "decoder"]`` -> a tuple of submodule names."""
+    names = value.split(",") if isinstance(value, str) else list(value)
+    names = tuple(str(n).strip() for n in names if str(n).strip())
+    if not names:
+        raise PhalanxError("--blocks names no submodule: give names like 'encoder,decoder', or leave it out")
+    return names
+
+
+def shard_units(model: nn.Module, names: Optional[tuple[str, ...]] = None) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every unit that ``fully_shard`` makes, in the model's order; a clear error if none.
+
+    Only modules that hold parameters are units; parameters outside every unit stay with the root.
+    """
+    if names is not None:
+        units = []
+        for name in names:
+            try:
+                units.append((name, model.get_submodule(name)))
+            except AttributeError:
+                children = ", ".join(n for n, _ in model.named_children()) or "none"
+                raise PhalanxError(f"--blocks names {name!r}, which is not a submodule of {type(model).__name__} "
+                                   f"(its children: {children}); name submodules as model.named_modules() "
+                                   "does") from None
+    elif hasattr(model, "pipeline_blocks"):
+        by_id = {id(m): n for n, m in model.named_modules() if n}
+        units = [(by_id[id(b)], b) for b in model.pipeline_blocks() if id(b) in by_id]
+    else:
+        units = list(model.named_children())
+    units = [(n, m) for n, m in units if any(True for _ in m.parameters())]
+    if not units:
+        raise PhalanxError(
+            f"{type(model).__name__} has no blocks to shard: fsdp shards each block (a submodule holding parameters) "
+            "over the workers; make the model an nn.Sequential of blocks, give it submodules, or name them with "
+            "FSDP(blocks=...) / --blocks"
+        )
+    return units
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDP(Options):
+    """Shard parameters, gradients and optimizer state over the workers (FSDP2)."""
+
+    name: ClassVar[str] = "fsdp"
+    summary: ClassVar[str] = ("sharded data parallelism: parameters, gradients and optimizer state split over the "
+                              "workers, gathered block by block; torch's fully_shard (FSDP2)")
+
+    reshard_after_forward: bool = option(True, "free each block's gathered parameters after its forward and gather "
+                                               "them again for backward (less memory, one more all-gather per block)")
+    blocks: Optional[tuple[str, ...]] = option(None, "the submodules sharded as units, by name, e.g. 'encoder,head'",
+                                               parse=parse_blocks, show="the model's blocks")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reshard_after_forward, bool):
+            raise PhalanxError(f"--reshard-after-forward is on or off, got {self.reshard_after_forward!r}")
+        if self.blocks is not None:
+            self._set(blocks=parse_blocks(self.blocks))
+
+    def layout(self, job: Job) -> Layout:
+        if job.model is not None:
+            shard_units(job.model, self.blocks)  # refuse a model with nothing to shard before anything starts
+        return data_parallel(job)
+
+    def describe(self) -> str:
+        return "fsdp (fully_shard)" if self.reshard_after_forward else "fsdp (fully_shard, no reshard after forward)"
+
+    def runtime(self, build: Build) -> Runtime:
+        return FSDPRuntime(build, self)
+
+
+class FSDPRuntime(Runtime):
+    """One rank's shard of every block; the plain model when alone."""
+
+    def __init__(self, build: Build, options: FSDP):
+        ctx, model = build.ctx, build.model
+        self.units = shard_units(model, options.blocks)
+        if not ctx.distributed:
+            super().__init__(build, description="fsdp (one process: nothing to shard)")
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        # fully_shard keeps each rank's own slice of its own copy (no broadcast from rank 0), so
+        # replicas built differently would silently train a patchwork: check, as sync does.
+        verify_same_start(model, ctx)
+        self.mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("shard",))
+        # fully_shard goes bottom-up: a unit nested in another must be wrapped first.
+        for _, block in sorted(self.units, key=lambda unit: -unit[0].count(".")):
+            fully_shard(block, mesh=self.mesh, reshard_after_forward=options.reshard_after_forward)
+        fully_shard(model, mesh=self.mesh)  # the root: whatever parameters no block holds; it stays gathered
+        blocks = ", ".join(name for name, _ in self.units)
+        gathers = ("gathered for forward, freed, gathered again for backward" if options.reshard_after_forward
+                   else "gathered once per step (kept from forward to backward)")
+        notes = [f"fsdp plan: {len(self.units)} blocks ({blocks}) each sharded over a 1-D mesh of {ctx.world_size} "
+                 f"ranks ({ctx.device.type}, {ctx.backend}); parameters {gathers}"]
+        super().__init__(build, model, description=options.describe(), notes=notes)
+
+    @property
+    def sharded(self) -> bool:
+        return self.ctx.distributed
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Accumulate gradients locally (unsharded), reduce-scatter only after the last micro-batch."""
+        return _no_gradient_sync(self.model) if self.sharded else contextlib.nullcontext()
+
+    # ---- evaluation ----
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[Batch]) -> tuple[int, int]:
+        """(correct, total) over every rank's part of the test set.
+
+        Every forward all-gathers each block (a collective), so every rank runs as many forwards
+        as the rank with the most batches: a rank with fewer runs one-example forwards, uncounted.
+        """
+        if not self.sharded:
+            return super().evaluate(batches)
+        batches = list(batches)
+        most = torch.tensor([len(batches)], device=self.ctx.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        counts = count_correct(self.model, batches, self.ctx.device)
+        filler = batches[0][0][:1] if batches else (self.build.example[0][:1] if self.build.example else None)
+        missing = int(most) - len(batches)
+        if missing and filler is None:
+            raise PhalanxError("fsdp evaluation: this rank has no test batch and no example batch to keep in step "
+                               "with the others; give every rank a part of the test set")
+        if missing:
+            count_correct(self.model, [(filler, torch.zeros(1, dtype=torch.long))] * missing, self.ctx.device)
+        self._reshard()
+        counts = counts.to(self.ctx.device)
+        dist.all_reduce(counts)
+        return int(counts[0]), int(counts[1])
+
+    def _reshard(self) -> None:
+        """Free gathered parameters that a forward without backward left behind (eval, no reshard option)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    # ---- checkpoints ----
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        """The full model and optimizer state, gathered to rank 0 in a plain optimizer's numbering."""
+        if not self.sharded:
+            return super().state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        # A collective on every rank; cpu_offload: only rank 0 receives the gathered tensors (on the CPU).
+        model, optimizer = get_state_dict(self.model, self.optimizer,
+                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.ctx.rank != 0:
+            return None
+        return {"model": model, "optimizer": by_index(optimizer, self._names())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Every rank takes its shard of a full checkpoint (written by fsdp, sync, a pipeline or a plain model)."""
+        if not self.sharded:
+            return super().load_state_dict(state)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        try:
+            # Copies of the containers: set_state_dict writes this rank's DTensor shards into the
+            # dicts it is given, and the caller's checkpoint must stay a plain one.
+            set_state_dict(self.model, self.optimizer, model_state_dict=_containers(state["model"]),
+                           optim_state_dict=_containers(by_name(state["optimizer"], self._names())),
+                           options=StateDictOptions(full_state_dict=True, strict=True))
+        except (RuntimeError, KeyError, ValueError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            raise PhalanxError(f"checkpoint does not fit this model ({first}); resume with the --model and data "
+                               "the checkpoint was trained with") from None
+
+    def _names(self) -> list[str]:
+        """Parameter names in the optimizer's order: a plain optimizer's parameter i is names[i].
+
+        A plain optimizer numbers its parameters by their position across its param groups; the
+        same factory given the sharded parameters lists them in the same order.
+        """
+        name_of = {id(p): name for name, p in self.model.named_parameters()}
+        return [name_of[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+
+    def report(self, final: bool = False) -> Report:
+        return Report({"sharded_blocks": [name for name, _ in self.units] if self.sharded else []})
+
+
+# --------------------------------------------------------------------------- the start check
+
+
+def fingerprint(module: nn.Module, chunk: int = 1 << 22) -> torch.Tensor:
+    """float64 (sum, sum of squares, position-weighted sum) of every parameter and floating buffer.
+
+    Streamed a chunk at a time on the tensors' own device, so it needs a few MB beside the
+    model, never a float64 copy of all of it (a model sharded because it is large must not
+    need 8 bytes per parameter again just to be checked).
+    """
+    tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t.is_floating_point()]
+    total = max(1, sum(t.numel() for t in tensors) - 1)
+    out, offset = torch.zeros(3, dtype=torch.float64), 0
+    for t in tensors:
+        for part in t.detach().reshape(-1).split(chunk):
+            d = part.double()
+            ramp = torch.arange(offset, offset + len(d), dtype=torch.float64, device=d.device) / total + 1.0
+            out += torch.stack([d.sum(), (d * d).sum(), (d * ramp).sum()]).cpu()
+            offset += len(d)
+    return out
+
+
+def verify_same_start(module: nn.Module, ctx) -> None:
+    """Fail loudly unless every rank built the same weights (compared through rank 0's fingerprint)."""
+    device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")  # NCCL moves CUDA tensors only
+    mine = fingerprint(module).to(device)
+    reference = mine.clone()
+    dist.broadcast(reference, src=0)
+    same = torch.tensor([int(torch.allclose(mine, reference, rtol=1e-12, atol=0))], device=device)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    if not same.item():
+        raise PhalanxError(f"replicas differ at start (rank {ctx.rank} fingerprint {mine.tolist()} vs rank 0 "
+                           f"{reference.tolist()}): build the model identically on every worker (same seed, same code)")
+
+
+def _containers(value: Any) -> Any:
+    """A copy of nested dicts and lists that shares the tensors (nothing large is copied)."""
+    if isinstance(value, dict):
+        return {k: _containers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_containers(v) for v in value]
+    return value
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)  # recursive: every block of the model
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+# --------------------------------------------------------------------------- optimizer state numbering
+
+
+def by_index(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A name-keyed optimizer state (torch's distributed-checkpoint form) as ``optimizer.state_dict()`` keys it.
+
+    ``names[i]`` is the name of the parameter a plain optimizer numbers i (its position across the
+    optimizer's param groups), so the result is exactly the dict the unsplit model's optimizer saves.
+    """
+    index = {name: i for i, name in enumerate(names)}
+    ordered = sorted(state["state"].items(), key=lambda item: index[item[0]])
+    return {"state": {index[name]: value for name, value in ordered},
+            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The inverse of :func:`by_index`: a plain optimizer's ``state_dict()`` keyed by parameter names."""
+    count = sum(len(group["params"]) for group in state["param_groups"])
+    if count != len(names):
+        raise PhalanxError(f"checkpoint's optimizer holds {count} parameters but this model has {len(names)}; resume "
+                           "with the --model the checkpoint was trained with")
+    return {"state": {names[int(i)]: value for i, value in state["state"].items()},
+            "param_groups": [{**group, "params": [names[int(i)] for i in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+__all__ = ["FSDP", "shard_units"]
