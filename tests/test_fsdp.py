@@ -225,7 +225,7 @@ def test_replicas_that_start_different_are_a_loud_error(two):
 
 
 def test_the_start_check_fingerprints_every_tensor_in_chunks_without_a_float64_copy_of_the_model():
-    from phalanx.strategies.fsdp import fingerprint
+    from phalanx.strategies.replicas import fingerprint
 
     model = make_model()
     flat = torch.cat([p.detach().double().flatten() for p in model.parameters()])

@@ -296,7 +296,8 @@ def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], b
     received: list[tuple] = []
     alive = set(range(len(processes)))
     done_at: Optional[float] = None
-    with _signals_to(_Forward(processes, alive)):
+    forward = _Forward(processes, alive)
+    with _signals_to(forward):
         while alive:
             # Drain while waiting: a large result blocks its sender until the pipe is read.
             received += _drain(results)
@@ -312,6 +313,9 @@ def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], b
                     continue
                 _terminate([processes[r] for r in alive])
                 received += _drain(results)
+                if forward.first is not None:  # asked to stop before training began: nothing to save
+                    raise Stopped(f"stopped by {forward.first} before the first step; nothing was saved",
+                                  forward.first)
                 how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
                 raise _failure(received, (rank, f"process {processes[rank].pid} {how}"), killed=code < 0,
                                last_step=watcher.last_step(rank))
@@ -399,17 +403,33 @@ def _failure(reports: list[tuple], first: tuple[int, str], killed: bool, last_st
     return WorkerFailed(*first, step=last_step)
 
 
+def _attempt_store(job: Joined, timeout_s: float) -> Optional[dist.Store]:
+    """Under torchrun's agent store, a client of it keyed by the restart attempt (None: join by init_method).
+
+    torchrun serves every attempt's workers the same store without an attempt prefix, so after a
+    restart a fast new rank could read the gloo addresses of the dead attempt and wait forever on
+    them (seen here, about one restart in three on a loaded machine). Keys of their own per attempt
+    make that impossible.
+    """
+    if job.launcher != "torchrun" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or job.world_size < 2:
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), job.world_size, is_master=False,
+                           timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"phalanx/attempt_{attempt}", client)
+
+
 def _run_joined(job: Joined, fn, devices, args, threads, timeout_s):
     """This process is rank ``job.rank`` of a job torchrun or srun started: join it and run ``fn``.
 
-    torchrun passes SIGTERM (and a terminal's SIGINT reaches every rank): each asks this rank to
-    stop at the step boundary all ranks agree on, through the job's store.
+    torchrun passes SIGTERM (and a terminal's SIGINT reaches every rank): once training has begun
+    each asks this rank to stop at the step boundary all ranks agree on, through the job's store
+    (the loop installs that handler; until then the signals keep their default, immediate effect,
+    since a handler cannot run while start-up is blocked inside gloo's rendezvous).
     """
     device = devices[job.local_rank % len(devices)]
-    progress = Progress(job.rank)
-    progress.handle_signals()  # torchrun passes SIGTERM on to its workers
-    ctx = _init_worker(job.rank, job.world_size, job.local_rank, device, threads, None, timeout_s, job.init_method,
-                       progress=progress)
+    ctx = _init_worker(job.rank, job.world_size, job.local_rank, device, threads, _attempt_store(job, timeout_s),
+                       timeout_s, job.init_method)
     try:
         return fn(ctx, *args)
     finally:

@@ -88,14 +88,17 @@ class Progress:
 
     def handle_signals(self) -> None:
         """In a worker process: SIGTERM and SIGINT ask for a stop at the next step boundary (no
-        KeyboardInterrupt traceback); a second one ends the process at once."""
+        KeyboardInterrupt traceback); a second one, or one before training began, ends the process at once."""
         def stop(signum: int, frame: Any) -> None:
-            if self.stop_requested is not None:
-                os._exit(128 + signum)  # at once: checkpoints are atomic, nothing tears
+            if self.stop_requested is not None or self.step == 0:
+                # At once: a second request, or one before the first step (blocked in start-up, with
+                # nothing to save, waiting would only make the launcher wait too). Checkpoints are atomic.
+                os._exit(128 + signum)
             self.stop_requested = signal.Signals(signum).name
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, stop)
+        if threading.current_thread() is threading.main_thread():  # (signals belong to the main thread)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, stop)
 
     def _beat(self) -> None:
         while not self._closing.wait(self.interval_s):

@@ -42,6 +42,7 @@ from torch import nn
 from ..errors import PhalanxError
 from ..options import option
 from .base import Batch, Build, Job, Layout, Options, Report, Runtime, count_correct, data_parallel
+from .replicas import verify_replicas
 
 
 def parse_blocks(value: Union[str, Iterable[str]]) -> tuple[str, ...]:
@@ -128,7 +129,7 @@ class FSDPRuntime(Runtime):
 
         # fully_shard keeps each rank's own slice of its own copy (no broadcast from rank 0), so
         # replicas built differently would silently train a patchwork: check, as sync does.
-        verify_same_start(model, ctx)
+        verify_replicas(model, ctx)
         self.mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("shard",))
         # fully_shard goes bottom-up: a unit nested in another must be wrapped first.
         for _, block in sorted(self.units, key=lambda unit: -unit[0].count(".")):
@@ -225,41 +226,6 @@ class FSDPRuntime(Runtime):
 
     def report(self, final: bool = False) -> Report:
         return Report({"sharded_blocks": [name for name, _ in self.units] if self.sharded else []})
-
-
-# --------------------------------------------------------------------------- the start check
-
-
-def fingerprint(module: nn.Module, chunk: int = 1 << 22) -> torch.Tensor:
-    """float64 (sum, sum of squares, position-weighted sum) of every parameter and floating buffer.
-
-    Streamed a chunk at a time on the tensors' own device, so it needs a few MB beside the
-    model, never a float64 copy of all of it (a model sharded because it is large must not
-    need 8 bytes per parameter again just to be checked).
-    """
-    tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t.is_floating_point()]
-    total = max(1, sum(t.numel() for t in tensors) - 1)
-    out, offset = torch.zeros(3, dtype=torch.float64), 0
-    for t in tensors:
-        for part in t.detach().reshape(-1).split(chunk):
-            d = part.double()
-            ramp = torch.arange(offset, offset + len(d), dtype=torch.float64, device=d.device) / total + 1.0
-            out += torch.stack([d.sum(), (d * d).sum(), (d * ramp).sum()]).cpu()
-            offset += len(d)
-    return out
-
-
-def verify_same_start(module: nn.Module, ctx) -> None:
-    """Fail loudly unless every rank built the same weights (compared through rank 0's fingerprint)."""
-    device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")  # NCCL moves CUDA tensors only
-    mine = fingerprint(module).to(device)
-    reference = mine.clone()
-    dist.broadcast(reference, src=0)
-    same = torch.tensor([int(torch.allclose(mine, reference, rtol=1e-12, atol=0))], device=device)
-    dist.all_reduce(same, op=dist.ReduceOp.MIN)
-    if not same.item():
-        raise PhalanxError(f"replicas differ at start (rank {ctx.rank} fingerprint {mine.tolist()} vs rank 0 "
-                           f"{reference.tolist()}): build the model identically on every worker (same seed, same code)")
 
 
 def _containers(value: Any) -> Any:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ..errors import PhalanxError
 from .base import Build, Job, Layout, Options, Report, Runtime, data_parallel
 from .staleness import StalenessStats
-from .sync import verify_replicas
+from .replicas import verify_replicas
 
 
 @dataclasses.dataclass(frozen=True)

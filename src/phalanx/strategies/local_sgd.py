@@ -17,7 +17,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from ..options import option
 from ..errors import PhalanxError
 from .base import Build, Options, Runtime
-from .sync import verify_replicas
+from .replicas import verify_replicas
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Synchronous data parallelism: PyTorch DDP is the engine.
 
-Communication: at start every rank compares a parameter checksum with rank 0's (phalanx's loud
-check that the replicas really are identical: DDP would otherwise just overwrite them with rank
-0's and hide a model built differently on each worker); during backward, DDP all-reduces gradient
+Communication: at start every rank compares a fingerprint of its weights with rank 0's
+(``replicas.py``: DDP would otherwise just overwrite them with rank 0's and hide a model built
+differently on each worker); during backward, DDP all-reduces gradient
 buckets as they become ready, overlapping communication with the rest of the backward pass. Every
 rank then applies the same averaged gradient, so the replicas stay identical: N workers with
 batch B compute what one process computes with batch N·B. Gradient accumulation runs the inner
@@ -16,42 +16,15 @@ import dataclasses
 from typing import ClassVar, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import PhalanxError
-from ..launch import WorkerContext
 from ..options import option
 from ..reduce import COMPRESSIONS, REDUCTIONS, apply_reduction, parse_islands, validate_islands
 from ..topology import order_by_islands, rank_islands
 from .base import Build, Job, Layout, Options, Report, Runtime, data_parallel
-
-
-def parameter_checksum(module: nn.Module) -> torch.Tensor:
-    """A float64 fingerprint of every parameter and buffer: (sum, sum of squares, weighted sum)."""
-    parts = [t.detach().double().flatten() for t in list(module.parameters()) + list(module.buffers())
-             if t.is_floating_point()]
-    if not parts:
-        return torch.zeros(3, dtype=torch.float64)
-    flat = torch.cat([p.cpu() for p in parts])
-    ramp = torch.linspace(1.0, 2.0, len(flat), dtype=torch.float64)
-    return torch.stack([flat.sum(), (flat * flat).sum(), (flat * ramp).sum()])
-
-
-def verify_replicas(module: nn.Module, ctx: WorkerContext) -> None:
-    """Fail loudly unless every rank holds the same parameters (compared through rank 0's)."""
-    device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")  # NCCL moves CUDA tensors only
-    mine = parameter_checksum(module).to(device)
-    reference = mine.clone()
-    dist.broadcast(reference, src=0)
-    same = torch.tensor([1 if torch.allclose(mine, reference, rtol=1e-12, atol=0) else 0], device=device)
-    dist.all_reduce(same, op=dist.ReduceOp.MIN)
-    if not same.item():
-        raise PhalanxError(
-            f"replicas differ at start (rank {ctx.rank} checksum {mine.tolist()} vs rank 0 "
-            f"{reference.tolist()}): build the model identically on every worker (same seed, same code)"
-        )
+from .replicas import verify_replicas
 
 
 @dataclasses.dataclass(frozen=True)

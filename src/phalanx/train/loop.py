@@ -97,6 +97,7 @@ class WorkerRun:
         start, first_step = time.perf_counter(), self.step
         mark, mark_step = start, self.step
         progress = self.ctx.progress
+        progress.handle_signals()  # from here on SIGTERM/SIGINT mean: stop at a step boundary and save
         while self.step < self.cfg.steps:
             if self._stopping():
                 break
@@ -244,11 +245,14 @@ class WorkerRun:
 
     def _batch_split(self) -> str:
         shards = self.plan.layout.shards
+        readers = sum(rank.shard is not None for rank in self.plan.layout.ranks)
         if shards == self.ctx.world_size:
             return f"{self.cfg.batch_size} per worker x {self.ctx.world_size}"
         if shards == 1:
             return "every worker reads the whole batch"
-        return f"{self.cfg.batch_size} per worker x {shards} workers"
+        if readers == shards:  # one rank reads no data (a parameter server)
+            return f"{self.cfg.batch_size} per worker x {shards} workers"
+        return f"{self.cfg.batch_size} per replica x {shards} replicas, each read by {readers // shards} ranks"
 
     def _summary(self, accuracy: Optional[float], steps: int, seconds: float, stopped: Optional[str] = None
                  ) -> dict[str, Any]:
