@@ -102,10 +102,13 @@ Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Na
 
 
 def commands() -> dict[str, Command]:
+    from .compare import cli as compare_cli
     from .topology import cli as topology_cli
 
     return {
         "train": (add_train_flags, cmd_train, "train a model"),
+        "compare": (compare_cli.add_compare_flags, compare_cli.run,
+                    "which strategy reaches a target accuracy first, with and without stragglers"),
         "topology": (topology_cli.add_flags, topology_cli.run, "show which devices reach each other directly"),
     }
 

@@ -158,7 +158,8 @@ class WorkerRun:
         accuracy = correct / max(total, 1)
         seconds = time.perf_counter() - began
         self.reporter.record("eval", step=self.step, accuracy=accuracy, examples=total,
-                             train_seconds=began - start - self.eval_seconds, eval_seconds=seconds)
+                             train_seconds=began - start - self.eval_seconds, eval_seconds=seconds,
+                             **self.runtime.report().fields)
         self.eval_seconds += seconds
         if not final:  # the summary says the final one
             self.reporter.say(f"step {self.step}, test accuracy = {accuracy:.4f}")

@@ -225,13 +225,20 @@ class Server:
         self.pending.clear()
 
     # ---- what it reports ----
+    @property
+    def drops(self) -> bool:
+        """Whether dropping is part of this run's story (rounds drop late gradients; ps only a lost one's)."""
+        return isinstance(self.rule, Rounds) or bool(sum(self.dropped.values()))
+
     def stats(self, final: bool = False) -> dict[str, Any]:
-        out = {**self.staleness.to_dict(), "gradients_applied_total": self.applied,
-               "gradients_dropped_total": sum(self.dropped.values()), "max_clock_gap": self.max_lead,
+        out = {**self.staleness.to_dict(), "gradients_applied_total": self.applied, "max_clock_gap": self.max_lead,
                "lost_workers": [{"worker": w, "step": s} for w, s in self.lost], "live_workers": len(self.live)}
+        if self.drops:
+            out["gradients_dropped_total"] = sum(self.dropped.values())
         if final:  # the accounting a reader (or a test) can check: pushes per worker, replies in order
             out["gradients_pushed"] = {str(w): n for w, n in sorted(self.pushed.items())}
-            out["gradients_dropped"] = {str(w): n for w, n in sorted(self.dropped.items())}
+            if self.drops:
+                out["gradients_dropped"] = {str(w): n for w, n in sorted(self.dropped.items())}
             out["replies"] = self.replies
             out["reply_versions_out_of_order"] = self.versions_out_of_order
         return out
@@ -239,7 +246,7 @@ class Server:
     def dropped_line(self) -> Optional[str]:
         """``dropped 31 of 900 gradients (3.4%), all from worker 2`` (None where nothing can be dropped)."""
         total = sum(self.dropped.values())
-        if not total and not (isinstance(self.rule, Rounds) and self.rule.backup):
+        if not self.drops or not (total or self.rule.backup):  # nothing to say about ps, ssp or backup:0
             return None
         seen = self.applied + total
         line = f"dropped {total} of {seen} gradients ({100 * total / max(seen, 1):.1f}%)"
