@@ -10,11 +10,11 @@ import subprocess
 import pytest
 import torch
 
-from helpers import phalanx_cmd, run_cli
+from helpers import phalanx_cmd, run_cli, run_workers
 from phalanx import TrainConfig, Trainer
 from phalanx.errors import PhalanxError
 from phalanx.data import load_data
-from phalanx.strategies import SSP, Backup, Hogwild, Job, LocalSGD
+from phalanx.strategies import SSP, Backup, Hogwild, Job, LocalSGD, ParameterServer, runtime_for
 from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint
 
 
@@ -133,6 +133,26 @@ def test_ps_staleness_is_unbounded_and_consistent(tmp_path):
     s = _summary(tmp_path / "checkpoints")
     assert s["staleness_bound"] is None and s["max_clock_gap"] >= 2  # the fast worker ran ahead freely
     assert sum(s["gradients_pushed"].values()) == s["gradients_applied_total"]
+
+
+def _join_after_the_end(ctx):
+    """steps=0: the server is done before any worker says HELLO (as when a worker starts late)."""
+    model = torch.nn.Linear(4, 2)
+    example = (torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    runtime = runtime_for(ParameterServer(), ctx, model, lambda p: torch.optim.SGD(p, lr=0.1), steps=0,
+                          example=example if ctx.rank else None)
+    if ctx.rank:
+        runtime.train_step(*example)
+        assert runtime.next_step(0) is None
+    runtime.finish()
+    report = runtime.report(final=True).fields
+    runtime.close()
+    return report
+
+
+def test_a_worker_that_joins_after_the_end_computes_nothing_and_leaves():
+    report = run_workers(_join_after_the_end, 3)  # a push nobody receives would block until the 60 s timeout
+    assert report["gradients_pushed"] == {"1": 0, "2": 0} and report["gradients_applied_total"] == 0
 
 
 def _spawned_children(pid):

@@ -223,6 +223,7 @@ class Server:
         for worker in self.pending:
             self.dropped[worker] += 1
         self.pending.clear()
+        self.close()  # every stopped worker's BYE, so that the summary's accounting is complete
 
     # ---- what it reports ----
     @property
@@ -258,6 +259,7 @@ class Server:
         return line
 
     def close(self, timeout_s: float = 60.0) -> None:
-        # A thread still blocked in recv when the process exits aborts it: wait for every BYE.
+        # A thread still blocked in recv when the process exits aborts it: wait for every BYE (a lost
+        # worker's thread has ended already: its connection closed).
         for thread in self.receivers:
             thread.join(timeout_s)

@@ -33,6 +33,8 @@ class WorkerRuntime(Runtime):
             self.channel.hello()
             self._pull()
             self.joined = True
+            if self.stop:  # the run ended before this worker joined (it started late): nothing to compute
+                return torch.zeros((), device=self.ctx.device)
         loss = self.forward_backward(x, y)
         grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in self.params])
         self.channel.push(self.version, float(loss), grad, buffers_to_vector(self.model))
