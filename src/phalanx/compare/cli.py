@@ -27,6 +27,8 @@ from .runner import Run, Setup, check, run_all, schedule
 from .results import RunResult
 from .tokens import parse_scenarios, parse_strategies
 
+DEFAULT_STRATEGIES = "sync,ps,ssp:2,local-sgd:8,hogwild,backup:1"
+
 #: TrainConfig fields a comparison sets for each run (the rest are the problem's, shared by every run).
 PER_RUN = {"strategy", "straggler", "steps", "eval_every", "stop_at_accuracy", "metrics", "checkpoint_dir",
            "checkpoint_every", "keep_checkpoints", "resume", "progress", "log_every"}
@@ -36,9 +38,9 @@ PER_RUN = {"strategy", "straggler", "steps", "eval_every", "stop_at_accuracy", "
 class CompareOptions:
     """What to compare, how long to try, and where the report goes."""
 
-    strategies: str = option("sync,ps,ssp:2,local-sgd:8,hogwild,backup:1",
-                             "strategies to compare, each with its main option after a colon (ssp:K, local-sgd:H, "
-                             "backup:B)")
+    strategies: Optional[str] = option(None, "strategies to compare, each with its main option after a colon "
+                                             "(ssp:K, local-sgd:H, backup:B)",
+                                       show=f"{DEFAULT_STRATEGIES}; on GPUs without hogwild, which needs the CPU")
     target: float = option(0.95, "the test accuracy each run trains to")
     scenarios: str = option("none,slow:1:2,pauses:0.1:4",
                             "straggler scenarios: none, slow:RANK:FACTOR (that rank's compute FACTOR times as long "
@@ -75,13 +77,21 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
             add_flags(p.add_argument_group(f"the problem, the same for every run: {title}"), TrainConfig, names)
 
 
+def default_strategies(train: TrainConfig) -> str:
+    """Every strategy that runs on the chosen devices: hogwild shares CPU memory, so GPUs leave it out."""
+    from ..train.trainer import worker_devices
+
+    on_gpus = worker_devices(train)[0].type != "cpu"
+    return DEFAULT_STRATEGIES.replace(",hogwild", "") if on_gpus else DEFAULT_STRATEGIES
+
+
 def setup_from(options: CompareOptions, train: TrainConfig) -> Setup:
     max_steps = options.max_steps or 2 * train.resolved().steps
     eval_every = options.eval_every or max(1, round(max_steps / 20))
     if eval_every > max_steps:
         raise PhalanxError(f"--eval-every {eval_every} is more than --max-steps {max_steps}: no evaluation would "
                            "happen before the end; lower --eval-every")
-    return Setup(train, tuple(parse_strategies(options.strategies)), tuple(parse_scenarios(options.scenarios)),
+    return Setup(train, tuple(parse_strategies(options.strategies or default_strategies(train))), tuple(parse_scenarios(options.scenarios)),
                  float(options.target), options.repeats, max_steps, eval_every)
 
 
