@@ -29,8 +29,8 @@ SECTIONS = {
     "optimisation (unset: the model's recipe)": (
         "steps", "batch_size", "accumulate", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
         "lr_decay_every", "lr_decay_factor", "staircase", "warmup_steps", "lr_base_batch", "seed", "straggler"),
-    "observation and checkpoints": ("log_every", "eval_every", "stop_at_accuracy", "metrics", "checkpoint_dir", "checkpoint_every",
-                                    "keep_checkpoints", "resume", "progress", "prefetch"),
+    "observation and checkpoints": ("log_every", "eval_every", "stop_at_accuracy", "metrics", "checkpoint_dir",
+                                    "checkpoint_every", "keep_checkpoints", "resume", "progress", "prefetch"),
 }
 
 
