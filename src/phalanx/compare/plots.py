@@ -91,11 +91,12 @@ def bars(setup: Setup, table: dict[str, list[Figures]], out: Path) -> dict[str, 
             x = g + (i - (n - 1) / 2) * width
             label = f.strategy if g == 0 else None
             if math.isinf(f.median_seconds):
-                ax.plot(x, 0.03 * tallest, marker="x", color=colours[f.strategy], ms=8, label=label)
+                ax.plot(x, 0, marker="x", color=colours[f.strategy], ms=9, mew=2, label=label, clip_on=False)
                 continue
             low, high = f.median_seconds - min(f.seconds), max(f.seconds) - f.median_seconds
             ax.bar(x, f.median_seconds, width * 0.9, color=colours[f.strategy], label=label,
                    yerr=[[low], [high]], capsize=3, edgecolor="black" if f.winner else "none")
+    ax.set_ylim(0, 1.15 * tallest)
     ax.set_xticks(range(len(setup.scenarios)), [s.token for s in setup.scenarios])
     ax.set_ylabel(f"training time to {setup.target:g} accuracy (s)")
     ax.set_title("time to target: median, min-max over repeats (x: not reached)")
@@ -105,7 +106,9 @@ def bars(setup: Setup, table: dict[str, list[Figures]], out: Path) -> dict[str, 
 
 
 def staleness(setup: Setup, runs: list[RunResult], out: Path) -> dict[str, Any] | None:
-    """Staleness histograms of the strategies that have one (None: none has)."""
+    """Staleness histograms of the strategies that have one (None: none has); backup's title says what it dropped."""
+    from matplotlib.ticker import MaxNLocator
+
     having = [s for s in setup.strategies if any(r.staleness for r in runs if r.strategy == s.token)]
     if not having:
         return None
@@ -122,7 +125,10 @@ def staleness(setup: Setup, runs: list[RunResult], out: Path) -> dict[str, Any] 
             values = sorted(pooled)
             ax.bar([v + (j - (len(setup.scenarios) - 1) / 2) * width for v in values],
                    [pooled[v] / total for v in values], width, label=scenario.token)
-        ax.set_title(strategy.token)
+        dropped = [r.dropped for r in runs if r.strategy == strategy.token and r.dropped]
+        share = sum(d["total"] for d in dropped) / max(sum(d["of"] for d in dropped), 1)
+        ax.set_title(strategy.token + (f" ({100 * share:.0f}% of gradients dropped)" if dropped else ""))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         ax.set_xlabel("staleness (updates behind)")
         ax.set_ylabel("fraction of gradients applied")
         ax.grid(axis="y", alpha=0.3)
