@@ -91,8 +91,9 @@ def setup_from(options: CompareOptions, train: TrainConfig) -> Setup:
     if eval_every > max_steps:
         raise PhalanxError(f"--eval-every {eval_every} is more than --max-steps {max_steps}: no evaluation would "
                            "happen before the end; lower --eval-every")
-    return Setup(train, tuple(parse_strategies(options.strategies or default_strategies(train))), tuple(parse_scenarios(options.scenarios)),
-                 float(options.target), options.repeats, max_steps, eval_every)
+    strategies = parse_strategies(options.strategies or default_strategies(train))
+    return Setup(train, tuple(strategies), tuple(parse_scenarios(options.scenarios)), float(options.target),
+                 options.repeats, max_steps, eval_every)
 
 
 def _progress(total: int):
