@@ -23,7 +23,8 @@ from phalanx.strategies import STRATEGIES
 #: A valid value for every strategy option's flag (a new option must add one here).
 SAMPLE = {"reduce": "flat", "compress": "bf16", "islands": "0,1", "bucket_mb": "10", "staleness": "1",
           "sync_every": "2", "stages": "2", "chunks": "2", "schedule": "gpipe", "balance": "params",
-          "profile_repeats": "3", "reshard_after_forward": None, "blocks": "0,1"}  # None: an on/off flag
+          "profile_repeats": "3", "reshard_after_forward": None, "blocks": "0,1",  # None: an on/off flag
+          "backup_workers": "1"}
 
 FOREIGN = [(strategy, name) for strategy, cls in STRATEGIES.items() for name in strategy_fields()
            if name not in {f.name for f in dataclasses.fields(cls)}]
@@ -69,6 +70,13 @@ def test_help_shows_every_default_and_version_names_the_versions():
 PARENT_CHECKS = [
     (["--straggler", "5:2"], "--straggler 5:2 names rank 5 but this run has ranks 0..1"),
     (["--strategy", "ps", "--straggler", "3:2"], "names rank 3 but this run has ranks 0..2"),
+    (["--strategy", "ps", "--straggler", "0:2"], "--straggler 0:2 names the parameter server (rank 0), which computes "
+                                                 "no gradients; slow one of the workers instead (ranks 1..2)"),
+    (["--straggler", "pauses:2:4"], "--straggler 'pauses:2:4': the probability of a pause must be in (0, 1]"),
+    (["--stop-at-accuracy", "0.9"], "--stop-at-accuracy needs evaluations during training: add --eval-every N"),
+    (["--stop-at-accuracy", "2", "--eval-every", "5"], "--stop-at-accuracy must be in (0, 1]"),
+    (["--strategy", "backup", "--backup-workers", "2"], "--backup-workers 2 leaves no gradient to average: each update "
+                                                        "takes the first W - B = 2 - 2 = 0 of 2 workers' gradients"),
     (["--momentum", "5"], "--momentum must be in [0, 1)"),
     (["--lr", "inf"], "--lr must be positive and finite, got inf"),
     (["--lr", "nan"], "--lr must be positive and finite, got nan"),

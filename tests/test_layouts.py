@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from phalanx import FSDP, SSP, Hogwild, LocalSGD, ParameterServer, Pipeline, Sync
+from phalanx import FSDP, SSP, Backup, Hogwild, LocalSGD, ParameterServer, Pipeline, Sync
 from phalanx.errors import PhalanxError
 from phalanx.models import lstm
 from phalanx.strategies import STRATEGIES, Job
@@ -30,7 +30,8 @@ def test_data_parallel_layouts_one_worker_per_device_each_its_own_shard(options,
     assert [layout.label(r) for r in range(workers)] == [f"worker {r}" for r in range(workers)]
 
 
-@pytest.mark.parametrize("options", [ParameterServer(), SSP(staleness=2)], ids=lambda o: o.name)
+@pytest.mark.parametrize("options", [ParameterServer(), SSP(staleness=2), Backup(backup_workers=1)],
+                         ids=lambda o: o.name)
 @pytest.mark.parametrize("workers", [2, 3, 4])
 def test_parameter_server_layout_adds_a_server_that_reads_no_data_and_workers_that_may_die(options, workers):
     layout = options.layout(Job(cpus(workers)))
@@ -48,7 +49,18 @@ def test_parameter_server_under_torchrun_counts_processes_not_workers():
     assert layout.world_size == 4 and layout.shards == 3
 
 
-@pytest.mark.parametrize("options", [ParameterServer(), SSP(staleness=0)], ids=lambda o: o.name)
+def test_backup_workers_must_leave_at_least_one_gradient_per_update():
+    assert Backup(backup_workers=2).layout(Job(cpus(3))).shards == 3
+    with pytest.raises(PhalanxError, match=r"--backup-workers 3 leaves no gradient to average: each update takes the "
+                                           r"first W - B = 3 - 3 = 0 of 3 workers' gradients; use --backup-workers 2 "
+                                           r"or fewer, or --workers 4 or more"):
+        Backup(backup_workers=3).layout(Job(cpus(3)))
+    with pytest.raises(PhalanxError, match="--backup-workers must be 0 or more"):
+        Backup(backup_workers=-1)
+
+
+@pytest.mark.parametrize("options", [ParameterServer(), SSP(staleness=0), Backup(backup_workers=0)],
+                         ids=lambda o: o.name)
 def test_parameter_server_needs_two_workers(options):
     with pytest.raises(PhalanxError, match=f"--strategy {options.name} needs at least 2 workers .* with 1 worker"):
         options.layout(Job(cpus(1)))
@@ -178,7 +190,7 @@ def test_options_are_frozen_and_validated_with_the_arithmetic():
 def test_every_strategy_is_registered_and_exported():
     import phalanx
 
-    assert set(STRATEGIES) == {"sync", "ps", "ssp", "hogwild", "local-sgd", "pipeline", "fsdp"}
+    assert set(STRATEGIES) == {"sync", "ps", "ssp", "backup", "hogwild", "local-sgd", "pipeline", "fsdp"}
     for cls in STRATEGIES.values():
         assert getattr(phalanx, cls.__name__) is cls, cls.__name__
 

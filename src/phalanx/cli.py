@@ -30,8 +30,8 @@ SECTIONS = {
     "optimisation (unset: the model's recipe)": (
         "steps", "batch_size", "accumulate", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
         "lr_decay_every", "lr_decay_factor", "staircase", "warmup_steps", "lr_base_batch", "seed", "straggler"),
-    "observation and checkpoints": ("log_every", "eval_every", "metrics", "checkpoint_dir", "checkpoint_every",
-                                    "keep_checkpoints", "resume", "progress", "prefetch"),
+    "observation and checkpoints": ("log_every", "eval_every", "stop_at_accuracy", "metrics", "checkpoint_dir",
+                                    "checkpoint_every", "keep_checkpoints", "resume", "progress", "prefetch"),
 }
 
 
@@ -108,10 +108,13 @@ Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Na
 
 
 def commands() -> dict[str, Command]:
+    from .compare import cli as compare_cli
     from .topology import cli as topology_cli
 
     return {
         "train": (add_train_flags, cmd_train, "train a model"),
+        "compare": (compare_cli.add_compare_flags, compare_cli.run,
+                    "which strategy reaches a target accuracy first, with and without stragglers"),
         "topology": (topology_cli.add_flags, topology_cli.run, "show which devices reach each other directly"),
     }
 

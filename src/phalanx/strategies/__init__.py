@@ -4,7 +4,8 @@ Each is options (a frozen dataclass whose fields are its CLI flags), a pure layo
 the parent, and a runtime built in every worker (see ``base.py``). One module per strategy:
 
 - ``sync.py``: :class:`Sync` (DDP); ``fsdp.py``: :class:`FSDP` (torch's ``fully_shard``);
-- ``ps/``: :class:`ParameterServer` and :class:`SSP` (protocol, gate, server, worker);
+- ``ps/``: :class:`ParameterServer`, :class:`SSP` and :class:`Backup` (protocol, gate, aggregation rule,
+  server, worker);
 - ``hogwild.py``: :class:`Hogwild`; ``local_sgd.py``: :class:`LocalSGD`;
 - ``pipeline.py``: :class:`Pipeline` (engine helpers in ``phalanx/pipeline/``).
 """
@@ -19,12 +20,12 @@ from .fsdp import FSDP
 from .hogwild import Hogwild
 from .local_sgd import LocalSGD
 from .pipeline import Pipeline
-from .ps import SSP, ParameterServer
+from .ps import SSP, Backup, ParameterServer
 from .sync import Sync
 
 #: CLI name -> options class.
-STRATEGIES: dict[str, type[Options]] = {cls.name: cls for cls in (Sync, ParameterServer, SSP, Hogwild, LocalSGD,
-                                                                  Pipeline, FSDP)}
+STRATEGIES: dict[str, type[Options]] = {cls.name: cls for cls in (Sync, ParameterServer, SSP, Backup, Hogwild,
+                                                                  LocalSGD, Pipeline, FSDP)}
 
 
 def strategy_class(name: str) -> type[Options]:
@@ -38,5 +39,5 @@ def takers(field: str) -> list[str]:
     return [name for name, cls in STRATEGIES.items() if field in {f.name for f in dataclasses.fields(cls)}]
 
 
-__all__ = ["Build", "FSDP", "Hogwild", "Job", "Layout", "LocalSGD", "Options", "ParameterServer", "Pipeline",
+__all__ = ["Backup", "Build", "FSDP", "Hogwild", "Job", "Layout", "LocalSGD", "Options", "ParameterServer", "Pipeline",
            "RankPlan", "Report", "Runtime", "SSP", "STRATEGIES", "Sync", "runtime_for", "strategy_class", "takers"]

@@ -108,10 +108,18 @@ def check_global_batch(cfg: TrainConfig, layout: Layout, facts: DataFacts) -> No
 
 
 def check_straggler(cfg: TrainConfig, layout: Layout) -> None:
-    if cfg.straggler is not None and cfg.straggler[0] >= layout.world_size:
-        rank = cfg.straggler[0]
-        raise PhalanxError(f"--straggler {rank}:{cfg.straggler[1]:g} names rank {rank} but this run has ranks "
-                           f"0..{layout.world_size - 1}; pick one of them")
+    """``--straggler RANK:FACTOR`` must name a rank of this run that computes (reads data)."""
+    slow = cfg.straggler
+    if slow is None or slow.kind != "slow":
+        return
+    spelled = f"--straggler {slow.rank}:{slow.factor:g}"
+    if slow.rank >= layout.world_size:
+        raise PhalanxError(f"{spelled} names rank {slow.rank} but this run has ranks 0..{layout.world_size - 1}; "
+                           "pick one of them")
+    if layout.ranks[slow.rank].shard is None:
+        computing = [r for r, plan in enumerate(layout.ranks) if plan.shard is not None]
+        raise PhalanxError(f"{spelled} names {layout.label(slow.rank)}, which computes no gradients; slow one of "
+                           f"the workers instead (ranks {computing[0]}..{computing[-1]})")
 
 
 def check_model(model: nn.Module, facts: DataFacts, loss_fn: Callable) -> None:

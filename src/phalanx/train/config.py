@@ -19,6 +19,7 @@ from ..models import MODELS, RECIPES, USER_RECIPE, Recipe
 from ..options import option
 from ..strategies import STRATEGIES, Options, strategy_class
 from .schedules import SCHEDULES
+from .straggle import Slowness, parse_slowness
 
 OPTIMIZERS = ("sgd", "adam")
 PROGRESS = ("auto", "bar", "lines", "none")
@@ -40,17 +41,6 @@ def parse_shape(text: str) -> tuple[int, ...]:
         return tuple(int(p) for p in text.lower().replace("x", ",").split(","))
     except ValueError:
         raise PhalanxError(f"shape {text!r} is not like 3x24x24") from None
-
-
-def parse_straggler(text: str) -> tuple[int, float]:
-    try:
-        rank, factor = text.split(":")
-        parsed = int(rank), float(factor)
-    except ValueError:
-        raise PhalanxError(f"--straggler {text!r} is not RANK:FACTOR, e.g. 1:2 (rank 1 twice as slow)") from None
-    if parsed[0] < 0 or not 1 <= parsed[1] < math.inf:
-        raise PhalanxError(f"--straggler {text!r}: the rank must be 0 or more and the factor at least 1")
-    return parsed
 
 
 @dataclasses.dataclass
@@ -87,11 +77,16 @@ class TrainConfig:
     warmup_steps: int = option(0, "linear warmup length in steps")
     lr_base_batch: Optional[int] = option(None, "linear scaling rule: lr x global batch / this")
     seed: int = option(0, "model initialisation and data order")
-    straggler: Optional[Union[str, tuple]] = option(None, "RANK:FACTOR: that rank takes FACTOR times as long per "
-                                                          "step (for studying stragglers)")
+    straggler: Optional[Union[str, tuple, Slowness]] = option(
+        None, "slow a worker down, for studying stragglers: RANK:FACTOR (that rank's compute takes FACTOR times as "
+              "long every step) or pauses:P:FACTOR (every step, each worker is FACTOR times as slow with "
+              "probability P); the delay is calibrated compute time, the same whatever the strategy",
+        parse=parse_slowness)
     # --- observation and safety ---
     log_every: int = option(20, "progress line every N steps")
     eval_every: int = option(0, "evaluate on the test set every N steps (0: only at the end)")
+    stop_at_accuracy: Optional[float] = option(None, "stop once an evaluation (every --eval-every steps) reaches "
+                                                     "this test accuracy, e.g. 0.95")
     metrics: Optional[str] = option(None, "JSON-lines metrics file", show="CHECKPOINT_DIR/metrics.jsonl")
     checkpoint_dir: str = option("checkpoints", "where step-*.pt checkpoints go")
     checkpoint_every: int = option(100, "save every N steps (0: only at the end)")
@@ -116,8 +111,7 @@ class TrainConfig:
         self._check_numbers()
         if not self._resolved:
             self._check_applicable()
-        if isinstance(self.straggler, str):
-            self.straggler = parse_straggler(self.straggler)
+        self.straggler = parse_slowness(self.straggler)
         if isinstance(self.strategy, str):
             self.strategy = strategy_class(self.strategy)()
         elif not isinstance(self.strategy, Options):
@@ -169,6 +163,12 @@ class TrainConfig:
                                f"got {self.weight_decay}")
         if self.lr_decay_factor is not None and not 0 < self.lr_decay_factor <= 1:
             raise PhalanxError(f"--lr-decay-factor must be in (0, 1], got {self.lr_decay_factor}")
+        if self.stop_at_accuracy is not None:
+            if not (isinstance(self.stop_at_accuracy, (int, float)) and 0 < self.stop_at_accuracy <= 1):
+                raise PhalanxError(f"--stop-at-accuracy must be in (0, 1], e.g. 0.95, got {self.stop_at_accuracy}")
+            if not self.eval_every:
+                raise PhalanxError("--stop-at-accuracy needs evaluations during training: add --eval-every N "
+                                   "(e.g. 20)")
         if not 0 < self.timeout_s < math.inf:
             raise PhalanxError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
         if not 0 <= self.hang_timeout_s < math.inf:

@@ -27,6 +27,7 @@ from ..strategies import Build
 from . import checkpoint as ckpt
 from .report import Reporter, step_line
 from .schedules import Schedule, scaled_lr
+from .straggle import Straggle
 from .trainer import Plan
 
 
@@ -54,8 +55,11 @@ class WorkerRun:
             self.data.train, cfg.batch_size, self.me.shard, plan.layout.shards, cfg.seed)
         self.steps_per_epoch = len(self.data.train) // self.global_batch
         example = next(self.batches(0)) if self.batches is not None else None
-        build = Build(ctx, plan.layout, self._build_model().to(ctx.device), self._make_optimizer, plan.loss_fn,
-                      cfg.steps, cfg.accumulate, example)
+        model = self._build_model().to(ctx.device)
+        # Before the runtime: calibrating shares every rank's compute time (a collective).
+        self.straggle = Straggle.start(cfg.straggler, ctx, self.me.shard, model, example, plan.loss_fn,
+                                       cfg.accumulate, cfg.seed)
+        build = Build(ctx, plan.layout, model, self._make_optimizer, plan.loss_fn, cfg.steps, cfg.accumulate, example)
         self.runtime = cfg.strategy.runtime(build)
         self.schedule = Schedule(cfg.lr_schedule, cfg.lr_decay_every, cfg.lr_decay_factor, cfg.staircase,
                                  cfg.warmup_steps, cfg.steps)
@@ -68,6 +72,8 @@ class WorkerRun:
         self.last_checkpoint: Optional[str] = None
         if plan.resume_path:
             self._restore(plan.resume_path)
+        self.straggle.begin(self.step)
+        self.eval_seconds = 0.0  # evaluation time, kept out of the training time
         self.reporter = Reporter(ctx.is_main, cfg.progress, cfg.metrics, cfg.steps, self.step,
                                  resumed_from=plan.resume_path)
         self.prefetcher: Optional[Prefetcher] = None
@@ -98,14 +104,14 @@ class WorkerRun:
         mark, mark_step = start, self.step
         progress = self.ctx.progress
         progress.handle_signals()  # from here on SIGTERM/SIGINT mean: stop at a step boundary and save
-        while self.step < self.cfg.steps:
+        reached = False
+        while self.step < self.cfg.steps and not reached:
             if self._stopping():
                 break
             progress.at(self.step + 1, "the training step")
             x, y = next(inputs)
-            began = time.perf_counter()
             loss = self.runtime.train_step(x, y)
-            self._straggle(time.perf_counter() - began)
+            self.straggle.after_step()
             self.scheduler.step()
             value = float(self.runtime.global_loss(loss))
             following = self.runtime.next_step(self.step)
@@ -119,17 +125,17 @@ class WorkerRun:
                 self._log(value, self.step - mark_step, now - mark)
                 mark, mark_step = now, self.step
             if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.steps:
-                self._evaluate()
+                reached = self._evaluate(start) >= (self.cfg.stop_at_accuracy or math.inf)
             if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
                 self._save()
         progress.at(self.step, "finishing")
         self.runtime.finish()
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - start - self.eval_seconds
         stopped = self.ctx.progress.stop_requested if self.stop_at is not None else None
-        accuracy = None if stopped else self._evaluate()  # a stop asked for speed: save, then go
+        accuracy = None if stopped else self._evaluate(start, final=True)  # a stop asked for speed: save, go
         if self.last_checkpoint is None or not self.last_checkpoint.endswith(f"{self.step:08d}.pt"):
             self._save()
-        return self._summary(accuracy, self.step - first_step, elapsed, stopped)
+        return self._summary(accuracy, self.step - first_step, elapsed, reached, stopped)
 
     def _stopping(self) -> bool:
         """Whether this rank stops before the next step: a stop was requested (SIGTERM, SIGINT) and
@@ -152,11 +158,6 @@ class WorkerRun:
         # The first proposal stored wins (compare_set), so every rank reads the same step.
         return int(self.ctx.store.compare_set("phalanx/stop_at", "", str(self.step + 2)))
 
-    def _straggle(self, seconds: float) -> None:
-        """--straggler RANK:FACTOR: this rank takes FACTOR times as long (sleeps the difference)."""
-        if self.cfg.straggler is not None and self.cfg.straggler[0] == self.ctx.rank:
-            time.sleep((self.cfg.straggler[1] - 1) * seconds)
-
     def _guard(self, loss: float) -> None:
         # Every rank holds the same agreed loss, so every rank stops at the same step.
         if not math.isfinite(loss):
@@ -177,14 +178,20 @@ class WorkerRun:
         self.reporter.record("step", step=self.step, loss=loss, lr=self.scheduler.get_last_lr()[0],
                              examples_per_sec=rate, sec_per_batch=per_batch, **self.runtime.report().fields)
 
-    def _evaluate(self) -> float:
+    def _evaluate(self, start: float, final: bool = False) -> float:
+        """Test accuracy now; its time is kept out of the training time (``train_seconds``: so far)."""
         self.ctx.progress.at(self.step, "evaluation")
+        began = time.perf_counter()
         part = self.me.evaluates
         batches = eval_batches(self.data.test, 256, *part) if part is not None else iter(())
         correct, total = self.runtime.evaluate(batches)
         accuracy = correct / max(total, 1)
-        self.reporter.record("eval", step=self.step, accuracy=accuracy, examples=total)
-        if self.step < self.cfg.steps:
+        seconds = time.perf_counter() - began
+        self.reporter.record("eval", step=self.step, accuracy=accuracy, examples=total,
+                             train_seconds=began - start - self.eval_seconds, eval_seconds=seconds,
+                             **self.runtime.report().fields)
+        self.eval_seconds += seconds
+        if not final:  # the summary says the final one
             self.reporter.say(f"step {self.step}, test accuracy = {accuracy:.4f}")
         return accuracy
 
@@ -239,9 +246,11 @@ class WorkerRun:
             f"{', '.join(devs)}, backend {backend}, global batch {self.global_batch} "
             f"({self._batch_split()}), {model} on {self.data.name}{resumed}"
         )
-        for line in self.runtime.notes:
+        for line in self.runtime.notes + self.straggle.lines():
             self.reporter.say(line)
         self.reporter.say(self.plan.recipe)
+        if self.straggle.fields():
+            self.reporter.record("straggle", **self.straggle.fields())
 
     def _batch_split(self) -> str:
         shards = self.plan.layout.shards
@@ -254,14 +263,16 @@ class WorkerRun:
             return f"{self.cfg.batch_size} per worker x {shards} workers"
         return f"{self.cfg.batch_size} per replica x {shards} replicas, each read by {readers // shards} ranks"
 
-    def _summary(self, accuracy: Optional[float], steps: int, seconds: float, stopped: Optional[str] = None
-                 ) -> dict[str, Any]:
+    def _summary(self, accuracy: Optional[float], steps: int, seconds: float, reached: bool,
+                 stopped: Optional[str] = None) -> dict[str, Any]:
         rate = steps * self.global_batch / max(seconds, 1e-9)
         report = self.runtime.report(final=True)
         mine, most = self._memory()
         summary = {"steps": self.step, "test_accuracy": accuracy, "examples_per_sec": rate,
-                   "train_seconds": seconds, "checkpoint": self.last_checkpoint, "metrics": self.cfg.metrics,
-                   "world_size": self.ctx.world_size, "strategy": self.cfg.strategy.name, "stopped_by": stopped,
+                   "train_seconds": seconds, "eval_seconds": self.eval_seconds,
+                   "stopped_at_accuracy": reached, "checkpoint": self.last_checkpoint,
+                   "metrics": self.cfg.metrics, "stopped_by": stopped,
+                   "world_size": self.ctx.world_size, "strategy": self.cfg.strategy.name,
                    "watch_cpu_seconds": round(self.ctx.progress.cpu_seconds, 4),
                    "memory_bytes": mine.as_dict(), **({"memory_bytes_max": most.as_dict()} if most else {}),
                    **report.fields}
@@ -270,6 +281,9 @@ class WorkerRun:
         if stopped:
             self.reporter.say(f"stopped at step {self.step} by {stopped}")
         else:
+            if reached:
+                self.reporter.say(f"stopped at step {self.step}: test accuracy reached --stop-at-accuracy "
+                                  f"{self.cfg.stop_at_accuracy:g}")
             self.reporter.say(f"test accuracy {accuracy:.4f} after {self.step} steps")
         self.reporter.say(f"throughput {rate:.1f} examples/sec (global), training time {seconds:.1f} s")
         for line in describe(mine, most):

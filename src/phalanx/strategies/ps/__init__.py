@@ -1,4 +1,4 @@
-"""Asynchronous parameter server (``ps``) and stale-synchronous parallel (``ssp``).
+"""The parameter-server family: ``ps`` (asynchronous), ``ssp`` (bounded staleness), ``backup``.
 
 Layout: rank 0 is the server and owns the parameters and the optimizer; ranks 1..W are the
 workers (``--workers W`` counts workers, so W + 1 processes run; the server shares the first
@@ -7,13 +7,21 @@ reads no data and evaluates the whole test set. A worker may die and the job goe
 server may not.
 
 - ``protocol.py``: the messages (HELLO, PUSH, REPLY, BYE) over point-to-point;
-- ``gate.py``: the SSP rule, pure logic;
+- ``gate.py``: the SSP rule, pure logic; ``aggregate.py``: which gradients make an update, pure logic;
 - ``server.py``: rank 0's loop; ``worker.py``: ranks 1..W.
 
-SSP(K): a worker may begin its step c only while c minus the slowest live worker's clock is at
-most K; otherwise the server holds its reply. With K = 0 the server also averages every live
-worker's gradient of the step into one update: exactly what ``sync`` computes. ``ps`` is SSP with
-no bound.
+Each strategy is a gate and an aggregation rule:
+
+- ``ps``: no gate; each gradient applied as it arrives (scaled by 1/W).
+- ``ssp`` (K): a worker may begin its step c only while c minus the slowest live worker's clock is
+  at most K; otherwise the server holds its reply. With K = 0 the rule is also rounds with no
+  backup: every live worker's gradient of the step averaged into one update, exactly what
+  ``sync`` computes.
+- ``backup`` (B): no gate; rounds: each update averages the first W − B gradients computed on the
+  current parameters, and the late ones are dropped (Chen et al., 2016). B = 0 is ``sync``.
+
+Models with buffers (BatchNorm) work in all three: the buffers travel with the gradients and the
+replies, and the server keeps one set (see ``server.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import torch
 from ...errors import PhalanxError
 from ...options import option
 from ..base import Build, Job, Layout, Options, RankPlan, Report, Runtime, count_correct
+from .aggregate import Asynchronous, Rounds, Rule
 from .server import Server
 from .worker import WorkerRuntime
 
@@ -40,7 +49,12 @@ class ParameterServer(Options):
 
     @property
     def bound(self) -> Optional[int]:
+        """The SSP gate's bound in steps (None: no gate)."""
         return None
+
+    def aggregation(self, workers: int) -> Rule:
+        """Which gradients make one update (``aggregate.py``)."""
+        return Asynchronous(workers)
 
     def layout(self, job: Job) -> Layout:
         processes = job.processes or job.workers + 1
@@ -48,10 +62,9 @@ class ParameterServer(Options):
         if workers < 2:
             raise PhalanxError(
                 f"--strategy {self.name} needs at least 2 workers (it runs one more process, the server): with "
-                f"{workers} worker nothing runs asynchronously; use --workers 2 or more, or --strategy sync"
+                f"{workers} worker there is no one to wait for or to run ahead of; use --workers 2 or more, or "
+                "--strategy sync"
             )
-        if job.model is not None:
-            self._check_model(job.model)
         server = RankPlan("server", "the parameter server (rank 0)", None, (0, 1))
         ranks = (server,) + tuple(RankPlan("worker", f"worker {r}", r - 1, None, expendable=True)
                                   for r in range(1, processes))
@@ -60,15 +73,6 @@ class ParameterServer(Options):
 
     def describe(self) -> str:
         return "ps (asynchronous parameter server)"
-
-    def _check_model(self, model: torch.nn.Module) -> None:
-        buffers = [name for name, b in model.named_buffers() if b.is_floating_point()]
-        if buffers:  # only parameters travel: the server's copy of these would never change
-            raise PhalanxError(
-                f"--strategy {self.name} sends parameters only, and this model also keeps state in buffers "
-                f"({', '.join(buffers[:3])}{', ...' if len(buffers) > 3 else ''}, e.g. BatchNorm running "
-                "statistics): use --strategy sync or local-sgd for it, or a model without such buffers"
-            )
 
     def runtime(self, build: Build) -> Runtime:
         if build.plan.role == "server":
@@ -93,8 +97,46 @@ class SSP(ParameterServer):
     def bound(self) -> Optional[int]:
         return self.staleness
 
+    def aggregation(self, workers: int) -> Rule:
+        return Rounds(workers, 0) if self.staleness == 0 else Asynchronous(workers)
+
     def describe(self) -> str:
         return f"ssp (parameter server, staleness bound {self.staleness} step{'s' * (self.staleness != 1)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Backup(ParameterServer):
+    """Synchronous with backup workers: each update averages the first W − B fresh gradients, late ones dropped."""
+
+    name: ClassVar[str] = "backup"
+    summary: ClassVar[str] = ("synchronous with backup workers: each update averages the first W - B gradients, the "
+                              "late ones are dropped (B = 0 is sync)")
+
+    backup_workers: int = option(1, "workers each update does not wait for: it averages the first W - B gradients "
+                                    "computed on the current parameters and drops the late ones")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backup_workers, int) or isinstance(self.backup_workers, bool) or \
+                self.backup_workers < 0:
+            raise PhalanxError(f"--backup-workers must be 0 or more (0 is sync), got {self.backup_workers!r}")
+
+    def layout(self, job: Job) -> Layout:
+        layout = super().layout(job)
+        workers, backup = layout.shards, self.backup_workers
+        if backup >= workers:
+            raise PhalanxError(
+                f"--backup-workers {backup} leaves no gradient to average: each update takes the first W - B = "
+                f"{workers} - {backup} = {workers - backup} of {workers} workers' gradients; use --backup-workers "
+                f"{workers - 1} or fewer, or --workers {backup + 1} or more"
+            )
+        return layout
+
+    def aggregation(self, workers: int) -> Rule:
+        return Rounds(workers, self.backup_workers)
+
+    def describe(self) -> str:
+        b = self.backup_workers
+        return f"backup (parameter server, synchronous with {b} backup worker{'s' * (b != 1)})"
 
 
 class ServerRuntime(Runtime):
@@ -102,8 +144,9 @@ class ServerRuntime(Runtime):
 
     def __init__(self, build: Build, options: ParameterServer):
         super().__init__(build, description=options.describe())
+        workers = self.ctx.world_size - 1
         self.server = Server(self.model, self.optimizer, self.ctx.world_size, self.ctx.device, options.bound,
-                             build.steps)
+                             options.aggregation(workers), build.steps)
 
     def train_step(self, x, y) -> torch.Tensor:
         return self.server.serve_one_step()
@@ -120,16 +163,18 @@ class ServerRuntime(Runtime):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.server.applied = int(state["step"]) * self.server.workers
+        self.server.start_at(int(state["step"]))
 
     def finish(self) -> None:
         self.server.drain()
 
     def report(self, final: bool = False) -> Report:
-        return Report(self.server.stats(final), [self.server.staleness.line(lead=self.server.max_lead)])
+        dropped = self.server.dropped_line()
+        return Report(self.server.stats(final),
+                      [self.server.staleness.line(lead=self.server.max_lead)] + ([dropped] if dropped else []))
 
     def close(self) -> None:
         self.server.close()
 
 
-__all__ = ["ParameterServer", "SSP"]
+__all__ = ["Backup", "ParameterServer", "SSP"]

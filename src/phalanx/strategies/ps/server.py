@@ -1,20 +1,30 @@
-"""The parameter server's loop (rank 0): apply gradients in arrival order, answer with parameters.
+"""The parameter server's loop (rank 0): take gradients in arrival order, update, answer with parameters.
 
-The server hears every worker on its own receiving thread (a blocking ``recv`` per worker: gloo
-completes point-to-point work only inside ``wait``, so one thread per peer is what lets the
-server hear whoever is ready first) and puts the messages on one queue; the main loop applies
-them in arrival order, so no worker can starve another. Each worker has at most one message in
-flight (it waits for the reply), so the queue holds at most one message per worker.
+Hearing: one receiving thread per worker (a blocking ``recv`` each: gloo completes point-to-point
+work only inside ``wait``, so one thread per peer is what lets the server hear whoever is ready
+first) puts the messages on one queue, and the main loop handles them in arrival order, so no
+worker can starve another. Each worker has at most one message in flight (it waits for the
+reply), so the queue holds at most one message per worker.
 
-Each gradient is applied as it arrives, scaled by 1/W, so W gradients move the parameters as
-far as one synchronous step with their average; its staleness (the server's version minus the
-version it was computed on, in updates) is recorded. With an SSP bound of 0 the server instead
-waits for every live worker's gradient of the step and applies their average once: exactly what
-``sync`` computes. A worker whose connection drops is reported lost and no longer counted.
+Updating: the aggregation rule (``aggregate.py``) says which gradients the server takes and when
+the ones it holds become one update: ``ps`` applies each as it arrives, scaled by 1/W; rounds
+(``backup``, and ``ssp`` with K = 0) average the first W − B computed on the current parameters
+and drop the late ones. A worker whose gradient waits for its round gets no reply until the round
+is applied, and the SSP gate (``gate.py``) holds a worker that leads the slowest by more than the
+bound. Every gradient pushed is applied once or counted as dropped; each worker's BYE says how many
+it pushed, so the accounting can be checked.
+
+Buffers (BatchNorm's running statistics): an update takes the buffers that came with the gradient
+of the lowest-numbered worker in it (for ``ps``, its one gradient's), and every reply carries the
+server's. That is DDP's rule (rank 0's buffers are broadcast before every forward), so ``ssp:0``
+and ``backup:0`` equal ``sync``, buffers included; checkpoints and evaluation use the server's.
+
+A worker whose connection drops is reported lost and no longer counted (in the gate, in quorums).
 """
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from typing import Any, Optional
@@ -25,26 +35,30 @@ from torch.nn.utils import parameters_to_vector
 from ...errors import WorkerFailed
 from ..staleness import StalenessStats
 from . import protocol
+from .aggregate import Rounds, Rule
 from .gate import Gate
-from .protocol import BYE, HELLO, PUSH, Message, Reply
+from .protocol import BYE, HELLO, PUSH, Message, Reply, buffer_count, buffers_to_vector, vector_to_buffers
 
 
 class Server:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int,
-                 device: torch.device, bound: Optional[int], steps: int):
+                 device: torch.device, bound: Optional[int], rule: Rule, steps: int):
         self.model, self.optimizer, self.device = model, optimizer, device
         self.params = list(model.parameters())
         self.size = sum(p.numel() for p in self.params)
+        self.buffer_size = buffer_count(model)
         self.workers = world_size - 1
         self.steps = steps  # the run's global steps: replies say stop once they are reached
-        self.bound = bound
+        self.rule = rule
         self.gate = Gate(range(1, world_size), bound)
         self.staleness = StalenessStats(bound)
-        self.applied = 0  # gradients applied so far (the parameters' version)
+        self.updates = 0  # updates applied to the parameters: their version
+        self.applied = 0  # gradients applied in this run
+        self.dropped: collections.Counter = collections.Counter()  # worker -> gradients dropped
+        self.pending: dict[int, Message] = {}  # gradients taken, waiting for their update
         self.draining = False
-        self.waiting: set[int] = set()  # workers whose reply is held back by the gate
+        self.waiting: set[int] = set()  # workers whose reply is held back
         self.stopped: set[int] = set()  # workers told to stop
-        self.pending: dict[int, torch.Tensor] = {}  # SSP(0): gradients of the current step
         self.step_losses: list[float] = []
         self.max_lead = 0  # the largest lead over the slowest worker at any step start
         self.lost: list[tuple[int, int]] = []  # (worker, global step)
@@ -62,11 +76,15 @@ class Server:
     def live(self) -> set[int]:
         return self.gate.live
 
+    def start_at(self, step: int) -> None:
+        """Resumed at global ``step``: the parameters' version goes on from there."""
+        self.updates = self.last_version = step * self.rule.per_step
+
     # ---- receiving ----
     def _receive(self, worker: int) -> None:
         try:
             while True:
-                message = protocol.receive(worker, self.size, self.device)
+                message = protocol.receive(worker, self.size, self.buffer_size, self.device)
                 if message.kind == BYE:
                     self.pushed[worker] = message.pushed
                     return
@@ -76,10 +94,10 @@ class Server:
 
     # ---- the loop ----
     def global_step(self) -> int:
-        return self.applied // self.workers
+        return self.updates // self.rule.per_step
 
     def serve_one_step(self) -> torch.Tensor:
-        """Serve messages until one more global step (W gradients) has been applied; its mean loss."""
+        """Serve messages until one more global step has been applied; the mean loss of its pushes."""
         target = self.global_step() + 1
         self.step_losses = []
         while self.global_step() < target:
@@ -95,8 +113,8 @@ class Server:
     def _handle(self, message: Message) -> None:
         worker = message.worker
         if message.kind == PUSH:
-            self._apply(message)
             self.gate.tick(worker)
+            self._take(message)
             self._release_or_hold(worker)
         elif message.kind == HELLO:
             self._release_or_hold(worker)
@@ -104,35 +122,41 @@ class Server:
             self._lose(worker, message.error)
         self._release_waiting()
 
-    def _apply(self, message: Message) -> None:
-        self.staleness.record(self.applied - message.version)
+    # ---- the aggregation rule at work ----
+    def _take(self, message: Message) -> None:
+        """Hold the gradient for its update, or drop it if the rule says it came too late."""
         self.step_losses.append(message.loss)
-        if self.bound == 0 and not self.draining:  # SSP(0): one averaged update per step, as sync
-            self.pending[message.worker] = message.grad
-            if len(self.pending) >= len(self.live):
-                self._apply_pending()
+        if not self.rule.admits(message.version, self.updates):
+            self.dropped[message.worker] += 1
             return
-        self._step(message.grad, 1)
+        self.pending[message.worker] = message
+        self._apply_if_ready()
 
-    def _apply_pending(self) -> None:
-        grads = list(self.pending.values())
-        self.pending.clear()
-        self._step(torch.stack(grads).sum(0), len(grads))
+    def _apply_if_ready(self) -> None:
+        if self.pending and len(self.pending) >= self.rule.quorum(len(self.live)):
+            taken = [self.pending[w] for w in sorted(self.pending)]
+            self.pending.clear()
+            self._apply(taken)
 
-    def _step(self, grad: torch.Tensor, count: int) -> None:
-        """Apply the sum of ``count`` gradients, scaled by 1/W."""
-        grad = grad / self.workers
+    def _apply(self, taken: list[Message]) -> None:
+        """One update: the weighed sum of the gradients taken, and the first worker's buffers."""
+        for message in taken:
+            self.staleness.record(self.updates - message.version)
+        grad = torch.stack([m.grad for m in taken]).sum(0) * self.rule.weight(len(taken))
         offset = 0
         for p in self.params:
             p.grad = grad[offset:offset + p.numel()].view_as(p).clone()
             offset += p.numel()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.applied += count
+        if taken[0].buffers is not None:  # taken is in worker order: the lowest-numbered worker's
+            vector_to_buffers(taken[0].buffers, self.model)
+        self.updates += 1
+        self.applied += len(taken)
 
     def _held(self, worker: int) -> bool:
-        """SSP(0) holds a worker whose gradient waits in this step's average; any bound holds a leader."""
-        return (self.bound == 0 and worker in self.pending) or not self.gate.may_start(worker)
+        """A worker waits while its gradient waits for its update, or while it leads by more than the bound."""
+        return not self.draining and (worker in self.pending or not self.gate.may_start(worker))
 
     def _release_or_hold(self, worker: int) -> None:
         if self._held(worker):
@@ -151,9 +175,10 @@ class Server:
         stop = self.draining or self.global_step() >= self.steps
         if not stop:  # the worker begins a step now: the bound must hold
             self.max_lead = max(self.max_lead, self.gate.lead(worker))
-        reply = Reply(self.applied, stop, self.global_step())
+        reply = Reply(self.updates, stop, self.global_step())
         try:
-            protocol.send_reply(worker, reply, parameters_to_vector(self.params).detach().contiguous(), self.device)
+            protocol.send_reply(worker, reply, parameters_to_vector(self.params).detach().contiguous(),
+                                buffers_to_vector(self.model), self.device)
         except Exception as e:  # it died after its last push reached us: lost, like any other
             self._lose(worker, str(e).splitlines()[0][:200])
             return
@@ -168,42 +193,73 @@ class Server:
             return
         self.gate.lose(worker)
         self.waiting.discard(worker)
-        self.pending.pop(worker, None)
+        if self.pending.pop(worker, None) is not None:  # its round goes on without it
+            self.dropped[worker] += 1
         self.lost.append((worker, self.global_step()))
         if worker not in self.stopped:
             print(f"worker {worker} lost at step {self.global_step()}; continuing with {len(self.live)} workers",
                   flush=True)
-        if self.bound == 0 and self.pending and len(self.pending) >= len(self.live):
-            self._apply_pending()
+        self._apply_if_ready()  # the others may have been waiting for it
 
     def drain(self) -> None:
-        """After the last step: apply what is still in flight and tell every live worker to stop."""
+        """After the last step: tell every live worker to stop, taking what is still in flight.
+
+        A gradient in flight is taken by the rule as any other (``ps`` applies it); a round that the
+        end of the run left incomplete is not applied, and its gradients are counted as dropped.
+        """
         self.draining = True
-        if self.pending:
-            self._apply_pending()
         for worker in sorted(self.waiting & self.live):
-            self.waiting.discard(worker)
             self._reply(worker)
+        self.waiting.clear()
         while self.live - self.stopped:
             message = self.inbox.get()
             if message.kind not in (PUSH, HELLO):
                 self._lose(message.worker, message.error)
                 continue
-            if message.kind == PUSH:  # computed before it heard stop: applied all the same
-                self._apply(message)
+            if message.kind == PUSH:
                 self.gate.tick(message.worker)
+                self._take(message)
             self._reply(message.worker)
+        for worker in self.pending:
+            self.dropped[worker] += 1
+        self.pending.clear()
+        self.close()  # every stopped worker's BYE, so that the summary's accounting is complete
+
+    # ---- what it reports ----
+    @property
+    def drops(self) -> bool:
+        """Whether dropping is part of this run's story (rounds drop late gradients; ps only a lost one's)."""
+        return isinstance(self.rule, Rounds) or bool(sum(self.dropped.values()))
 
     def stats(self, final: bool = False) -> dict[str, Any]:
         out = {**self.staleness.to_dict(), "gradients_applied_total": self.applied, "max_clock_gap": self.max_lead,
                "lost_workers": [{"worker": w, "step": s} for w, s in self.lost], "live_workers": len(self.live)}
+        if self.drops:
+            out["gradients_dropped_total"] = sum(self.dropped.values())
         if final:  # the accounting a reader (or a test) can check: pushes per worker, replies in order
             out["gradients_pushed"] = {str(w): n for w, n in sorted(self.pushed.items())}
+            if self.drops:
+                out["gradients_dropped"] = {str(w): n for w, n in sorted(self.dropped.items())}
             out["replies"] = self.replies
             out["reply_versions_out_of_order"] = self.versions_out_of_order
         return out
 
+    def dropped_line(self) -> Optional[str]:
+        """``dropped 31 of 900 gradients (3.4%), all from worker 2`` (None where nothing can be dropped)."""
+        total = sum(self.dropped.values())
+        if not self.drops or not (total or self.rule.backup):  # nothing to say about ps, ssp or backup:0
+            return None
+        seen = self.applied + total
+        line = f"dropped {total} of {seen} gradients ({100 * total / max(seen, 1):.1f}%)"
+        who = [(n, w) for w, n in self.dropped.items() if n]
+        if len(who) == 1:
+            return f"{line}, all from worker {who[0][1]}"
+        if who:
+            line += ": " + ", ".join(f"{n} from worker {w}" for n, w in sorted(who, key=lambda t: (-t[0], t[1])))
+        return line
+
     def close(self, timeout_s: float = 60.0) -> None:
-        # A thread still blocked in recv when the process exits aborts it: wait for every BYE.
+        # A thread still blocked in recv when the process exits aborts it: wait for every BYE (a lost
+        # worker's thread has ended already: its connection closed).
         for thread in self.receivers:
             thread.join(timeout_s)

@@ -1,9 +1,11 @@
 """A parameter-server worker (ranks 1..W): compute a gradient, push it, take the parameters back.
 
 The worker's optimizer is never stepped (the server owns the optimizer); what the worker holds
-between replies is the server's parameters of the version it last heard. Its view of the global
-step is the server's, and it stops when a reply says so, after saying BYE with the number of
-gradients it pushed (the server checks that every one was applied).
+between replies is the server's parameters (and buffers) of the version it last heard. Its
+forward pass updates the buffers (BatchNorm's running statistics), which go up with its gradient;
+the next reply brings the server's back, as DDP broadcasts rank 0's before every forward. Its
+view of the global step is the server's, and it stops when a reply says so, after saying BYE with
+the number of gradients it pushed (the server checks that each was applied or counted as dropped).
 """
 
 from __future__ import annotations
@@ -14,14 +16,14 @@ import torch
 from torch.nn.utils import vector_to_parameters
 
 from ..base import Build, Runtime
-from .protocol import WorkerChannel
+from .protocol import WorkerChannel, buffer_count, buffers_to_vector, vector_to_buffers
 
 
 class WorkerRuntime(Runtime):
     def __init__(self, build: Build, description: str):
         super().__init__(build, description=description)
         self.params = list(self.model.parameters())
-        self.channel = WorkerChannel(sum(p.numel() for p in self.params), self.ctx.device)
+        self.channel = WorkerChannel(sum(p.numel() for p in self.params), buffer_count(self.model), self.ctx.device)
         self.version = self.pushes = self.step_seen = 0
         self.stop = False
         self.joined = False
@@ -31,18 +33,22 @@ class WorkerRuntime(Runtime):
             self.channel.hello()
             self._pull()
             self.joined = True
+            if self.stop:  # the run ended before this worker joined (it started late): nothing to compute
+                return torch.zeros((), device=self.ctx.device)
         loss = self.forward_backward(x, y)
         grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in self.params])
-        self.channel.push(self.version, float(loss), grad)
+        self.channel.push(self.version, float(loss), grad, buffers_to_vector(self.model))
         self.pushes += 1
         self.model.zero_grad(set_to_none=True)
         self._pull()
         return loss
 
     def _pull(self) -> None:
-        reply, flat = self.channel.reply()
+        reply, flat, buffers = self.channel.reply()
         with torch.no_grad():
             vector_to_parameters(flat, self.params)
+        if buffers is not None:
+            vector_to_buffers(buffers, self.model)
         self.version, self.stop, self.step_seen = reply.version, reply.stop, reply.step
         if self.stop:  # BYE carries how many gradients we pushed, so the server can account for each
             self.channel.bye(self.pushes)

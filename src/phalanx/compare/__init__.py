@@ -1,0 +1,20 @@
+"""``phalanx compare``: which strategy reaches a target accuracy first on the user's own problem.
+
+Time to accuracy = steps needed (statistical efficiency: stale gradients cost steps) x time per
+step (hardware efficiency: waiting for the slowest costs time); reporting one factor without the
+other is why async-versus-sync studies disagree (Dai et al., ICLR 2019). A comparison trains every
+strategy to the target under every straggler scenario, several times, interleaved, and reports
+both factors and their product.
+
+- ``tokens.py``: strategy tokens (``ssp:2``) and scenarios (``slow:1:2``), parsed;
+- ``runner.py``: the runs: one TrainConfig each, checked first, interleaved, trained;
+- ``results.py``: one run's figures from its metrics file; medians over repeats;
+- ``report.py``: the tables, the answer in words, report.md and report.json;
+- ``plots.py``: matplotlib figures; ``cli.py``: the command's flags.
+"""
+
+from .cli import CompareOptions, compare
+from .runner import Setup
+from .tokens import parse_scenarios, parse_strategies
+
+__all__ = ["CompareOptions", "Setup", "compare", "parse_scenarios", "parse_strategies"]

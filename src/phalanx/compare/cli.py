@@ -1,0 +1,163 @@
+"""``phalanx compare``: its own options, every training flag that describes the problem, then the comparison.
+
+    phalanx compare --strategies sync,ps,ssp:2,local-sgd:8,hogwild,backup:1 --target 0.95 \\
+                    --scenarios none,slow:1:2,pauses:0.1:4 --repeats 3 --workers 3 --out compare-digits
+
+The training flags are :class:`~phalanx.train.TrainConfig`'s own (model, data, batch, recipe,
+devices, seed), generated from its fields as for ``phalanx train`` and the same for every run; the
+ones a comparison sets per run (strategy, straggler, steps, evaluation, checkpoints, metrics,
+progress) are its own options or are fixed, so they are not offered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from ..errors import PhalanxError
+from ..options import add_flags, declared, given, option
+from ..train import TrainConfig
+from . import plots, report
+from .runner import Run, Setup, check, run_all, schedule
+from .results import RunResult
+from .tokens import parse_scenarios, parse_strategies
+
+DEFAULT_STRATEGIES = "sync,ps,ssp:2,local-sgd:8,hogwild,backup:1"
+
+#: TrainConfig fields a comparison sets for each run (the rest are the problem's, shared by every run).
+PER_RUN = {"strategy", "straggler", "steps", "eval_every", "stop_at_accuracy", "metrics", "checkpoint_dir",
+           "checkpoint_every", "keep_checkpoints", "resume", "progress", "log_every"}
+
+
+@dataclasses.dataclass
+class CompareOptions:
+    """What to compare, how long to try, and where the report goes."""
+
+    strategies: Optional[str] = option(None, "strategies to compare, each with its main option after a colon "
+                                             "(ssp:K, local-sgd:H, backup:B)",
+                                       show=f"{DEFAULT_STRATEGIES}; on GPUs without hogwild, which needs the CPU")
+    target: float = option(0.95, "the test accuracy each run trains to")
+    scenarios: str = option("none,slow:1:2,pauses:0.1:4",
+                            "straggler scenarios: none, slow:RANK:FACTOR (that rank's compute FACTOR times as long "
+                            "every step), pauses:P:FACTOR (every step, each worker FACTOR times as slow with "
+                            "probability P)")
+    repeats: int = option(3, "runs of each strategy in each scenario (medians and min-max)")
+    max_steps: Optional[int] = option(None, "a run that has not reached the target after this many steps stops there",
+                                      show="2 x the model's recipe steps")
+    eval_every: Optional[int] = option(None, "evaluate every N steps (time to target is measured this finely)",
+                                       show="about 20 evaluations over --max-steps")
+    out: Optional[str] = option(None, "write report.md, report.json, the plots and every run's metrics file here")
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.target, (int, float)) and 0 < self.target <= 1):
+            raise PhalanxError(f"--target must be a test accuracy in (0, 1], e.g. 0.95, got {self.target}")
+        for name in ("repeats", "max_steps", "eval_every"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise PhalanxError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def shared_fields() -> list[str]:
+    return [f.name for f in declared(TrainConfig) if f.name not in PER_RUN]
+
+
+def add_compare_flags(p: argparse.ArgumentParser) -> None:
+    from ..cli import SECTIONS
+
+    add_flags(p.add_argument_group("the comparison"), CompareOptions)
+    shared = set(shared_fields())
+    for title, names in SECTIONS.items():
+        names = [n for n in names if n in shared]
+        if names:
+            add_flags(p.add_argument_group(f"the problem, the same for every run: {title}"), TrainConfig, names)
+
+
+def default_strategies(train: TrainConfig) -> str:
+    """Every strategy that runs on the chosen devices: hogwild shares CPU memory, so GPUs leave it out."""
+    from ..train.trainer import worker_devices
+
+    on_gpus = worker_devices(train)[0].type != "cpu"
+    return DEFAULT_STRATEGIES.replace(",hogwild", "") if on_gpus else DEFAULT_STRATEGIES
+
+
+def setup_from(options: CompareOptions, train: TrainConfig) -> Setup:
+    max_steps = options.max_steps or 2 * train.resolved().steps
+    eval_every = options.eval_every or max(1, round(max_steps / 20))
+    if eval_every > max_steps:
+        raise PhalanxError(f"--eval-every {eval_every} is more than --max-steps {max_steps}: no evaluation would "
+                           "happen before the end; lower --eval-every")
+    strategies = parse_strategies(options.strategies or default_strategies(train))
+    return Setup(train, tuple(strategies), tuple(parse_scenarios(options.scenarios)), float(options.target),
+                 options.repeats, max_steps, eval_every)
+
+
+def _progress(total: int):
+    """A tqdm bar over the runs on a terminal; otherwise one line per finished run."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="run", dynamic_ncols=True) if sys.stderr.isatty() else None
+
+    def update(i: int, run: Run, result: Optional[RunResult]) -> None:
+        if result is None:
+            if bar is not None:
+                bar.set_description(run.label)
+            return
+        outcome = (f"reached the target at step {result.steps_to_target} ({report.seconds(result.seconds_to_target)})"
+                   if result.reached else f"not reached (best {result.best_accuracy:.3f})")
+        line = f"run {i + 1}/{total}: {run.label}: {outcome}"
+        if bar is not None:
+            bar.write(line)
+            bar.update(1)
+        else:
+            print(line, file=sys.stderr, flush=True)
+        if bar is not None and i + 1 == total:
+            bar.close()
+
+    return update
+
+
+def compare(options: CompareOptions, train: TrainConfig, command: Optional[str] = None) -> dict:
+    """Run the comparison; print the tables; with ``options.out``, write the report and plots there."""
+    setup = setup_from(options, train)
+    checked = check(setup)
+    total = len(schedule(setup))
+    print(f"phalanx compare: {len(setup.strategies)} strategies x {len(setup.scenarios)} scenarios x "
+          f"{setup.repeats} repeats = {total} runs, each to {setup.target:g} test accuracy or {setup.max_steps} "
+          f"steps (evaluated every {setup.eval_every}); {checked.workers} workers, {train.model} on {train.data}",
+          flush=True)
+    out = Path(options.out) if options.out else None
+    if out is not None:
+        _writable(out)
+    with tempfile.TemporaryDirectory(prefix="phalanx-compare-") as tmp:
+        runs = run_all(setup, checked, out or Path(tmp), _progress(total))
+    table = report.tables(setup, runs)
+    print("\n" + report.terminal(setup, checked, table) + "\n")
+    print(report.answer(setup, checked, table).replace("**", ""))
+    if out is not None:
+        drawn = plots.draw(setup, table, runs, out)
+        written = report.write(out, setup, checked, table, runs, drawn, command)
+        print(f"\nreport {written[0]}, {written[1].name}; plots " + ", ".join(p["file"] for p in drawn))
+    return {"runs": runs, "table": table}
+
+
+def _writable(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".phalanx-probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise PhalanxError(f"--out {out} cannot be written ({e.strerror or e}); choose another directory") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    options = CompareOptions(**given(args, [f.name for f in declared(CompareOptions)]))
+    train = TrainConfig(**given(args, shared_fields()))
+    command = "phalanx " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["compare"] else None
+    compare(options, train, command)
+    return 0

@@ -1,0 +1,228 @@
+"""What ``phalanx compare`` tells the user: a table per scenario, the answer in words, report.md and report.json.
+
+Every figure here is computed from the runs' :class:`~phalanx.compare.results.RunResult` (which
+are read from their metrics files): the tables and the answer say nothing that the runs did not
+measure. A strategy's time to target is the median over its repeats, a repeat that missed the
+target counting as infinitely slow; the winner of a scenario is the lowest median.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from .results import Figures, RunResult, figures, rank
+from .runner import Checked, Setup
+from .tokens import Scenario
+
+
+def baseline(setup: Setup) -> str:
+    """What the ratios compare against: sync where it runs, else the first strategy listed."""
+    tokens = [s.token for s in setup.strategies]
+    return "sync" if "sync" in tokens else tokens[0]
+
+
+def tables(setup: Setup, runs: list[RunResult]) -> dict[str, list[Figures]]:
+    """scenario -> one :class:`Figures` per strategy (in the order given), ranked."""
+    out = {}
+    for scenario in setup.scenarios:
+        rows = []
+        for strategy in setup.strategies:
+            mine = [r for r in runs if r.scenario == scenario.token and r.strategy == strategy.token]
+            if mine:
+                rows.append(figures(mine, setup.max_steps))
+        out[scenario.token] = rank(rows, baseline(setup))
+    return out
+
+
+# --------------------------------------------------------------------------- cells
+
+
+def seconds(value: float) -> str:
+    return f"{value:.2f} s" if value < 10 else f"{value:.1f} s"
+
+
+def time_cell(f: Figures) -> str:
+    """``4.12 s (3.90-4.40)``; ``not reached in 600 steps (best 0.93)``; partial successes say how many."""
+    if not f.any_reached:
+        return f"not reached in {f.max_steps} steps (best {f.best_accuracy:.2f})"
+    spread = f"{seconds(min(f.seconds))}-{seconds(max(f.seconds))}".replace(" s-", "-") if f.runs > 1 else ""
+    if math.isinf(f.median_seconds):
+        return f"reached in {f.reached} of {f.runs} runs only ({spread or seconds(f.seconds[0])})"
+    cell = seconds(f.median_seconds) + (f" ({spread})" if spread else "")
+    return cell + (f", {f.reached} of {f.runs} reached" if f.reached < f.runs else "")
+
+
+def row(f: Figures) -> list[str]:
+    return [("* " if f.winner else "  ") + f.strategy, time_cell(f),
+            f"{f.median_steps:.0f}" if f.median_steps is not None else "-",
+            f"{f.examples_per_sec:,.0f}",
+            f"{f.ratio:.2f}" if f.ratio is not None else "-",
+            f"{f.staleness_mean:.1f}" if f.staleness_mean is not None else "-",
+            f"{100 * f.dropped_fraction:.1f}%" if f.dropped_fraction is not None else "-"]
+
+
+HEADERS = ["strategy", "time to target (median, min-max)", "steps", "examples/s", "vs {base}", "staleness",
+           "dropped"]
+
+
+def _headers(setup: Setup) -> list[str]:
+    return [h.format(base=baseline(setup)) for h in HEADERS]
+
+
+def _title(setup: Setup, checked: Checked, scenario: Scenario) -> str:
+    return (f"{scenario.token} ({scenario.describe()}): time to {setup.target:g} test accuracy, "
+            f"{checked.workers} workers, {setup.repeats} repeat{'s' * (setup.repeats != 1)}")
+
+
+def terminal(setup: Setup, checked: Checked, table: dict[str, list[Figures]]) -> str:
+    """The tables printed at the end of a comparison."""
+    blocks = []
+    for scenario in setup.scenarios:
+        rows = [_headers(setup)] + [row(f) for f in table[scenario.token]]
+        rows[0][0] = "  " + rows[0][0]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) if i in (0, 1) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                 for r in rows]
+        blocks.append("\n".join([_title(setup, checked, scenario)] + lines))
+    legend = (f"* reached the target first. Time is training time (start-up and evaluations excluded), measured "
+              f"at evaluations every {setup.eval_every} steps; 'vs {baseline(setup)}' is the ratio of median times.")
+    return "\n\n".join(blocks + [legend])
+
+
+# --------------------------------------------------------------------------- the answer in words
+
+
+def _why(w: Figures, base: Figures) -> str:
+    """Which of the two factors (steps, time per step) made ``w`` faster than ``base``."""
+    if w.median_steps is None or base.median_steps is None:
+        return ""
+    return (f": it needed {w.median_steps:.0f} steps to {base.strategy}'s {base.median_steps:.0f} and computed "
+            f"{w.examples_per_sec:,.0f} examples/s to {base.examples_per_sec:,.0f}")
+
+
+def scenario_sentence(setup: Setup, scenario: Scenario, rows: list[Figures]) -> str:
+    name = f"With {scenario.describe()} ({scenario.token})"
+    winner = next((f for f in rows if f.winner), None)
+    base = next((f for f in rows if f.strategy == baseline(setup)), None)
+    missed = [f for f in rows if not f.any_reached]
+    if winner is None:
+        best = max(rows, key=lambda f: f.best_accuracy)
+        return (f"{name}, no strategy reached {setup.target:g} in {setup.max_steps} steps in most runs (the best "
+                f"accuracy was {best.best_accuracy:.3f}, by {best.strategy}).")
+    text = f"{name}, **{winner.strategy}** reached {setup.target:g} first, in {seconds(winner.median_seconds)}"
+    if base is not None and base is not winner and base.ratio is not None and winner.ratio:
+        text += f", {1 / winner.ratio:.2f}x as fast as {base.strategy} ({seconds(base.median_seconds)})"
+        text += _why(winner, base)
+    elif base is winner:
+        others = sorted((f for f in rows if f is not winner and f.ratio is not None), key=lambda f: f.ratio)
+        if others:
+            text += f"; the next, {others[0].strategy}, took {others[0].ratio:.2f}x as long" + _why(others[0], winner)
+    if missed:
+        text += "; " + ", ".join(f"{f.strategy} never reached it (best {f.best_accuracy:.3f})" for f in missed)
+    return text + "."
+
+
+def answer(setup: Setup, checked: Checked, table: dict[str, list[Figures]]) -> str:
+    """One paragraph: which strategy reached the target first in each scenario, and why, from the numbers."""
+    model = setup.train.model
+    sentences = [scenario_sentence(setup, s, table[s.token]) for s in setup.scenarios]
+    wins: dict[str, int] = {}
+    for rows in table.values():
+        for f in rows:
+            wins[f.strategy] = wins.get(f.strategy, 0) + f.winner
+    champions = sorted((n, s) for s, n in wins.items() if n)
+    if champions and len(champions) == 1 and champions[0][0] == len(setup.scenarios):
+        close = f"On this problem, {champions[0][1]} was the fastest to the target in every scenario."
+    elif champions:
+        close = "The fastest strategy depends on the stragglers: " + ", ".join(
+            f"{s} won {n} of {len(setup.scenarios)} scenario{'s' * (len(setup.scenarios) != 1)}"
+            for n, s in reversed(champions)) + "."
+    else:
+        close = "No strategy reached the target: raise --max-steps, or lower --target."
+    lead = (f"Problem: {model} on {setup.train.data}, {checked.workers} workers, target {setup.target:g} test "
+            f"accuracy, medians of {setup.repeats} repeat{'s' * (setup.repeats != 1)}.")
+    return " ".join([lead] + sentences + [close])
+
+
+# --------------------------------------------------------------------------- files
+
+
+def machine() -> dict[str, Any]:
+    """The machine and versions the comparison ran on (every figure depends on them)."""
+    import torch
+
+    from .. import __version__
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count()
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_cores": cores, "python": sys.version.split()[0], "torch": torch.__version__,
+            "phalanx": __version__, "cuda": torch.version.cuda,
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def setup_dict(setup: Setup, checked: Checked, command: Optional[str]) -> dict[str, Any]:
+    train = setup.train.resolved()
+    return {"command": command, "strategies": [s.token for s in setup.strategies],
+            "scenarios": [s.token for s in setup.scenarios], "target": setup.target, "repeats": setup.repeats,
+            "max_steps": setup.max_steps, "eval_every": setup.eval_every, "workers": checked.workers,
+            "model": train.model, "data": train.data, "batch_size": train.batch_size,
+            "global_batch": checked.global_batch, "optimizer": train.optimizer, "lr": train.lr,
+            "momentum": train.momentum, "seed": setup.train.seed, "devices": str(setup.train.devices)}
+
+
+def markdown(setup: Setup, checked: Checked, table: dict[str, list[Figures]], runs: list[RunResult],
+             plots: list[dict[str, Any]], info: dict[str, Any], command: Optional[str]) -> str:
+    lines = ["# phalanx compare: which strategy reaches the target accuracy first", "",
+             answer(setup, checked, table), ""]
+    for scenario in setup.scenarios:
+        lines += [f"## {_title(setup, checked, scenario)}", "",
+                  "| " + " | ".join(_headers(setup)) + " |", "|" + "---|" * len(HEADERS)]
+        for f in table[scenario.token]:
+            cells = row(f)
+            cells[0] = f"**{f.strategy}** (fastest)" if f.winner else f.strategy
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["Time is training time: worker start-up and evaluations are excluded (each run's are in "
+              f"report.json), measured at evaluations every {setup.eval_every} steps. Examples/s counts every "
+              "example a worker computed a gradient on, dropped ones included. Staleness: mean updates behind; "
+              "dropped: late gradients a backup strategy did not apply.", ""]
+    lines += [f"![{p['title']}]({p['file']})" for p in plots] + [""]
+    lines += ["## Setup", "", f"    {command}" if command else "", ""]
+    lines += [f"- {k}: {v}" for k, v in setup_dict(setup, checked, None).items() if k != "command"]
+    lines += ["", "## Machine and versions", ""] + [f"- {k}: {v}" for k, v in info.items()]
+    lines += ["", "## Every run", "", "| scenario | strategy | repeat | reached at step | time to target | "
+              "final accuracy | training s | evaluation s | start-up s | examples/s |", "|" + "---|" * 10]
+    for r in runs:
+        lines.append(f"| {r.scenario} | {r.strategy} | {r.repeat + 1} | "
+                     f"{r.steps_to_target if r.reached else ('diverged' if r.diverged else 'not reached')} | "
+                     f"{seconds(r.seconds_to_target) if r.reached else '-'} | {r.final_accuracy:.4f} | "
+                     f"{r.train_seconds:.2f} | {r.eval_seconds:.2f} | {r.startup_seconds:.2f} | "
+                     f"{r.examples_per_sec:,.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path, setup: Setup, checked: Checked, table: dict[str, list[Figures]], runs: list[RunResult],
+          plots: list[dict[str, Any]], command: Optional[str]) -> list[Path]:
+    """report.md and report.json in ``out``; returns their paths."""
+    info = machine()
+    data = {"setup": setup_dict(setup, checked, command), "machine": info, "answer": answer(setup, checked, table),
+            "baseline": baseline(setup),
+            "figures": {s: [f.to_dict() for f in rows] for s, rows in table.items()},
+            "plots": plots, "runs": [r.to_dict() for r in runs]}
+    (out / "report.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / "report.md").write_text(markdown(setup, checked, table, runs, plots, info, command))
+    return [out / "report.md", out / "report.json"]

@@ -1,0 +1,187 @@
+"""What one run measured, read back from its metrics file; and the figures of a strategy over its repeats.
+
+A run's figures come from the JSON-lines metrics file its training loop wrote (rank 0's), so the
+report can always be checked against the files:
+
+- the *eval* events: step, test accuracy, ``train_seconds`` (training time so far, evaluation
+  excluded) and, for the parameter-server family, the gradients applied so far;
+- the *summary* event: steps, final accuracy, training and evaluation seconds, throughput,
+  staleness, gradients applied and dropped;
+- the *straggle* event: each rank's calibrated compute time.
+
+Time to target is the training time at the first evaluation whose accuracy reached the target
+(evaluations every ``--eval-every`` steps: the time is that coarse). Examples to target count the
+examples in the updates applied by then: steps x global batch, or, where the server reports them,
+gradients applied x batch (a ``backup`` update averages W - B gradients, not W). Throughput counts
+every example a worker computed a gradient on (dropped ones included) per second of training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Optional
+
+
+@dataclasses.dataclass
+class RunResult:
+    strategy: str  #: the token: "ssp:2"
+    scenario: str  #: "slow:1:2"
+    repeat: int  #: 0-based
+    seed: int
+    reached: bool
+    diverged: bool  #: stopped by the NaN guard (it never reaches the target)
+    steps_to_target: Optional[int]
+    seconds_to_target: Optional[float]  #: training time (evaluation and start-up excluded)
+    examples_to_target: Optional[int]
+    best_accuracy: float
+    final_accuracy: float
+    steps: int
+    train_seconds: float
+    eval_seconds: float
+    wall_seconds: float  #: the whole run, worker start-up included
+    startup_seconds: float  #: wall - training - evaluation: start-up, calibration, the final checkpoint
+    examples_per_sec: float
+    staleness: Optional[dict[str, Any]]  #: mean, p95, max, histogram (strategies that have one)
+    dropped: Optional[dict[str, Any]]  #: total, of (gradients pushed), by_worker (the parameter-server family)
+    calibrated_compute_s: dict[str, float]  #: rank -> seconds (where a straggler scenario calibrated)
+    curve: list[dict[str, float]]  #: every evaluation: step, seconds (training time), accuracy
+    metrics: str  #: the metrics file it was read from
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def read_events(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def from_events(events: list[dict[str, Any]], *, strategy: str, scenario: str, repeat: int, seed: int,
+                target: float, batch_size: int, global_batch: int, wall_seconds: float, metrics: str,
+                diverged: bool = False) -> RunResult:
+    """The figures of one run, from its metrics events."""
+    evals = [e for e in events if e["event"] == "eval"]
+    summary = next((e for e in reversed(events) if e["event"] == "summary"), None) or _diverged(events, evals)
+    straggle = next((e for e in events if e["event"] == "straggle"), {})
+    first = next((e for e in evals if e["accuracy"] >= target), None)
+    train, evaluation = summary["train_seconds"], summary["eval_seconds"]
+    return RunResult(
+        strategy=strategy, scenario=scenario, repeat=repeat, seed=seed, reached=first is not None, diverged=diverged,
+        steps_to_target=first["step"] if first else None,
+        seconds_to_target=first["train_seconds"] if first else None,
+        examples_to_target=_examples_applied(first, batch_size, global_batch) if first else None,
+        best_accuracy=max((e["accuracy"] for e in evals), default=summary["test_accuracy"]),
+        final_accuracy=summary["test_accuracy"], steps=summary["steps"], train_seconds=train,
+        eval_seconds=evaluation, wall_seconds=wall_seconds,
+        startup_seconds=max(wall_seconds - train - evaluation, 0.0),
+        examples_per_sec=_examples_computed(summary, batch_size) / max(train, 1e-9) if "gradients_applied_total"
+        in summary else summary["examples_per_sec"],
+        staleness=_staleness(summary), dropped=_dropped(summary),
+        calibrated_compute_s=straggle.get("calibrated_compute_s", {}),
+        curve=[{"step": e["step"], "seconds": e["train_seconds"], "accuracy": e["accuracy"]} for e in evals],
+        metrics=metrics,
+    )
+
+
+def _diverged(events: list[dict[str, Any]], evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """A run the NaN guard stopped writes no summary: what its last events say instead."""
+    stop = next(e for e in reversed(events) if e["event"] == "diverged")
+    steps = [e for e in events if e["event"] == "step"]
+    return {"steps": stop["step"], "test_accuracy": evals[-1]["accuracy"] if evals else 0.0,
+            "train_seconds": evals[-1]["train_seconds"] if evals else 0.0,
+            "eval_seconds": sum(e["eval_seconds"] for e in evals),
+            "examples_per_sec": steps[-1]["examples_per_sec"] if steps else 0.0}
+
+
+def _examples_applied(event: dict[str, Any], batch_size: int, global_batch: int) -> int:
+    if "gradients_applied_total" in event:  # the parameter-server family counts what it applied
+        return int(event["gradients_applied_total"]) * batch_size
+    return int(event["step"]) * global_batch
+
+
+def _examples_computed(summary: dict[str, Any], batch_size: int) -> int:
+    return (int(summary["gradients_applied_total"]) + int(summary.get("gradients_dropped_total", 0))) * batch_size
+
+
+def _staleness(summary: dict[str, Any]) -> Optional[dict[str, Any]]:
+    if "staleness_histogram" not in summary:
+        return None
+    return {"mean": summary["staleness_mean"], "p95": summary["staleness_p95"], "max": summary["staleness_max"],
+            "histogram": summary["staleness_histogram"]}
+
+
+def _dropped(summary: dict[str, Any]) -> Optional[dict[str, Any]]:
+    if "gradients_dropped_total" not in summary:
+        return None
+    total = int(summary["gradients_dropped_total"])
+    return {"total": total, "of": int(summary["gradients_applied_total"]) + total,
+            "by_worker": summary.get("gradients_dropped", {})}
+
+
+# --------------------------------------------------------------------------- one strategy, its repeats
+
+
+@dataclasses.dataclass
+class Figures:
+    """One strategy in one scenario, over its repeats (medians and spread)."""
+
+    strategy: str
+    scenario: str
+    runs: int
+    reached: int  #: repeats that reached the target
+    seconds: list[float]  #: time to target of each repeat that reached it
+    median_seconds: float  #: math.inf unless at least half the repeats reached the target
+    median_steps: Optional[float]
+    median_examples: Optional[float]
+    examples_per_sec: float  #: median
+    best_accuracy: float  #: the best any repeat reached
+    max_steps: int
+    staleness_mean: Optional[float]
+    dropped_fraction: Optional[float]
+    ratio: Optional[float] = None  #: median time / the baseline's (None: either not reached)
+    winner: bool = False
+
+    @property
+    def any_reached(self) -> bool:
+        return self.reached > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["median_seconds"] = None if math.isinf(self.median_seconds) else self.median_seconds
+        return out
+
+
+def figures(runs: list[RunResult], max_steps: int) -> Figures:
+    """Medians over the repeats of one (scenario, strategy); a repeat that missed the target counts as
+    infinitely slow, so the median is finite only if at least half of them reached it."""
+    reached = [r for r in runs if r.reached]
+    times = sorted(r.seconds_to_target for r in reached)
+    padded = times + [math.inf] * (len(runs) - len(reached))
+    staleness = [r.staleness["mean"] for r in runs if r.staleness]
+    dropped = [r.dropped for r in runs if r.dropped]
+    return Figures(
+        strategy=runs[0].strategy, scenario=runs[0].scenario, runs=len(runs), reached=len(reached),
+        seconds=times, median_seconds=statistics.median(padded),
+        median_steps=statistics.median(r.steps_to_target for r in reached) if reached else None,
+        median_examples=statistics.median(r.examples_to_target for r in reached) if reached else None,
+        examples_per_sec=statistics.median(r.examples_per_sec for r in runs),
+        best_accuracy=max(r.best_accuracy for r in runs), max_steps=max_steps,
+        staleness_mean=statistics.mean(staleness) if staleness else None,
+        dropped_fraction=sum(d["total"] for d in dropped) / max(sum(d["of"] for d in dropped), 1) if dropped
+        else None,
+    )
+
+
+def rank(table: list[Figures], baseline: str) -> list[Figures]:
+    """Mark the winner (the lowest finite median time) and each strategy's ratio to the baseline's time."""
+    base = next((f for f in table if f.strategy == baseline), None)
+    finite = [f for f in table if not math.isinf(f.median_seconds)]
+    best = min(finite, key=lambda f: f.median_seconds) if finite else None
+    for f in table:
+        f.winner = f is best
+        if base is not None and not math.isinf(base.median_seconds) and not math.isinf(f.median_seconds):
+            f.ratio = f.median_seconds / base.median_seconds
+    return table

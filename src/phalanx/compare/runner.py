@@ -1,0 +1,136 @@
+"""Train every strategy to the target accuracy under every scenario, interleaved; read back what each measured.
+
+Who runs what: this process (the parent) makes one :class:`~phalanx.train.TrainConfig` per run from
+the shared training flags (model, data, batch, recipe, devices: the same for every run), the
+strategy and the scenario; checks every (strategy, scenario) before the first run starts (a token
+that cannot run is one line, nothing trained); then trains the runs one after another through
+``Trainer.fit``, each spawning its own workers. A run stops at the first evaluation that reaches the
+target (``stop_at_accuracy``) or after ``max_steps``; its figures are read back from the metrics
+file its loop wrote (``results.py``).
+
+Order: within each repeat every scenario runs every strategy, and the strategies' order rotates
+from one repeat to the next, so that a drift in the machine's speed (another job, a warming CPU)
+hits every strategy alike. Repeat r uses seed + r for every strategy: within a repeat every run
+starts from the same weights, reads the data in the same order and meets the same pauses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..errors import PhalanxError, TrainingDiverged
+from ..train import TrainConfig, Trainer
+from .results import RunResult, from_events, read_events
+from .tokens import Scenario, StrategyToken
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One comparison: what every run shares, and what varies."""
+
+    train: TrainConfig  #: the shared training flags (strategy, straggler, steps and observation are set per run)
+    strategies: tuple[StrategyToken, ...]
+    scenarios: tuple[Scenario, ...]
+    target: float  #: test accuracy to reach
+    repeats: int
+    max_steps: int
+    eval_every: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    strategy: StrategyToken
+    scenario: Scenario
+    repeat: int  #: 0-based
+    seed: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.strategy.token} under {self.scenario.token}, repeat {self.repeat + 1}"
+
+    @property
+    def directory(self) -> Path:
+        """Where its metrics go, under the comparison's output directory."""
+        return Path("runs") / self.scenario.token.replace(":", "-") / \
+            f"{self.strategy.token.replace(':', '-')}-repeat-{self.repeat + 1}"
+
+
+def schedule(setup: Setup) -> list[Run]:
+    """Every run, interleaved: repeats outermost, the strategies' order rotated each repeat."""
+    runs = []
+    n = len(setup.strategies)
+    for repeat in range(setup.repeats):
+        order = setup.strategies[repeat % n:] + setup.strategies[:repeat % n]
+        for scenario in setup.scenarios:
+            runs += [Run(strategy, scenario, repeat, setup.train.seed + repeat) for strategy in order]
+    return runs
+
+
+def config_for(setup: Setup, run: Run, checkpoint_dir: str, metrics: Optional[str] = None) -> TrainConfig:
+    """The run's TrainConfig: the shared flags, plus its strategy, its scenario and the stopping rule."""
+    return dataclasses.replace(
+        setup.train, strategy=run.strategy.options, straggler=run.scenario.slowness, seed=run.seed,
+        steps=setup.max_steps, eval_every=setup.eval_every, stop_at_accuracy=setup.target,
+        log_every=setup.eval_every, checkpoint_dir=checkpoint_dir, checkpoint_every=0, keep_checkpoints=1,
+        metrics=metrics or f"{checkpoint_dir}/metrics.jsonl", progress="none", resume=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """What the checks learned, per strategy: the global batch and the workers."""
+
+    global_batch: dict[str, int]
+    batch_size: int
+    workers: int
+
+
+def check(setup: Setup) -> Checked:
+    """Every (strategy, scenario) planned in the parent, before any run: one clear line for the first that fails."""
+    global_batch: dict[str, int] = {}
+    workers = 0
+    with tempfile.TemporaryDirectory(prefix="phalanx-compare-check-") as tmp:
+        for strategy in setup.strategies:
+            for scenario in setup.scenarios:
+                run = Run(strategy, scenario, 0, setup.train.seed)
+                try:
+                    plan = Trainer(config_for(setup, run, f"{tmp}/checkpoints")).plan()
+                except PhalanxError as e:
+                    where = f" under scenario {scenario.token}" if scenario.slowness else ""
+                    raise PhalanxError(f"{strategy.token}{where}: {e}") from None
+                global_batch[strategy.token] = plan.config.batch_size * plan.layout.shards
+                workers = plan.workers
+    return Checked(global_batch, setup.train.batch_size, workers)
+
+
+def run_one(setup: Setup, checked: Checked, run: Run, out: Path) -> RunResult:
+    """Train one run to the target (or max steps) and read back its figures."""
+    directory = out / run.directory
+    directory.mkdir(parents=True, exist_ok=True)
+    metrics = directory / "metrics.jsonl"
+    with tempfile.TemporaryDirectory(prefix="phalanx-compare-") as checkpoints:  # no checkpoint is kept
+        began = time.perf_counter()
+        diverged = False
+        try:
+            Trainer(config_for(setup, run, checkpoints, str(metrics))).fit()
+        except TrainingDiverged:
+            diverged = True  # an outcome like any other: it never reaches the target
+        wall = time.perf_counter() - began
+    return from_events(read_events(metrics), strategy=run.strategy.token, scenario=run.scenario.token,
+                       repeat=run.repeat, seed=run.seed, target=setup.target, batch_size=checked.batch_size,
+                       global_batch=checked.global_batch[run.strategy.token], wall_seconds=wall,
+                       metrics=str(run.directory / "metrics.jsonl"), diverged=diverged)
+
+
+def run_all(setup: Setup, checked: Checked, out: Path,
+            progress: Callable[[int, Run, Optional[RunResult]], None] = lambda i, run, result: None) -> list[RunResult]:
+    """Every run in :func:`schedule` order; ``progress(i, run, result)`` before (None) and after each."""
+    results = []
+    for i, run in enumerate(schedule(setup)):
+        progress(i, run, None)
+        results.append(run_one(setup, checked, run, out))
+        progress(i, run, results[-1])
+    return results
