@@ -8,7 +8,6 @@ from .launch import WorkerContext, launch  # noqa: E402
 from .parallel import ParallelModule, make_parallel  # noqa: E402
 from .strategies import (FSDP, SSP, STRATEGIES, Backup, Hogwild, LocalSGD, Options, ParameterServer,  # noqa: E402
                          Pipeline, Runtime, Sync)
-                         Runtime, Sync)
 from .topology import Topology, detect_topology  # noqa: E402
 from .train import Schedule, TrainConfig, Trainer  # noqa: E402
 from .data import ArrayDataset  # noqa: E402
