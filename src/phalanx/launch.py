@@ -1,10 +1,12 @@
-"""Start workers on one machine, or join a job that ``torchrun`` started.
+"""Start workers on one machine, or join a job that ``torchrun`` or Slurm's ``srun`` started.
 
 Who talks to whom: on one machine the parent process owns a ``TCPStore`` on 127.0.0.1 with a port
 the kernel chose (never a fixed port, so two jobs never collide), spawns one process per worker,
 and every worker joins the process group through that store. Under ``torchrun`` (``RANK`` and
-``WORLD_SIZE`` in the environment) there is nothing to spawn: this process is one worker and
-joins through ``env://``, which is how phalanx runs on several machines.
+``WORLD_SIZE`` in the environment) or ``srun`` (``SLURM_PROCID``, ``SLURM_NTASKS``,
+``SLURM_LOCALID``) there is nothing to spawn: this process is one worker and joins through
+``env://`` or the address Slurm's node list gives (``launch_env.py`` reads which launcher it was),
+which is how phalanx runs on several machines.
 
 Failure: the parent polls its children; the first one that raises or dies takes the job down
 (the others get SIGTERM, then SIGKILL) and the parent raises :class:`WorkerFailed` with that
@@ -34,6 +36,7 @@ from multiprocessing import connection as mp_connection
 from . import errors
 from .devices import backend_for
 from .errors import PhalanxError, WorkerFailed
+from .launch_env import Joined, joined
 
 #: How long a collective may wait for a peer before gloo/NCCL gives up. A dead peer is normally
 #: noticed much sooner, by the parent seeing the process exit.
@@ -60,18 +63,25 @@ class WorkerContext:
 
 
 def in_torchrun() -> bool:
-    """True inside a job started by torchrun (or any launcher that sets RANK and WORLD_SIZE)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    """True inside a job another launcher started: torchrun (RANK, WORLD_SIZE) or Slurm's srun."""
+    return joined() is not None
+
+
+def launcher_world_size() -> Optional[int]:
+    """The world size the launcher fixed (torchrun's WORLD_SIZE, Slurm's task count); None: phalanx spawns."""
+    job = joined()
+    return job.world_size if job is not None else None
 
 
 def world_size(devices: Sequence[torch.device]) -> int:
-    """Workers in the job: torchrun's WORLD_SIZE, else one per device slot."""
-    return int(os.environ["WORLD_SIZE"]) if in_torchrun() else len(devices)
+    """Workers in the job: the launcher's world size, else one per device slot."""
+    return launcher_world_size() or len(devices)
 
 
 def local_world_size(default: int) -> int:
     """Workers on this machine (they share its cores)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", default)) if in_torchrun() else default
+    job = joined()
+    return job.local_world_size or default if job is not None else default
 
 
 def available_cores() -> int:
@@ -94,6 +104,7 @@ def _init_worker(
     threads: int | None,
     store: dist.Store | None,
     timeout_s: float,
+    init_method: str = "env://",
 ) -> WorkerContext:
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -106,7 +117,7 @@ def _init_worker(
     if store is not None:
         kwargs["store"] = store
     else:
-        kwargs["init_method"] = "env://"
+        kwargs["init_method"] = init_method
     if device.type == "cuda":
         kwargs["device_id"] = device
     dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
@@ -194,12 +205,13 @@ def launch(
     """Run ``fn(ctx, *args)`` on one worker per entry of ``devices``; return rank 0's result.
 
     ``fn`` and ``args`` must be picklable (workers are spawned, not forked, so CUDA stays usable).
-    Inside torchrun this process is the worker: ``devices`` is indexed by ``LOCAL_RANK``.
+    Inside torchrun or srun this process is the worker: ``devices`` is indexed by its local rank.
     """
     if threads is None and all(d.type == "cpu" for d in devices):
         threads = threads_per_worker(local_world_size(len(devices)))
-    if in_torchrun():
-        return _run_under_torchrun(fn, devices, args, threads, timeout_s)
+    job = joined()
+    if job is not None:
+        return _run_joined(job, fn, devices, args, threads, timeout_s)
     if len(devices) == 1:
         ctx = _init_worker(0, 1, 0, devices[0], threads, None, timeout_s)
         return fn(ctx, *args)
@@ -289,12 +301,10 @@ def _failure(reports: list[tuple], first: tuple[int, str], killed: bool) -> Phal
     return WorkerFailed(*first)
 
 
-def _run_under_torchrun(fn, devices, args, threads, timeout_s):
-    rank = int(os.environ["RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    device = devices[local_rank % len(devices)]
-    ctx = _init_worker(rank, world_size, local_rank, device, threads, None, timeout_s)
+def _run_joined(job: Joined, fn, devices, args, threads, timeout_s):
+    """This process is rank ``job.rank`` of a job torchrun or srun started: join it and run ``fn``."""
+    device = devices[job.local_rank % len(devices)]
+    ctx = _init_worker(job.rank, job.world_size, job.local_rank, device, threads, None, timeout_s, job.init_method)
     try:
         return fn(ctx, *args)
     finally:

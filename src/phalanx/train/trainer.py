@@ -127,9 +127,9 @@ def worker_devices(cfg: TrainConfig) -> list[torch.device]:
 
 
 def _launcher_world_size() -> Optional[int]:
-    import os
+    from ..launch import launcher_world_size
 
-    return int(os.environ["WORLD_SIZE"]) if in_torchrun() else None
+    return launcher_world_size()  # torchrun's WORLD_SIZE or Slurm's task count; None when phalanx spawns
 
 
 def _gpu_islands(devices: list[torch.device], cfg: TrainConfig) -> Optional[tuple[tuple[int, ...], ...]]:
