@@ -102,11 +102,14 @@ Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Na
 
 
 def commands() -> dict[str, Command]:
+    from .estimate import cli as estimate_cli
     from .topology import cli as topology_cli
 
     return {
         "train": (add_train_flags, cmd_train, "train a model"),
         "topology": (topology_cli.add_flags, topology_cli.run, "show which devices reach each other directly"),
+        "estimate": (estimate_cli.add_flags, estimate_cli.run,
+                     "predict step time and scaling per strategy and worker count, before renting the machines"),
     }
 
 

@@ -1,0 +1,175 @@
+"""Measuring one worker's step on this machine, under the conditions it would run in.
+
+Who talks to whom: the parent starts K processes through phalanx's own launcher, K being the
+worker processes that would share one node (each with the torch threads phalanx would give it:
+its share of the cores). Every process runs what a worker of ``phalanx train`` runs per step,
+on the same data path (the sharded batches and the prefetch thread), the same model and the same
+optimizer, with no communication: forward, backward, optimizer step, and the rest of the loop
+(next batch, learning-rate schedule, the loss as a number). All K run at once, so they compete for
+cores and memory as real workers do. After warm-up steps, each phase is timed per step; then the
+model's blocks are timed one by one (at the batch and at each micro-batch size a pipeline would
+use), and, for a parameter server, the flattening, unflattening and update of one gradient.
+Every process sends its timings to rank 0, which returns them; :func:`summarise` takes medians.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from ..launch import launch
+from ..pipeline.profile import time_blocks
+from ..pipeline.split import model_blocks
+from .costs import Compute
+
+WARMUP_STEPS = 5
+OP_REPEATS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeSpec:
+    """What every measuring process builds and times (picklable: it travels to the processes)."""
+
+    config: Any  #: the resolved TrainConfig: model, data, batch, optimizer
+    steps: int  #: timed steps (after WARMUP_STEPS)
+    micro_batches: tuple[int, ...] = ()  #: M values whose per-block micro-batch times a pipeline needs
+    server_ops: bool = False  #: time a parameter server's per-gradient work too
+
+
+@dataclasses.dataclass(frozen=True)
+class Conditions:
+    processes: int  #: worker processes computing at once on the node
+    threads: int  #: torch threads each
+    device: str  #: "cpu" or "cuda:0"
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _optimizer(cfg, params):
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def probe(ctx, spec: ProbeSpec) -> list[dict]:
+    """Inside a measuring process: time the steps, the blocks and the server's work; rank 0 returns every rank's."""
+    import torch.distributed as dist
+
+    from ..data import Prefetcher, ShardedBatches, load_data
+    from ..models import build_model
+
+    cfg, device = spec.config, ctx.device
+    data = load_data(cfg.data, cfg.data_dir, tuple(cfg.synthetic_shape), cfg.synthetic_size, cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
+    shards = ctx.world_size if cfg.batch_size * ctx.world_size <= len(data.train) else 1
+    batches = ShardedBatches(data.train, cfg.batch_size, ctx.rank % shards, shards, cfg.seed)
+    prefetcher = Prefetcher(batches(0), device, cfg.prefetch)
+    optimizer = _optimizer(cfg, model.parameters())
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    if ctx.distributed:
+        dist.barrier()  # start together: the processes compete as workers do
+    rows = []
+    try:
+        for i in range(WARMUP_STEPS + spec.steps):
+            cpu0, t0 = time.process_time(), _now(device)
+            x, y = next(prefetcher)
+            t1 = _now(device)
+            loss = F.cross_entropy(model(x), y)
+            t2 = _now(device)
+            loss.backward()
+            t3 = _now(device)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            t4 = _now(device)
+            schedule.step()
+            float(loss.detach())
+            t5 = _now(device)
+            if i >= WARMUP_STEPS:
+                rows.append((t2 - t1, t3 - t2, t4 - t3, (t1 - t0) + (t5 - t4), time.process_time() - cpu0))
+        x, y = next(prefetcher)
+    finally:
+        prefetcher.close()
+    result = {"rows": rows, **_blocks(model, x, device, spec)}
+    if spec.server_ops:
+        result.update(_server_ops(model, optimizer, x, y, device))
+    if not ctx.distributed:
+        return [result]
+    every: list = [None] * ctx.world_size
+    dist.all_gather_object(every, result)
+    return every
+
+
+def _blocks(model, x, device, spec: ProbeSpec) -> dict:
+    blocks = [block for _, block in model_blocks(model)]
+    out = {"blocks": time_blocks(blocks, x, device, OP_REPEATS), "micro": {}}
+    for m in spec.micro_batches:
+        out["micro"][m] = time_blocks(blocks, x[: max(1, len(x) // m)], device, OP_REPEATS)
+    return out
+
+
+def _server_ops(model, optimizer, x, y, device) -> dict:
+    """A ps worker's flatten/unflatten and the server's update of one gradient (see strategies/ps)."""
+    params = list(model.parameters())
+    F.cross_entropy(model(x), y).backward()
+    pack, unpack, apply = [], [], []
+    for _ in range(OP_REPEATS + 1):
+        vector = parameters_to_vector(params).detach().clone()
+        t0 = _now(device)
+        flat = torch.cat([p.grad.flatten() for p in params])
+        t1 = _now(device)
+        vector_to_parameters(vector, params)
+        t2 = _now(device)
+        grad, offset = flat / 2, 0
+        for p in params:
+            p.grad = grad[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        parameters_to_vector(params).detach().contiguous()
+        t3 = _now(device)
+        pack.append(t1 - t0)
+        unpack.append(t2 - t1)
+        apply.append(t3 - t2)
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad = g.view_as(p).clone()
+    return {"pack": statistics.median(pack[1:]), "unpack": statistics.median(unpack[1:]),
+            "apply": statistics.median(apply[1:])}
+
+
+def measure(spec: ProbeSpec, conditions: Conditions) -> Compute:
+    """Run the probe in ``conditions.processes`` processes at once and summarise it."""
+    device = torch.device(conditions.device)
+    devices = [device] * conditions.processes
+    every = launch(probe, devices, (spec,), threads=conditions.threads if device.type == "cpu" else None)
+    return summarise(every, conditions)
+
+
+def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = None) -> Compute:
+    """Medians over every process's timed steps; the pace of lockstep from the slowest process each step."""
+    from ..launch import available_cores
+
+    rows = [row for result in every for row in result["rows"]]
+    med = [statistics.median(row[k] for row in rows) for k in range(5)]
+    steps = min(len(result["rows"]) for result in every)
+    slowest = statistics.median(max(sum(result["rows"][i][:4]) for result in every) for i in range(steps))
+    blocks = [statistics.mean(result["blocks"][b] for result in every) for b in range(len(every[0]["blocks"]))]
+    micro = {m: tuple(statistics.mean(result["micro"][m][b] for result in every) for b in range(len(blocks)))
+             for m in every[0]["micro"]}
+    ops = {k: statistics.median(result[k] for result in every) if k in every[0] else 0.0
+           for k in ("pack", "unpack", "apply")}
+    on_cpu = conditions.device == "cpu"
+    return Compute(forward=med[0], backward=med[1], optimizer=med[2], loop=med[3], slowest=slowest, cpu=med[4],
+                   processes=conditions.processes, threads=conditions.threads,
+                   cores=(cores or available_cores()) if on_cpu else None, block_seconds=tuple(blocks),
+                   micro_seconds=micro, **ops)
