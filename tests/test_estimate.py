@@ -5,8 +5,8 @@ real DDP on 2 gloo workers; the command runs end to end on the digits cnn with a
 and every bad input is one line and exit status 2 before anything is measured.
 """
 
+import dataclasses
 import json
-import math
 
 import pytest
 import torch
@@ -150,20 +150,24 @@ def test_schedule_overlaps_streams_and_respects_waits():
 
 def test_sync_overlaps_the_first_bucket_with_the_rest_of_backward_on_gpus():
     net = Network(link(10, 0.0), link(10, 0.0), per_node=8)
-    c = compute()  # forward 10, backward 20 (two equal blocks), optimizer 2, loop 1: 33 ms; slowest 33
+    c = compute(pack=0.0)  # forward 10, backward 20 (two equal blocks), optimizer 2, loop 1: 33 ms; slowest 33
     # bucket 0 (block 1's 4 MB) is ready halfway through backward (20 ms), bucket 1 at its end (30 ms);
     # each all-reduce over 2 ranks moves 4 MB at 10 GB/s: 0.4 ms, so bucket 0's hides behind backward.
     p = predict_sync(c, facts(), net, 2)
     assert p.step == pytest.approx(30 * MS + 0.4 * MS + 2 * MS + 1 * MS)
     assert p.comm == pytest.approx(0.4 * MS)
     assert p.examples == 64 and p.efficiency == pytest.approx(33 / 33.4)
+    # DDP's three passes over the gradients (into the buckets, divide, back): with 0.5 ms a pass, half of
+    # the first two hide nothing (they are compute), the copy back waits for the last all-reduce.
+    with_copies = predict_sync(compute(pack=0.5 * MS), facts(), net, 2)
+    assert with_copies.step == pytest.approx(p.step + 1.5 * MS)
 
 
 def test_sync_serialises_communication_where_the_workers_fill_every_core():
     net = Network(link(10, 0.0), link(10, 0.0), per_node=2)
     c = compute(processes=2, threads=1, cores=2, cpu=20 * MS)
     p = predict_sync(c, facts(), net, 2)
-    assert p.step == pytest.approx(33 * MS + 2 * 0.4 * MS)
+    assert p.step == pytest.approx(33 * MS + 2 * 0.4 * MS + 3 * 0.5 * MS)  # compute, 2 all-reduces, DDP's passes
 
 
 def test_sync_is_bounded_by_the_cpu_seconds_its_processes_need():
@@ -171,7 +175,7 @@ def test_sync_is_bounded_by_the_cpu_seconds_its_processes_need():
     c = compute(processes=4, threads=1, cores=2, cpu=30 * MS)  # 4 processes on 2 cores
     p = predict_sync(c, facts(), net, 4)
     copied = 2 * 1.5 * 4e6 / 10e9  # every rank copies 1.5 x 4 MB per bucket
-    assert p.step == pytest.approx(4 * (30 * MS + copied) / 2)
+    assert p.step == pytest.approx(4 * (30 * MS + copied + 3 * 0.5 * MS) / 2)
     assert any("CPU-bound" in note for note in p.notes)
 
 
@@ -199,13 +203,17 @@ def test_ps_server_link_carries_w_gradients_in_and_w_copies_out():
     c = compute(forward=0.0, backward=0.0, loop=0.0, pack=0.0, unpack=0.0, apply=0.0)
     p = predict_ps(c, facts(), net, 8)  # 8 MB of parameters at 1 GB/s: 8 ms a message
     assert p.step == pytest.approx(8 * 8 * MS)  # the server sends 8 copies one after another
+    # a header before every vector, and fresh receive buffers: each message costs α + fresh more
+    slow = predict_ps(dataclasses.replace(c, fresh=1 * MS), facts(),
+                      Network(link(1, 1e-4), link(1, 1e-4), per_node=64), 8)
+    assert slow.step == pytest.approx(8 * (8 * MS + 2 * 1e-4 + 1 * MS))
 
 
 def test_local_sgd_amortises_one_averaging_over_h_steps():
     net = Network(link(10, 0.0), link(10, 0.0), per_node=8)
     c = compute(slowest=35 * MS)
     p = predict_local_sgd(c, facts(), net, 2, sync_every=8)
-    average = 0.5 * MS + 8e6 / 10e9 + 0.5 * MS  # pack, all-reduce of 8 MB over 2 ranks, unpack
+    average = 2 * 0.5 * MS + 8e6 / 10e9  # flatten and divide (a pass each), all-reduce of 8 MB over 2 ranks
     assert p.step == pytest.approx(33 * MS + (average + 2 * MS) / 8)
 
 

@@ -207,9 +207,9 @@ def launch(
     ``fn`` and ``args`` must be picklable (workers are spawned, not forked, so CUDA stays usable).
     Inside torchrun or srun this process is the worker: ``devices`` is indexed by its local rank.
     """
-    if threads is None and all(d.type == "cpu" for d in devices):
-        threads = threads_per_worker(local_world_size(len(devices)))
     job = joined()
+    if threads is None and all(d.type == "cpu" for d in devices):
+        threads = job.threads if job is not None and job.threads else threads_per_worker(local_world_size(len(devices)))
     if job is not None:
         return _run_joined(job, fn, devices, args, threads, timeout_s)
     if len(devices) == 1:

@@ -8,7 +8,8 @@ optimizer, with no communication: forward, backward, optimizer step, and the res
 (next batch, learning-rate schedule, the loss as a number). All K run at once, so they compete for
 cores and memory as real workers do. After warm-up steps, each phase is timed per step; then the
 model's blocks are timed one by one (at the batch and at each micro-batch size a pipeline would
-use), and, for a parameter server, the flattening, unflattening and update of one gradient.
+use, and the pipelining schedule's own overhead per micro-batch), and, for a parameter server, the
+flattening, unflattening and update of one gradient.
 Every process sends its timings to rank 0, which returns them; :func:`summarise` takes medians.
 """
 
@@ -101,6 +102,8 @@ def probe(ctx, spec: ProbeSpec) -> list[dict]:
     finally:
         prefetcher.close()
     result = {"rows": rows, **_blocks(model, x, device, spec)}
+    if spec.micro_batches:
+        result["engine"] = _engine(ctx, model, x, y, spec.micro_batches)
     if spec.server_ops:
         result.update(_server_ops(model, optimizer, x, y, device))
     if not ctx.distributed:
@@ -116,6 +119,46 @@ def _blocks(model, x, device, spec: ProbeSpec) -> dict:
     for m in spec.micro_batches:
         out["micro"][m] = time_blocks(blocks, x[: max(1, len(x) // m)], device, OP_REPEATS)
     return out
+
+
+def _engine(ctx, model, x, y, micro_batches) -> dict:
+    """Seconds the pipelining schedule adds per micro-batch: a one-stage schedule against the same work by hand.
+
+    The stage runs in a process group of this rank alone (every rank creates every such group, as
+    ``new_group`` requires); a process without a group gets a one-rank group for the measurement.
+    """
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+        out = {}
+        for m in micro_batches:
+            stage_model = copy.deepcopy(model)
+            stage = PipelineStage(stage_model, 0, 1, ctx.device, group=groups[dist.get_rank()])
+            schedule = ScheduleGPipe(stage, m, loss_fn=F.cross_entropy, scale_grads=True)
+            engine, by_hand = [], []
+            for _ in range(OP_REPEATS + 1):
+                t0 = _now(ctx.device)
+                schedule.step(x, target=y, losses=[])
+                t1 = _now(ctx.device)
+                stage_model.zero_grad(set_to_none=True)
+                for xs, ys in zip(x.chunk(m), y.chunk(m)):
+                    (F.cross_entropy(stage_model(xs), ys) / m).backward()
+                t2 = _now(ctx.device)
+                stage_model.zero_grad(set_to_none=True)
+                engine.append(t1 - t0)
+                by_hand.append(t2 - t1)
+            out[m] = max(0.0, (statistics.median(engine[1:]) - statistics.median(by_hand[1:])) / m)
+        return out
+    finally:
+        if own:
+            dist.destroy_process_group()
 
 
 def _server_ops(model, optimizer, x, y, device) -> dict:
@@ -143,8 +186,17 @@ def _server_ops(model, optimizer, x, y, device) -> dict:
         apply.append(t3 - t2)
         for p, g in zip(params, flat.split([p.numel() for p in params])):
             p.grad = g.view_as(p).clone()
+    size = sum(p.numel() for p in params)
+    warm = torch.empty(size, device=device)
+    fresh = []
+    for _ in range(OP_REPEATS + 1):
+        t0 = _now(device)
+        warm.fill_(1.0)
+        t1 = _now(device)
+        torch.empty(size, device=device).fill_(1.0)
+        fresh.append(_now(device) - t1 - (t1 - t0))
     return {"pack": statistics.median(pack[1:]), "unpack": statistics.median(unpack[1:]),
-            "apply": statistics.median(apply[1:])}
+            "apply": statistics.median(apply[1:]), "fresh": max(0.0, statistics.median(fresh[1:]))}
 
 
 def measure(spec: ProbeSpec, conditions: Conditions) -> Compute:
@@ -167,9 +219,10 @@ def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = 
     micro = {m: tuple(statistics.mean(result["micro"][m][b] for result in every) for b in range(len(blocks)))
              for m in every[0]["micro"]}
     ops = {k: statistics.median(result[k] for result in every) if k in every[0] else 0.0
-           for k in ("pack", "unpack", "apply")}
+           for k in ("pack", "unpack", "apply", "fresh")}
+    engine = {m: statistics.median(result["engine"][m] for result in every) for m in every[0].get("engine", {})}
     on_cpu = conditions.device == "cpu"
     return Compute(forward=med[0], backward=med[1], optimizer=med[2], loop=med[3], slowest=slowest, cpu=med[4],
                    processes=conditions.processes, threads=conditions.threads,
                    cores=(cores or available_cores()) if on_cpu else None, block_seconds=tuple(blocks),
-                   micro_seconds=micro, **ops)
+                   micro_seconds=micro, engine=engine, **ops)

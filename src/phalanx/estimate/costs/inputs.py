@@ -37,6 +37,12 @@ class Compute:
     pack: float = 0.0  #: flatten every gradient into one vector
     unpack: float = 0.0  #: copy one vector back into the parameters
     apply: float = 0.0  #: a parameter server's update for one gradient: scale, copy in, optimizer step, flatten
+    #: the first touch of a newly allocated buffer of the parameters' size (page faults), beyond writing it:
+    #: a parameter server's messages arrive in fresh buffers
+    fresh: float = 0.0
+    #: per micro-batch count M: seconds torch.distributed.pipelining's schedule adds per micro-batch and stage
+    #: (its own bookkeeping, over running the same micro-batches by hand)
+    engine: dict = dataclasses.field(default_factory=dict)
 
     @property
     def step(self) -> float:

@@ -1,10 +1,11 @@
 """``pipeline``: P stages, M micro-batches per step, fill and drain; optionally R replicas of each stage. Pure.
 
-Stage s spends t_s per micro-batch (forward + backward of its blocks, measured at the micro-batch
-size; the blocks are split by phalanx's own exact partition of those times, as ``--balance auto``
-does). A fill-drain schedule (GPipe; 1F1B has the same bubble) takes Σ t_s + (M−1)·max t_s: the
-first micro-batch crosses every stage, the rest follow at the slowest stage's pace. Each stage
-boundary adds a message of the activations (forward) and one of their gradients (backward) per
+Stage s spends t_s per micro-batch: forward + backward of its blocks, measured at the micro-batch
+size (the blocks are split by phalanx's own exact partition of those times, as ``--balance auto``
+does), plus the pipelining engine's own work per micro-batch (measured on a one-stage schedule).
+A fill-drain schedule (GPipe; 1F1B has the same bubble) takes Σ t_s + (M−1)·max t_s: the first
+micro-batch crosses every stage, the rest follow at the slowest stage's pace. Each stage boundary
+adds a message of the activations (forward) and one of their gradients (backward) per
 micro-batch: on the first micro-batch's path twice per boundary, and, where a CPU copies the
 bytes, on every micro-batch of the stages at the boundary. Then every stage steps its optimizer
 on its own parameters, the last stage broadcasts the loss, and with R > 1 replicas each stage's
@@ -30,6 +31,8 @@ def predict_pipeline(compute: Compute, facts: ModelFacts, net: Network, workers:
     replicas = workers // stages
     seconds = list(compute.micro_seconds[micro_batches])
     counts, per_stage = stage_plan(seconds, stages)
+    if stages > 1:  # the engine's own work per micro-batch, on every stage
+        per_stage = [t + compute.engine.get(micro_batches, 0.0) for t in per_stage]
     total = sum(per_stage)
     slowest = max(per_stage)
     micro = facts.batch_size // micro_batches

@@ -1,7 +1,8 @@
 """``ps``: W workers push gradients to one server and pull the parameters back. Pure.
 
 Per global step (W gradients) the server's link carries W gradients in and W parameter copies
-out. A worker's cycle: compute a gradient (forward, backward, flatten), push it, wait while the
+out, each a header message and the vector, received into a newly allocated buffer (whose first
+touch, page faults, is measured). A worker's cycle: compute a gradient (forward, backward, flatten), push it, wait while the
 server applies it (scale, copy in, optimizer step, flatten) and sends the parameters back (a
 blocking send: the server's main thread is busy until it is gone), copy them in, start again.
 Pushes arrive on the server's receiving threads while its main thread works, one at a time on
@@ -57,7 +58,8 @@ def predict_ps(compute: Compute, facts: ModelFacts, net: Network, workers: int) 
     node_of = [w // net.per_node for w in range(workers)]
     links = [net.intra if node == 0 else net.inter for node in node_of]
     work = compute.forward + compute.backward + compute.loop + compute.pack
-    messages = [link.message(nbytes) for link in links]
+    # Each way, a header message and the vector, received into a newly allocated buffer.
+    messages = [link.alpha + link.message(nbytes) + compute.fresh for link in links]
     timeline = simulate(workers, [work] * workers, messages, messages, compute.apply, compute.unpack, compute.loop)
     local = min(workers, net.per_node)
     # CPU-seconds on node 0 per global step: its workers, the server's updates, and the copying of

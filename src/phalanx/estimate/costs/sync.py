@@ -38,20 +38,29 @@ def bucket_ready(compute: Compute, facts: ModelFacts) -> list[float]:
 
 def sync_ops(compute: Compute, facts: ModelFacts, net: Network, workers: int, pace: float,
              compress: Optional[str] = None, hierarchical: bool = False) -> list[Op]:
-    """The step as ops: forward, backward cut at every bucket's ready point, all-reduces, optimizer, loss."""
+    """The step as ops: forward, backward cut at every bucket's ready point, all-reduces, optimizer, loss.
+
+    DDP also passes over every gradient byte three times: copying each gradient into its bucket as
+    it is produced, dividing the bucket by N before its all-reduce, and copying the result back into
+    the gradients after the last one; each pass costs what flattening the gradients (``pack``) costs.
+    """
     scale = 0.5 if compress else 1.0
     ops = [Op("forward", "compute", compute.forward * pace)]
     done, previous = 0.0, "forward"
     reductions = []
     for k, ((nbytes, _), ready) in enumerate(zip(facts.buckets, bucket_ready(compute, facts))):
         ready = max(ready, done)  # DDP launches bucket k only after buckets 0..k-1
-        ops.append(Op(f"backward to bucket {k}", "compute", (ready - done) * compute.backward * pace, (previous,)))
-        previous, done = f"backward to bucket {k}", ready
+        share = nbytes / max(facts.param_bytes, 1)
+        ops.append(Op(f"backward to bucket {k}", "compute",
+                      ((ready - done) * compute.backward + share * compute.pack) * pace, (previous,)))
+        ops.append(Op(f"divide bucket {k}", "compute", share * compute.pack * pace, (f"backward to bucket {k}",)))
+        previous, done = f"divide bucket {k}", ready
         ops.append(Op(f"all-reduce bucket {k}", "comm", allreduce(net, workers, nbytes * scale, hierarchical),
                       (previous,)))
         reductions.append(f"all-reduce bucket {k}")
     ops.append(Op("backward rest", "compute", (1.0 - done) * compute.backward * pace, (previous,)))
-    ops.append(Op("optimizer", "compute", compute.optimizer * pace, ("backward rest", *reductions)))
+    ops.append(Op("copy back", "compute", compute.pack * pace, ("backward rest", *reductions)))
+    ops.append(Op("optimizer", "compute", compute.optimizer * pace, ("copy back",)))
     ops.append(Op("loss all-reduce", "comm", allreduce(net, workers, LOSS_BYTES), ("optimizer",)))
     ops.append(Op("loop", "compute", compute.loop * pace, ("loss all-reduce",)))
     return ops
@@ -72,14 +81,14 @@ def predict_sync(compute: Compute, facts: ModelFacts, net: Network, workers: int
     scale = 0.5 if compress else 1.0
     copied = sum(allreduce_bytes(net, workers, nbytes * scale) for nbytes, _ in facts.buckets)
     local = min(workers, net.per_node)
-    floor = cpu_bound(local * (compute.cpu + copied), compute.cores)
+    work = local * (compute.cpu + copied + 3 * compute.pack)
+    floor = cpu_bound(work, compute.cores)
     step = max(timeline, floor)
     comm = sum(op.seconds for op in ops if op.stream == "comm")
     notes = [f"{len(facts.buckets)} bucket(s), all-reduced {'while backward runs' if overlap else 'after backward'}"
              f"{' (the workers fill every core)' if not overlap else ''}"]
     if floor > timeline:
-        notes.append(f"CPU-bound: {local} processes need {local * (compute.cpu + copied) * 1e3:.1f} CPU-ms per step "
-                     f"on {compute.cores} cores")
+        notes.append(f"CPU-bound: {local} processes need {work * 1e3:.1f} CPU-ms per step on {compute.cores} cores")
     return Prediction("sync", workers, nodes, step, examples, compute.slowest, compute.step, notes=tuple(notes),
                       parts={"compute": compute.slowest, "all_reduce_total": comm, "timeline": timeline,
                              "cpu_floor": floor})
