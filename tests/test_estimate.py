@@ -34,7 +34,7 @@ def link(gbps=10.0, alpha=5e-6, shared=False) -> Link:
 def compute(**changes) -> Compute:
     values = dict(forward=10 * MS, backward=20 * MS, optimizer=2 * MS, loop=1 * MS, slowest=33 * MS, cpu=33 * MS,
                   processes=1, threads=1, cores=None, block_seconds=(1.0, 1.0), micro_seconds={},
-                  pack=0.5 * MS, unpack=0.5 * MS, apply=3 * MS)
+                  pack=0.5 * MS, copy=0.5 * MS, unpack=0.5 * MS, apply=3 * MS)
     values.update(changes)
     return Compute(**values)
 
@@ -150,7 +150,7 @@ def test_schedule_overlaps_streams_and_respects_waits():
 
 def test_sync_overlaps_the_first_bucket_with_the_rest_of_backward_on_gpus():
     net = Network(link(10, 0.0), link(10, 0.0), per_node=8)
-    c = compute(pack=0.0)  # forward 10, backward 20 (two equal blocks), optimizer 2, loop 1: 33 ms; slowest 33
+    c = compute(copy=0.0)  # forward 10, backward 20 (two equal blocks), optimizer 2, loop 1: 33 ms; slowest 33
     # bucket 0 (block 1's 4 MB) is ready halfway through backward (20 ms), bucket 1 at its end (30 ms);
     # each all-reduce over 2 ranks moves 4 MB at 10 GB/s: 0.4 ms, so bucket 0's hides behind backward.
     p = predict_sync(c, facts(), net, 2)
@@ -159,7 +159,7 @@ def test_sync_overlaps_the_first_bucket_with_the_rest_of_backward_on_gpus():
     assert p.examples == 64 and p.efficiency == pytest.approx(33 / 33.4)
     # DDP's three passes over the gradients (into the buckets, divide, back): with 0.5 ms a pass, half of
     # the first two hide nothing (they are compute), the copy back waits for the last all-reduce.
-    with_copies = predict_sync(compute(pack=0.5 * MS), facts(), net, 2)
+    with_copies = predict_sync(compute(copy=0.5 * MS), facts(), net, 2)
     assert with_copies.step == pytest.approx(p.step + 1.5 * MS)
 
 
@@ -213,7 +213,7 @@ def test_local_sgd_amortises_one_averaging_over_h_steps():
     net = Network(link(10, 0.0), link(10, 0.0), per_node=8)
     c = compute(slowest=35 * MS)
     p = predict_local_sgd(c, facts(), net, 2, sync_every=8)
-    average = 2 * 0.5 * MS + 8e6 / 10e9  # flatten and divide (a pass each), all-reduce of 8 MB over 2 ranks
+    average = 0.5 * MS + 0.5 * MS + 8e6 / 10e9  # flatten (new vector), divide, all-reduce 8 MB over 2 ranks
     assert p.step == pytest.approx(33 * MS + (average + 2 * MS) / 8)
 
 
@@ -258,15 +258,29 @@ def test_every_strategy_keeps_step_at_least_its_ideal(workers):
 # ---------------------------------------------------------------- measuring and the model's sizes
 
 def test_summary_takes_medians_and_the_slowest_worker_of_each_step():
+    ops = {"pack": 0.1, "copy": 0.05, "unpack": 0.2, "fresh": 0.0}
     rank0 = {"rows": [(1, 2, 0.5, 0.1, 3.6), (1, 2, 0.5, 0.1, 3.6), (1, 4, 0.5, 0.1, 5.6)],
-             "blocks": [1.0, 2.0], "micro": {2: [0.5, 1.0]}, "pack": 0.1, "unpack": 0.2, "apply": 0.3}
+             "blocks": [1.0, 2.0], "micro": {2: [0.5, 1.0]}, "engine": {2: 0.3}, "apply": 0.3, **ops}
     rank1 = {"rows": [(2, 2, 0.5, 0.1, 4.6), (1, 2, 0.5, 0.1, 3.6), (1, 2, 0.5, 0.1, 3.6)],
-             "blocks": [3.0, 2.0], "micro": {2: [1.5, 1.0]}, "pack": 0.1, "unpack": 0.2, "apply": 0.5}
+             "blocks": [3.0, 2.0], "micro": {2: [1.5, 1.0]}, "engine": {2: 0.5}, "apply": 0.5, **ops}
     c = summarise([rank0, rank1], Conditions(2, 1, "cpu"), cores=2)
     assert (c.forward, c.backward, c.optimizer, c.loop) == (1, 2, 0.5, 0.1)
     assert c.slowest == pytest.approx(4.6)  # per step max: 4.6, 3.6, 5.6 -> median 4.6
     assert c.block_seconds == (2.0, 2.0) and c.micro_seconds == {2: (1.0, 1.0)}
-    assert c.apply == pytest.approx(0.4) and c.cores == 2
+    assert c.apply == pytest.approx(0.4) and c.engine == {2: pytest.approx(0.4)} and c.cores == 2
+    assert (c.pack, c.copy) == (0.1, 0.05)
+
+
+def test_stage_block_timer_leaves_the_model_alone_and_times_every_block():
+    from phalanx.estimate.profile import time_stage_blocks
+
+    torch.manual_seed(0)
+    blocks = [torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)]
+    before = [p.detach().clone() for b in blocks for p in b.parameters()]
+    seconds = time_stage_blocks(blocks, torch.randn(12, 8), 3, torch.device("cpu"), repeats=2)
+    assert len(seconds) == 3 and all(s >= 0 for s in seconds)
+    assert all(p.grad is None for b in blocks for p in b.parameters())  # private copies were timed
+    assert all(torch.equal(a, p) for a, p in zip(before, (p for b in blocks for p in b.parameters())))
 
 
 def _real_ddp_buckets(ctx):

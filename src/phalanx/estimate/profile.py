@@ -8,8 +8,8 @@ optimizer, with no communication: forward, backward, optimizer step, and the res
 (next batch, learning-rate schedule, the loss as a number). All K run at once, so they compete for
 cores and memory as real workers do. After warm-up steps, each phase is timed per step; then the
 model's blocks are timed one by one (at the batch and at each micro-batch size a pipeline would
-use, and the pipelining schedule's own overhead per micro-batch), and, for a parameter server, the
-flattening, unflattening and update of one gradient.
+use, and the pipelining schedule's own overhead per micro-batch), and the passes over the gradient
+bytes that DDP, local SGD and a parameter server make (and the server's update of one gradient).
 Every process sends its timings to rank 0, which returns them; :func:`summarise` takes medians.
 """
 
@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ..launch import launch
-from ..pipeline.profile import time_blocks
 from ..pipeline.split import model_blocks
 from .costs import Compute
 
@@ -40,7 +39,6 @@ class ProbeSpec:
     config: Any  #: the resolved TrainConfig: model, data, batch, optimizer
     steps: int  #: timed steps (after WARMUP_STEPS)
     micro_batches: tuple[int, ...] = ()  #: M values whose per-block micro-batch times a pipeline needs
-    server_ops: bool = False  #: time a parameter server's per-gradient work too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +102,7 @@ def probe(ctx, spec: ProbeSpec) -> list[dict]:
     result = {"rows": rows, **_blocks(model, x, device, spec)}
     if spec.micro_batches:
         result["engine"] = _engine(ctx, model, x, y, spec.micro_batches)
-    if spec.server_ops:
-        result.update(_server_ops(model, optimizer, x, y, device))
+    result.update(_vector_ops(model, optimizer, x, y, device))
     if not ctx.distributed:
         return [result]
     every: list = [None] * ctx.world_size
@@ -115,10 +112,50 @@ def probe(ctx, spec: ProbeSpec) -> list[dict]:
 
 def _blocks(model, x, device, spec: ProbeSpec) -> dict:
     blocks = [block for _, block in model_blocks(model)]
-    out = {"blocks": time_blocks(blocks, x, device, OP_REPEATS), "micro": {}}
+    out = {"blocks": time_stage_blocks(blocks, x, 1, device), "micro": {}}
     for m in spec.micro_batches:
-        out["micro"][m] = time_blocks(blocks, x[: max(1, len(x) // m)], device, OP_REPEATS)
+        out["micro"][m] = time_stage_blocks(blocks, x, m, device)
     return out
+
+
+def time_stage_blocks(blocks, x, micro_batches: int, device, repeats: int = OP_REPEATS) -> list[float]:
+    """Forward+backward seconds of every block per micro-batch, as a training step runs them.
+
+    ``x`` is cut into ``micro_batches`` micro-batches that run through the blocks one after
+    another, their gradients accumulating in the parameters (cleared once per step, as the
+    optimizer's ``zero_grad`` does), and the first block's input needs no gradient (it is data).
+    That is how a pipeline stage and a whole step run; timing each micro-batch with fresh
+    gradients instead (``phalanx.pipeline.profile``, which only ranks blocks against each other)
+    would charge a large layer the first touch of its gradient on every micro-batch. The blocks
+    are private copies; the median over ``repeats`` steps after one warm-up is returned.
+    """
+    import copy
+
+    copies = [copy.deepcopy(block).train() for block in blocks]
+    steps = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for _ in range(repeats + 1):
+            totals = [0.0] * len(copies)
+            for part in x.chunk(micro_batches):
+                inputs, outputs, h = [], [], part
+                for i, block in enumerate(copies):
+                    inp = h.detach().requires_grad_(i > 0 and h.is_floating_point())
+                    start = _now(device)
+                    h = block(inp)
+                    totals[i] += _now(device) - start
+                    inputs.append(inp)
+                    outputs.append(h)
+                grad = torch.ones_like(h)
+                for i in reversed(range(len(copies))):
+                    start = _now(device)
+                    if outputs[i].requires_grad:
+                        outputs[i].backward(grad)
+                    totals[i] += _now(device) - start
+                    grad = inputs[i].grad if inputs[i].grad is not None else torch.zeros_like(inputs[i])
+            for block in copies:
+                block.zero_grad(set_to_none=True)
+            steps.append([t / micro_batches for t in totals])
+    return [statistics.median(step[i] for step in steps[1:]) for i in range(len(copies))]
 
 
 def _engine(ctx, model, x, y, micro_batches) -> dict:
@@ -161,13 +198,20 @@ def _engine(ctx, model, x, y, micro_batches) -> dict:
             dist.destroy_process_group()
 
 
-def _server_ops(model, optimizer, x, y, device) -> dict:
-    """A ps worker's flatten/unflatten and the server's update of one gradient (see strategies/ps)."""
+def _vector_ops(model, optimizer, x, y, device) -> dict:
+    """Passes over the gradient bytes: flattening them into a new vector (a ps worker, local SGD) and
+    into an existing one (DDP's buckets), copying a vector into the parameters, the server's update
+    of one gradient (see strategies/ps), and the first touch of a new buffer of that size."""
     params = list(model.parameters())
     F.cross_entropy(model(x), y).backward()
-    pack, unpack, apply = [], [], []
+    size = sum(p.numel() for p in params)
+    bucket = torch.zeros(size, device=device)
+    pack, copy, unpack, apply = [], [], [], []
     for _ in range(OP_REPEATS + 1):
         vector = parameters_to_vector(params).detach().clone()
+        t = _now(device)
+        torch.cat([p.grad.flatten() for p in params], out=bucket)
+        copy.append(_now(device) - t)
         t0 = _now(device)
         flat = torch.cat([p.grad.flatten() for p in params])
         t1 = _now(device)
@@ -186,7 +230,6 @@ def _server_ops(model, optimizer, x, y, device) -> dict:
         apply.append(t3 - t2)
         for p, g in zip(params, flat.split([p.numel() for p in params])):
             p.grad = g.view_as(p).clone()
-    size = sum(p.numel() for p in params)
     warm = torch.empty(size, device=device)
     fresh = []
     for _ in range(OP_REPEATS + 1):
@@ -195,8 +238,9 @@ def _server_ops(model, optimizer, x, y, device) -> dict:
         t1 = _now(device)
         torch.empty(size, device=device).fill_(1.0)
         fresh.append(_now(device) - t1 - (t1 - t0))
-    return {"pack": statistics.median(pack[1:]), "unpack": statistics.median(unpack[1:]),
-            "apply": statistics.median(apply[1:]), "fresh": max(0.0, statistics.median(fresh[1:]))}
+    return {"pack": statistics.median(pack[1:]), "copy": statistics.median(copy[1:]),
+            "unpack": statistics.median(unpack[1:]), "apply": statistics.median(apply[1:]),
+            "fresh": max(0.0, statistics.median(fresh[1:]))}
 
 
 def measure(spec: ProbeSpec, conditions: Conditions) -> Compute:
@@ -219,7 +263,7 @@ def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = 
     micro = {m: tuple(statistics.mean(result["micro"][m][b] for result in every) for b in range(len(blocks)))
              for m in every[0]["micro"]}
     ops = {k: statistics.median(result[k] for result in every) if k in every[0] else 0.0
-           for k in ("pack", "unpack", "apply", "fresh")}
+           for k in ("pack", "copy", "unpack", "apply", "fresh")}
     engine = {m: statistics.median(result["engine"][m] for result in every) for m in every[0].get("engine", {})}
     on_cpu = conditions.device == "cpu"
     return Compute(forward=med[0], backward=med[1], optimizer=med[2], loop=med[3], slowest=slowest, cpu=med[4],

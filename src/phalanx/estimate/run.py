@@ -91,8 +91,7 @@ def _probe_spec(setup: Setup) -> ProbeSpec:
     if "pipeline" in strategies:
         m = setup.pipeline.chunks
         micro = (m, 2 * m) if setup.config.batch_size % (2 * m) == 0 else (m,)
-    return ProbeSpec(setup.config, setup.options.measure_steps, micro,
-                     server_ops="ps" in strategies or "local-sgd" in strategies)
+    return ProbeSpec(setup.config, setup.options.measure_steps, micro)
 
 
 # --------------------------------------------------------------------------- the links

@@ -34,7 +34,8 @@ class Compute:
     block_seconds: tuple[float, ...]  #: forward+backward seconds per block at the per-worker batch
     #: per micro-batch count M: forward+backward seconds per block at a micro-batch of batch/M
     micro_seconds: dict = dataclasses.field(default_factory=dict)
-    pack: float = 0.0  #: flatten every gradient into one vector
+    pack: float = 0.0  #: flatten every gradient into one new vector
+    copy: float = 0.0  #: one pass over the gradient bytes into an existing buffer (DDP's buckets)
     unpack: float = 0.0  #: copy one vector back into the parameters
     apply: float = 0.0  #: a parameter server's update for one gradient: scale, copy in, optimizer step, flatten
     #: the first touch of a newly allocated buffer of the parameters' size (page faults), beyond writing it:

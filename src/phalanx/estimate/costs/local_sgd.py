@@ -1,8 +1,9 @@
 """``local-sgd``: every worker steps on its own; every H steps the parameters are averaged. Pure.
 
-An averaging is torch's ``PeriodicModelAverager``: flatten the parameters into one vector, divide
-it by N, all-reduce it, and point the parameters at their slices of it (no copy back); between averagings nothing crosses the link and the loop needs no collective. The
-workers meet only at an averaging, where the slowest one's lead is waited for, so per step the
+An averaging is torch's ``PeriodicModelAverager``: flatten the parameters into one new vector,
+divide it by N, all-reduce it, and point the parameters at their slices of it (no copy back);
+between averagings nothing crosses the link and the loop needs no collective. The workers meet
+only at an averaging, where the slowest one's lead is waited for, so per step the
 cost is the worker's own iteration plus (averaging + one step's spread between workers) / H.
 """
 
@@ -19,11 +20,11 @@ def predict_local_sgd(compute: Compute, facts: ModelFacts, net: Network, workers
         return Prediction("local-sgd", 1, 1, compute.step, examples, compute.step, compute.step)
     nbytes = facts.param_bytes
     reduce = allreduce(net, workers, nbytes)
-    average = 2 * compute.pack + reduce  # flatten, divide (a pass each), all-reduce
+    average = compute.pack + compute.copy + reduce  # flatten into a new vector, divide it, all-reduce
     spread = max(0.0, compute.slowest - compute.step)
     timeline = compute.step + (average + spread) / sync_every
     local = min(workers, net.per_node)
-    copied = (2 * compute.pack + allreduce_bytes(net, workers, nbytes)) / sync_every
+    copied = (compute.pack + compute.copy + allreduce_bytes(net, workers, nbytes)) / sync_every
     floor = cpu_bound(local * (compute.cpu + copied), compute.cores)
     step = max(timeline, floor)
     notes = [f"parameters ({nbytes / 1e6:.3g} MB) averaged every {sync_every} steps: "

@@ -42,7 +42,8 @@ def sync_ops(compute: Compute, facts: ModelFacts, net: Network, workers: int, pa
 
     DDP also passes over every gradient byte three times: copying each gradient into its bucket as
     it is produced, dividing the bucket by N before its all-reduce, and copying the result back into
-    the gradients after the last one; each pass costs what flattening the gradients (``pack``) costs.
+    the gradients after the last one; each pass costs what copying the gradients into an existing
+    vector (``copy``) costs.
     """
     scale = 0.5 if compress else 1.0
     ops = [Op("forward", "compute", compute.forward * pace)]
@@ -52,14 +53,14 @@ def sync_ops(compute: Compute, facts: ModelFacts, net: Network, workers: int, pa
         ready = max(ready, done)  # DDP launches bucket k only after buckets 0..k-1
         share = nbytes / max(facts.param_bytes, 1)
         ops.append(Op(f"backward to bucket {k}", "compute",
-                      ((ready - done) * compute.backward + share * compute.pack) * pace, (previous,)))
-        ops.append(Op(f"divide bucket {k}", "compute", share * compute.pack * pace, (f"backward to bucket {k}",)))
+                      ((ready - done) * compute.backward + share * compute.copy) * pace, (previous,)))
+        ops.append(Op(f"divide bucket {k}", "compute", share * compute.copy * pace, (f"backward to bucket {k}",)))
         previous, done = f"divide bucket {k}", ready
         ops.append(Op(f"all-reduce bucket {k}", "comm", allreduce(net, workers, nbytes * scale, hierarchical),
                       (previous,)))
         reductions.append(f"all-reduce bucket {k}")
     ops.append(Op("backward rest", "compute", (1.0 - done) * compute.backward * pace, (previous,)))
-    ops.append(Op("copy back", "compute", compute.pack * pace, ("backward rest", *reductions)))
+    ops.append(Op("copy back", "compute", compute.copy * pace, ("backward rest", *reductions)))
     ops.append(Op("optimizer", "compute", compute.optimizer * pace, ("copy back",)))
     ops.append(Op("loss all-reduce", "comm", allreduce(net, workers, LOSS_BYTES), ("optimizer",)))
     ops.append(Op("loop", "compute", compute.loop * pace, ("loss all-reduce",)))
@@ -81,7 +82,7 @@ def predict_sync(compute: Compute, facts: ModelFacts, net: Network, workers: int
     scale = 0.5 if compress else 1.0
     copied = sum(allreduce_bytes(net, workers, nbytes * scale) for nbytes, _ in facts.buckets)
     local = min(workers, net.per_node)
-    work = local * (compute.cpu + copied + 3 * compute.pack)
+    work = local * (compute.cpu + copied + 3 * compute.copy)
     floor = cpu_bound(work, compute.cores)
     step = max(timeline, floor)
     comm = sum(op.seconds for op in ops if op.stream == "comm")
