@@ -25,6 +25,7 @@ from pathlib import Path
 
 from phalanx import TrainConfig, Trainer
 from phalanx.estimate import EstimateOptions
+from phalanx.estimate.report import describe
 from phalanx.estimate.run import run as run_estimate
 from phalanx.estimate.setup import prepare
 from phalanx.strategies import strategy_class
@@ -42,12 +43,16 @@ CASES = {
 LOG_EVERY = {"cnn": 20, "mlp": 5}
 
 
-def predict(case: str, workers: int, args) -> dict:
+def predict(case: str, workers: int, args) -> tuple[dict, dict]:
+    """The estimate's step per strategy, and everything it measured (kept in the results for diagnosis)."""
     options = EstimateOptions(workers=(workers,), strategy="all", per_node=workers, measure_link=True,
                               measure_steps=args.measure_steps)
     setup = prepare(options, dict(CASES[case], devices="cpu"), {})
-    est = run_estimate(setup, lambda line: print(f"    {line}", flush=True))
-    return {p.strategy: p.step for p in est.predictions if p.strategy in STRATEGIES}
+    est = run_estimate(setup, lambda line: None)
+    text = describe(est).splitlines()
+    for line in text[2:text.index("")]:  # what was measured: compute per condition, the links
+        print(f"    {line}", flush=True)
+    return {p.strategy: p.step for p in est.predictions if p.strategy in STRATEGIES}, est.to_dict()
 
 
 def measure(case: str, strategy: str, workers: int, steps: int) -> float:
@@ -78,11 +83,14 @@ def main() -> None:
 
     predicted: dict = {}
     measured: dict = {}
+    estimates: list = []
     for r in range(args.rounds):
         for case in cases:
             for n in workers:
                 print(f"round {r + 1}/{args.rounds}: {case}, {n} workers: estimate", flush=True)
-                for strategy, step in predict(case, n, args).items():
+                steps, details = predict(case, n, args)
+                estimates.append({"round": r, "case": case, "workers": n, **details})
+                for strategy, step in steps.items():
                     predicted.setdefault((case, n, strategy), []).append(step)
                 order = STRATEGIES[r % len(STRATEGIES):] + STRATEGIES[:r % len(STRATEGIES)]
                 for strategy in order:
@@ -105,7 +113,8 @@ def main() -> None:
         rows.append({"case": case, "workers": n, "strategy": strategy, "predicted_s": pred, "measured_s": meas,
                      "predicted_runs_s": predicted[(case, n, strategy)], "measured_runs_s": runs, "error": error})
     print(f"largest error {worst:.1%} (goal ±{GOAL:.0%}): {'met' if worst <= GOAL else 'not met'}")
-    save_result("estimate", args=vars(args), workers=workers, goal=GOAL, largest_error=worst, results=rows)
+    save_result("estimate", args=vars(args), workers=workers, goal=GOAL, largest_error=worst, results=rows,
+                estimates=estimates)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from helpers import run_cli, run_workers
 from phalanx.cli import main
@@ -219,7 +218,7 @@ def test_local_sgd_amortises_one_averaging_over_h_steps():
 
 def test_pipeline_of_equal_stages_has_the_textbook_bubble():
     net = Network(link(10, 0.0), link(10, 0.0), per_node=8)
-    c = compute(micro_seconds={4: (1 * MS, 1 * MS)}, optimizer=0.0, loop=0.0)
+    c = compute(micro_seconds={4: (1 * MS, 1 * MS)}, optimizer=0.0, loop=0.0, copy=0.0)
     p = predict_pipeline(c, facts(), net, 2, stages=2, micro_batches=4)
     hop = 4000 * 8 / 10e9  # block 0's output, 8 examples per micro-batch
     assert p.step == pytest.approx((1 + 1 + 3 * 1) * MS + 2 * hop)
@@ -229,7 +228,7 @@ def test_pipeline_of_equal_stages_has_the_textbook_bubble():
 
 def test_pipeline_replicas_add_an_all_reduce_of_each_stage():
     net = Network(link(10, 0.0), link(10, 0.0), per_node=8)
-    c = compute(micro_seconds={4: (1 * MS, 1 * MS)}, optimizer=0.0, loop=0.0)
+    c = compute(micro_seconds={4: (1 * MS, 1 * MS)}, optimizer=0.0, loop=0.0, copy=0.0)
     one = predict_pipeline(c, facts(), net, 2, stages=2, micro_batches=4)
     two = predict_pipeline(c, facts(), net, 4, stages=2, micro_batches=4)
     assert two.step - one.step == pytest.approx(4e6 / 10e9)  # 4 MB per stage over 2 replicas

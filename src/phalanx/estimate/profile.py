@@ -159,7 +159,8 @@ def time_stage_blocks(blocks, x, micro_batches: int, device, repeats: int = OP_R
 
 
 def _engine(ctx, model, x, y, micro_batches) -> dict:
-    """Seconds the pipelining schedule adds per micro-batch: a one-stage schedule against the same work by hand.
+    """Seconds the pipelining schedule adds per micro-batch: a one-stage schedule against the same work by hand
+    (micro-batches forward and backward, then the gradients divided by M as ``scale_grads`` does).
 
     The stage runs in a process group of this rank alone (every rank creates every such group, as
     ``new_group`` requires); a process without a group gets a one-rank group for the measurement.
@@ -186,7 +187,9 @@ def _engine(ctx, model, x, y, micro_batches) -> dict:
                 t1 = _now(ctx.device)
                 stage_model.zero_grad(set_to_none=True)
                 for xs, ys in zip(x.chunk(m), y.chunk(m)):
-                    (F.cross_entropy(stage_model(xs), ys) / m).backward()
+                    F.cross_entropy(stage_model(xs), ys).backward()
+                for p in stage_model.parameters():  # the schedule's scale_grads, which the model prices apart
+                    p.grad.div_(m)
                 t2 = _now(ctx.device)
                 stage_model.zero_grad(set_to_none=True)
                 engine.append(t1 - t0)

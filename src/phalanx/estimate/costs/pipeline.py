@@ -7,9 +7,10 @@ A fill-drain schedule (GPipe; 1F1B has the same bubble) takes Σ t_s + (M−1)·
 micro-batch crosses every stage, the rest follow at the slowest stage's pace. Each stage boundary
 adds a message of the activations (forward) and one of their gradients (backward) per
 micro-batch: on the first micro-batch's path twice per boundary, and, where a CPU copies the
-bytes, on every micro-batch of the stages at the boundary. Then every stage steps its optimizer
-on its own parameters, the last stage broadcasts the loss, and with R > 1 replicas each stage's
-gradients are all-reduced among its replicas. With equal stages the idle share is the textbook
+bytes, on every micro-batch of the stages at the boundary. Then every stage divides its gradients
+by M and steps its optimizer on its own parameters, the last stage broadcasts the loss, and with
+R > 1 replicas each stage's gradients are all-reduced among its replicas. With equal stages the
+idle share is the textbook
 (P−1)/(M+P−1) (``phalanx.pipeline.balance``).
 """
 
@@ -49,7 +50,8 @@ def predict_pipeline(compute: Compute, facts: ModelFacts, net: Network, workers:
     steady = max(t + c for t, c in zip(per_stage, copying))
     schedule = total + 2 * sum(hops) + (micro_batches - 1) * steady
     params = _stage_params(facts, counts)
-    optimizer = compute.optimizer * max(params) / max(sum(params), 1)
+    # Each stage steps the optimizer on its parameters; the engine first divides its gradients by M (a pass).
+    optimizer = (compute.optimizer + (compute.copy if stages > 1 else 0.0)) * max(params) / max(sum(params), 1)
     loss = allreduce(net, stages, 4)
     sync = allreduce(_replica_net(net, stages), replicas, max(params) * facts.bytes_per_param)
     timeline = schedule + optimizer + compute.loop + loss + sync
