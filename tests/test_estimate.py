@@ -224,6 +224,9 @@ def test_pipeline_of_equal_stages_has_the_textbook_bubble():
     assert p.step == pytest.approx((1 + 1 + 3 * 1) * MS + 2 * hop)
     assert p.bubble / (5 * MS) == pytest.approx(1 / 5)  # (P-1)/(M+P-1) with P = 2, M = 4
     assert "bubble 20.0%" in p.notes[0]
+    # the engine's own work per micro-batch lands on every stage: (P + M - 1) times on the critical path
+    slower = predict_pipeline(dataclasses.replace(c, engine={4: 0.1 * MS}), facts(), net, 2, stages=2, micro_batches=4)
+    assert slower.step - p.step == pytest.approx(5 * 0.1 * MS)
 
 
 def test_pipeline_replicas_add_an_all_reduce_of_each_stage():
