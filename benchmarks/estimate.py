@@ -79,7 +79,7 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     workers = [int(w) for w in args.workers.split(",")] if args.workers else ([2, 4] if cores >= 4 else [2])
     cases = args.cases.split(",")
-    steps = {"cnn": args.cnn_steps, "mlp": args.mlp_steps}
+    train_steps = {"cnn": args.cnn_steps, "mlp": args.mlp_steps}
 
     predicted: dict = {}
     measured: dict = {}
@@ -94,7 +94,7 @@ def main() -> None:
                     predicted.setdefault((case, n, strategy), []).append(step)
                 order = STRATEGIES[r % len(STRATEGIES):] + STRATEGIES[:r % len(STRATEGIES)]
                 for strategy in order:
-                    seconds = measure(case, strategy, n, steps[case])
+                    seconds = measure(case, strategy, n, train_steps[case])
                     measured.setdefault((case, n, strategy), []).append(seconds)
                     print(f"  {strategy:<10} predicted {predicted[(case, n, strategy)][-1] * 1e3:8.2f} ms   measured "
                           f"{seconds * 1e3:8.2f} ms", flush=True)

@@ -97,6 +97,12 @@ def test_a_message_costs_alpha_plus_s_beta_and_half_the_bytes_where_one_cpu_copi
     assert link(10, 5e-6, shared=True).message(1e6) == pytest.approx(5e-6 + 0.5e-4)
 
 
+def test_cpu_spent_on_messages_counts_their_alpha_only_where_cpus_are_the_link():
+    # one end of 2 messages carrying 1 MB: every byte copied; on a loopback link α is software too
+    assert link(10, 5e-6).cpu(2, 1e6) == pytest.approx(1e6 / 10e9)
+    assert link(10, 5e-6, shared=True).cpu(2, 1e6) == pytest.approx(1e6 / 20e9 + 2 * 5e-6)
+
+
 def test_gpu_link_defaults_follow_the_datasheets():
     assert gpu_link("NV12").bandwidth == pytest.approx(300e9)  # 12 links x 25 GB/s
     assert gpu_link("NV18").alpha == pytest.approx(3.4e-6)
@@ -349,7 +355,7 @@ def test_estimate_table_with_a_measured_link(tmp_path):
     out = run_cli("estimate", "--model", "cnn", "--strategy", "sync", "--workers", "1", "--measure-link",
                   "--measure-steps", "3", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "measured here: gloo all-reduces of 7 sizes" in out.stdout
+    assert "measured here: gloo all-reduces of 8 sizes" in out.stdout
     assert "sync (DDP)" in out.stdout and "examples/s" in out.stdout
     row = next(line for line in out.stdout.splitlines() if line.split()[:2] == ["1", "1"])
     assert float(row.split()[-3]) == pytest.approx(1.0)  # one worker: speedup 1

@@ -51,6 +51,15 @@ class Link:
         """Seconds per byte of one direction: β, or β/2 where one CPU copies both ways (``shared_copy``)."""
         return self.beta / 2 if self.shared_copy else self.beta
 
+    def cpu(self, messages: float, nbytes: float) -> float:
+        """CPU-seconds one end spends on ``messages`` carrying ``nbytes`` in all, one way.
+
+        Every byte is copied by a CPU. Where the CPUs themselves are the link (``shared_copy``: no
+        wire between processes of one machine), a message's α is software too (system calls,
+        waking the peer) and is charged to each end as well (the overhead *o* of the LogP model).
+        """
+        return nbytes * self.copy_seconds_per_byte() + (messages * self.alpha if self.shared_copy else 0.0)
+
     def describe(self) -> str:
         return f"{fmt_bandwidth(self.bandwidth)}, {fmt_seconds(self.alpha)} per message ({self.source})"
 
@@ -129,7 +138,7 @@ def ring_of_gpus(links: Sequence[Sequence[str]], gpus: int) -> Optional[Link]:
 # --------------------------------------------------------------------------- measuring this machine's link
 
 #: All-reduce sizes timed by --measure-link: 4 KiB to 64 MiB, each 4x the last.
-PROBE_SIZES = tuple(4096 * 4 ** k for k in range(7))
+PROBE_SIZES = tuple(4096 * 4 ** k for k in range(8))
 
 
 def time_allreduces(ctx, sizes: Sequence[int], repeats: int) -> list[float]:

@@ -123,11 +123,14 @@ def allreduce(net: Network, ranks: int, nbytes: float, hierarchical: bool = Fals
     return within + messages * net.inter.alpha + moved * net.inter.beta
 
 
-def allreduce_bytes(net: Network, ranks: int, nbytes: float) -> float:
-    """The bandwidth part of a flat ring all-reduce (what a CPU transport spends copying bytes)."""
-    if ranks <= 1:
+def allreduce_cpu(net: Network, ranks: int, nbytes: float) -> float:
+    """CPU-seconds one rank spends in a flat ring all-reduce: it sends and receives 2(N−1)/N · S bytes
+    in 2(N−1) steps (see :meth:`Link.cpu`; a step both sends and receives, so its bytes cost β)."""
+    if ranks <= 1 or nbytes <= 0:
         return 0.0
-    return ring_terms(ranks, nbytes)[1] * net.link(ranks).beta
+    link = net.link(ranks)
+    messages, moved = ring_terms(ranks, nbytes)
+    return moved * link.beta + (messages * link.alpha if link.shared_copy else 0.0)
 
 
 def gather_or_scatter(net: Network, ranks: int, nbytes: float) -> float:

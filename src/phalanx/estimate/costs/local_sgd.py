@@ -9,7 +9,7 @@ cost is the worker's own iteration plus (averaging + one step's spread between w
 
 from __future__ import annotations
 
-from .inputs import Compute, ModelFacts, Network, allreduce, allreduce_bytes, cpu_bound
+from .inputs import Compute, ModelFacts, Network, allreduce, allreduce_cpu, cpu_bound
 from .prediction import Prediction
 
 
@@ -24,7 +24,7 @@ def predict_local_sgd(compute: Compute, facts: ModelFacts, net: Network, workers
     spread = max(0.0, compute.slowest - compute.step)
     timeline = compute.step + (average + spread) / sync_every
     local = min(workers, net.per_node)
-    copied = (compute.pack + compute.copy + allreduce_bytes(net, workers, nbytes)) / sync_every
+    copied = (compute.pack + compute.copy + allreduce_cpu(net, workers, nbytes)) / sync_every
     floor = cpu_bound(local * (compute.cpu + copied), compute.cores)
     step = max(timeline, floor)
     notes = [f"parameters ({nbytes / 1e6:.3g} MB) averaged every {sync_every} steps: "

@@ -41,12 +41,13 @@ def predict_pipeline(compute: Compute, facts: ModelFacts, net: Network, workers:
     cut_bytes = [facts.activation_bytes[b] * micro for b in cuts]
     links = [net.intra if (s // net.per_node) == ((s + 1) // net.per_node) else net.inter for s in range(stages - 1)]
     hops = [link.message(n) for link, n in zip(links, cut_bytes)]
-    # Per micro-batch, a stage copies its boundaries' bytes both ways where its CPU does the copying.
+    # Per micro-batch, a stage moves one message each way over each of its boundaries, on its own CPU
+    # where the CPU is the transport.
     copying = [0.0] * stages
     if compute.cores is not None:
         for s, (link, n) in enumerate(zip(links, cut_bytes)):
             for stage in (s, s + 1):
-                copying[stage] += 2 * n * link.copy_seconds_per_byte()
+                copying[stage] += 2 * link.cpu(1, n)
     steady = max(t + c for t, c in zip(per_stage, copying))
     schedule = total + 2 * sum(hops) + (micro_batches - 1) * steady
     params = _stage_params(facts, counts)

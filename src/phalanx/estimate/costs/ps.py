@@ -62,11 +62,11 @@ def predict_ps(compute: Compute, facts: ModelFacts, net: Network, workers: int) 
     messages = [link.alpha + link.message(nbytes) + compute.fresh for link in links]
     timeline = simulate(workers, [work] * workers, messages, messages, compute.apply, compute.unpack, compute.loop)
     local = min(workers, net.per_node)
-    # CPU-seconds on node 0 per global step: its workers, the server's updates, and the copying of
-    # every byte it sends or receives (the server's side of all 2W messages, the local workers' side of theirs).
-    copy = nbytes * net.intra.copy_seconds_per_byte()
+    # CPU-seconds on node 0 per global step: its workers, the server's updates, and moving every
+    # message (a header and a vector each way per update) at both of its ends on node 0.
+    exchange = 2 * net.intra.cpu(2, nbytes)  # one update's messages, at one end
     worker_cpu = compute.cpu_share(without_optimizer=True) + compute.pack + compute.unpack
-    node0 = local * worker_cpu + workers * compute.apply + 2 * workers * copy + 2 * local * copy
+    node0 = local * (worker_cpu + exchange) + workers * (compute.apply + exchange)
     floor = cpu_bound(node0, compute.cores)
     step = max(timeline, floor)
     nodes = max(net.nodes(workers), 1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .inputs import Compute, ModelFacts, Network, allreduce, allreduce_bytes, cpu_bound
+from .inputs import Compute, ModelFacts, Network, allreduce, allreduce_cpu, cpu_bound
 from .prediction import Prediction
 from .timeline import Op, finish, one_stream
 
@@ -80,7 +80,8 @@ def predict_sync(compute: Compute, facts: ModelFacts, net: Network, workers: int
     overlap = overlaps(compute)
     timeline = finish(ops if overlap else one_stream(ops))
     scale = 0.5 if compress else 1.0
-    copied = sum(allreduce_bytes(net, workers, nbytes * scale) for nbytes, _ in facts.buckets)
+    copied = sum(allreduce_cpu(net, workers, nbytes * scale) for nbytes, _ in facts.buckets) + \
+        allreduce_cpu(net, workers, LOSS_BYTES)
     local = min(workers, net.per_node)
     work = local * (compute.cpu + copied + 3 * compute.copy)
     floor = cpu_bound(work, compute.cores)
