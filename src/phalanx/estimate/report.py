@@ -75,6 +75,8 @@ def plot(est: Estimate, path: str) -> None:
             eff.plot([p.workers for p in rows], [p.efficiency for p in rows], "o-", label=strategy)
     for ax, title in ((rate, "predicted examples/s"), (eff, "scaling efficiency")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(workers, [str(n) for n in workers])
+        ax.minorticks_off()
         ax.set_xlabel("workers")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
