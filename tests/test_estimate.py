@@ -20,7 +20,8 @@ from phalanx.estimate.costs import (Op, allreduce, gather_or_scatter, predict_fs
 from phalanx.estimate.facts import ddp_buckets, model_facts
 from phalanx.estimate.link import gpu_link, ring_terms
 from phalanx.estimate.profile import Conditions, summarise
-from phalanx.estimate.units import parse_bandwidth, parse_duration, parse_workers
+from phalanx.estimate.units import (fmt_bandwidth, fmt_bytes, fmt_seconds, parse_bandwidth, parse_duration,
+                                   parse_workers)
 
 MS = 1e-3
 GB = 1e9
@@ -56,6 +57,8 @@ def test_units_parse_as_people_write_them():
     assert parse_duration("2.5µs") == pytest.approx(2.5e-6)
     assert parse_duration("0.1ms") == pytest.approx(1e-4)
     assert parse_workers("8,1,2,2") == (1, 2, 8)
+    assert fmt_bandwidth(1 / (1 / 1e9)) == "1 GB/s" and fmt_bytes(605224) == "605 kB"
+    assert fmt_seconds(118e-6) == "118 µs" and fmt_seconds(0.99999e-3) == "1 ms" and fmt_seconds(1.2) == "1.2 s"
 
 
 @pytest.mark.parametrize("parse, text", [(parse_bandwidth, "25GB"), (parse_bandwidth, "fast"),

@@ -59,17 +59,18 @@ def parse_workers(text: str) -> tuple[int, ...]:
 
 
 def fmt_seconds(seconds: float) -> str:
-    """A duration in the unit that reads best: ``118 µs``, ``4.31 ms``, ``1.20 s``."""
-    if seconds < 1e-3:
+    """A duration in the unit that reads best: ``118 µs``, ``4.31 ms``, ``1.2 s``."""
+    if seconds < 0.9995e-3:
         return f"{seconds * 1e6:.3g} µs"
-    if seconds < 1.0:
+    if seconds < 0.9995:
         return f"{seconds * 1e3:.3g} ms"
     return f"{seconds:.3g} s"
 
 
 def fmt_bytes(count: float) -> str:
+    """``605 kB``, ``80.6 MB``, ``1 GB`` (a unit is taken once the figure would round to 1000 of the one below)."""
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if count >= size:
+        if count >= size * 0.9995:
             return f"{count / size:.3g} {unit}"
     return f"{count:.0f} B"
 
