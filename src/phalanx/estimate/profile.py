@@ -29,7 +29,10 @@ from ..pipeline.split import model_blocks
 from .costs import Compute
 
 WARMUP_STEPS = 5
-OP_REPEATS = 5
+#: timed repeats (after one warm-up) of the per-block timings and the passes over the gradient bytes:
+#: memory-bound work on large buffers is noisy where processes share the memory bus, so medians of 9
+OP_REPEATS = 9
+ENGINE_REPEATS = 5  #: of the one-stage pipeline schedule (a whole step each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +184,7 @@ def _engine(ctx, model, x, y, micro_batches) -> dict:
             stage = PipelineStage(stage_model, 0, 1, ctx.device, group=groups[dist.get_rank()])
             schedule = ScheduleGPipe(stage, m, loss_fn=F.cross_entropy, scale_grads=True)
             engine, by_hand = [], []
-            for _ in range(OP_REPEATS + 1):
+            for _ in range(ENGINE_REPEATS + 1):
                 t0 = _now(ctx.device)
                 schedule.step(x, target=y, losses=[])
                 t1 = _now(ctx.device)
