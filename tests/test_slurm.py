@@ -81,6 +81,12 @@ def test_the_step_task_count_wins_over_the_allocation():
     assert job.world_size == 2
 
 
+def test_cpus_per_task_are_the_workers_threads():
+    env = {**SRUN_ONE_NODE, "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+    assert joined(env).threads is None
+    assert joined({**env, "SLURM_CPUS_PER_TASK": "8"}).threads == 8
+
+
 def test_local_world_size_is_this_nodes_entry():
     env = {**SRUN_ONE_NODE, "SLURM_NTASKS": "7", "SLURM_STEP_TASKS_PER_NODE": "2(x3),1", "SLURM_PROCID": "6",
            "SLURM_LOCALID": "0", "SLURM_NODEID": "3"}

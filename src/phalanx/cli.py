@@ -109,6 +109,7 @@ Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Na
 
 def commands() -> dict[str, Command]:
     from .compare import cli as compare_cli
+    from .estimate import cli as estimate_cli
     from .topology import cli as topology_cli
 
     return {
@@ -116,6 +117,8 @@ def commands() -> dict[str, Command]:
         "compare": (compare_cli.add_compare_flags, compare_cli.run,
                     "which strategy reaches a target accuracy first, with and without stragglers"),
         "topology": (topology_cli.add_flags, topology_cli.run, "show which devices reach each other directly"),
+        "estimate": (estimate_cli.add_flags, estimate_cli.run,
+                     "predict step time and scaling per strategy and worker count, before renting the machines"),
     }
 
 

@@ -94,7 +94,7 @@ def world_size(devices: Sequence[torch.device]) -> int:
 def local_world_size(default: int) -> int:
     """Workers on this machine (they share its cores)."""
     job = joined()
-    return job.local_world_size or default if job is not None else default
+    return (job.local_world_size or default) if job is not None else default
 
 
 def available_cores() -> int:
@@ -251,9 +251,10 @@ def launch(
     and SIGINT are passed on to the workers, which stop together at a step boundary; a second
     one stops them at once.
     """
-    if threads is None and all(d.type == "cpu" for d in devices):
-        threads = threads_per_worker(local_world_size(len(devices)))
     job = joined()
+    if threads is None and all(d.type == "cpu" for d in devices):
+        # Slurm says how many cores a task has (--cpus-per-task); otherwise a share of this machine's.
+        threads = (job.threads if job is not None else None) or threads_per_worker(local_world_size(len(devices)))
     if job is not None:
         return _run_joined(job, fn, devices, args, threads, timeout_s)
     if len(devices) == 1:

@@ -10,7 +10,8 @@ Pure reading of the environment, so every rule here is tested without processes:
   ``MASTER_ADDR`` if set, else on the first host of ``SLURM_JOB_NODELIST`` (the compressed host
   list expanded: ``node[01-03,07],gpu5`` -> ``node01``), at ``MASTER_PORT`` if set, else at
   :data:`SLURM_DEFAULT_PORT` plus the job id modulo 1000 (so two jobs that share a node do not
-  collide). Rank 0 hosts the rendezvous store there.
+  collide). Rank 0 hosts the rendezvous store there. A CPU worker takes ``SLURM_CPUS_PER_TASK`` torch
+  threads where Slurm sets it (the task is already bound to that many cores).
 
 Under Slurm, start phalanx with ``srun`` (one task per worker). A batch script that runs
 ``phalanx train`` itself, without ``srun``, also has ``SLURM_PROCID=0`` and ``SLURM_NTASKS=N``,
@@ -44,6 +45,8 @@ class Joined:
     local_rank: int
     local_world_size: Optional[int]  #: workers on this machine (None: the launcher does not say)
     init_method: str  #: how to join the process group: "env://" or "tcp://HOST:PORT"
+    #: torch threads for a CPU worker where the launcher says (Slurm's --cpus-per-task); None: a share of the cores
+    threads: Optional[int] = None
 
 
 def joined(environ: Optional[Mapping[str, str]] = None) -> Optional[Joined]:
@@ -63,8 +66,9 @@ def _slurm(env: Mapping[str, str]) -> Joined:
     world_name = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
     addr = env.get("MASTER_ADDR") or _first_host(env)
     port = _int(env, "MASTER_PORT") if env.get("MASTER_PORT") else slurm_default_port(env.get("SLURM_JOB_ID"))
+    threads = _int(env, "SLURM_CPUS_PER_TASK") if env.get("SLURM_CPUS_PER_TASK") else None
     return Joined("slurm", _int(env, "SLURM_PROCID"), _int(env, world_name), _int(env, "SLURM_LOCALID"),
-                  _slurm_local_world(env), f"tcp://{_bracketed(addr)}:{port}")
+                  _slurm_local_world(env), f"tcp://{_bracketed(addr)}:{port}", threads)
 
 
 def _first_host(env: Mapping[str, str]) -> str:

@@ -1,0 +1,146 @@
+"""What the cost model is computed from: a worker's measured step, the model's sizes, the network.
+
+Plain frozen dataclasses, filled by ``estimate/profile.py`` from measurements (or by hand in the
+tests), so that every formula in this package is a pure function of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from ..link import Link, ring_terms
+
+
+@dataclasses.dataclass(frozen=True)
+class Compute:
+    """One worker's step on this machine, measured under the conditions it would run in.
+
+    "Conditions" are how many worker processes share the node and how many torch threads each
+    has: on a CPU node, two workers with one thread each are each slower than one worker alone
+    with both cores, and that contention is part of what is measured.
+    """
+
+    forward: float  #: seconds, median
+    backward: float
+    optimizer: float  #: optimizer.step() + zero_grad()
+    loop: float  #: the rest of a training-loop iteration: next batch, learning-rate schedule, loss to a float
+    slowest: float  #: median over steps of the slowest local worker's whole iteration (the pace of lockstep)
+    cpu: float  #: CPU-seconds one worker process uses per iteration (every thread)
+    processes: int  #: worker processes on the node while measuring
+    threads: int  #: torch threads per worker
+    cores: Optional[int]  #: the node's cores when workers compute on the CPU; None on GPUs
+    block_seconds: tuple[float, ...]  #: forward+backward seconds per block at the per-worker batch
+    #: per micro-batch count M: forward+backward seconds per block at a micro-batch of batch/M
+    micro_seconds: dict = dataclasses.field(default_factory=dict)
+    pack: float = 0.0  #: flatten every gradient into one new vector
+    copy: float = 0.0  #: one pass over the gradient bytes into an existing buffer (DDP's buckets)
+    unpack: float = 0.0  #: copy one vector back into the parameters
+    apply: float = 0.0  #: a parameter server's update for one gradient: scale, copy in, optimizer step, flatten
+    #: the first touch of a newly allocated buffer of the parameters' size (page faults), beyond writing it:
+    #: a parameter server's messages arrive in fresh buffers
+    fresh: float = 0.0
+    #: per micro-batch count M: seconds torch.distributed.pipelining's schedule adds per micro-batch and stage
+    #: (its own bookkeeping, over running the same micro-batches by hand)
+    engine: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def step(self) -> float:
+        """One worker's iteration with no communication: forward, backward, optimizer, loop."""
+        return self.forward + self.backward + self.optimizer + self.loop
+
+    def cpu_share(self, without_optimizer: bool = False) -> float:
+        """CPU-seconds per iteration, optionally of the iteration without its optimizer step (a ps worker's)."""
+        if not without_optimizer or self.step <= 0:
+            return self.cpu
+        return self.cpu * (self.step - self.optimizer) / self.step
+
+    def block_shares(self) -> list[float]:
+        """Each block's share of forward+backward (equal shares when nothing was measured)."""
+        total = sum(self.block_seconds)
+        n = len(self.block_seconds)
+        return [s / total for s in self.block_seconds] if total > 0 else [1.0 / max(n, 1)] * n
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """The model's sizes, read from the model itself (no timing)."""
+
+    block_names: tuple[str, ...]
+    block_params: tuple[int, ...]  #: parameters per block, in forward order
+    activation_bytes: tuple[int, ...]  #: bytes per example of each block's output
+    #: DDP's gradient buckets in the order they are reduced: (bytes, first block holding one of its gradients)
+    buckets: tuple[tuple[int, int], ...]
+    batch_size: int  #: examples per worker per step
+    bytes_per_param: int = 4
+
+    @property
+    def params(self) -> int:
+        return sum(self.block_params)
+
+    @property
+    def param_bytes(self) -> int:
+        return self.params * self.bytes_per_param
+
+    def block_bytes(self, block: int) -> int:
+        return self.block_params[block] * self.bytes_per_param
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """Where the workers sit: ``per_node`` of them on each machine, machines linked by ``inter``."""
+
+    intra: Link  #: between two workers of one machine
+    inter: Link  #: between machines
+    per_node: int
+
+    def nodes(self, workers: int) -> int:
+        return max(1, math.ceil(workers / self.per_node))
+
+    def link(self, workers: int) -> Link:
+        """The link that bounds a ring over ``workers`` ranks placed node by node: the slower one it crosses."""
+        return self.intra if self.nodes(workers) == 1 else self.inter
+
+
+def allreduce(net: Network, ranks: int, nbytes: float, hierarchical: bool = False) -> float:
+    """Seconds for an all-reduce of ``nbytes`` over ``ranks`` (flat ring, or phalanx's hierarchical one).
+
+    Hierarchical (``--reduce hierarchical``, see ``phalanx/reduce.py``): reduce within each node
+    onto its leader, all-reduce among the leaders, broadcast back within the node. A pipelined
+    reduce or broadcast over K ranks costs (K−1)·α + S·β.
+    """
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    nodes = net.nodes(ranks)
+    if not hierarchical or nodes == 1 or net.per_node == 1:
+        messages, moved = ring_terms(ranks, nbytes)
+        link = net.link(ranks)
+        return messages * link.alpha + moved * link.beta
+    local = min(ranks, net.per_node)
+    within = 2 * ((local - 1) * net.intra.alpha + nbytes * net.intra.beta)
+    messages, moved = ring_terms(nodes, nbytes)
+    return within + messages * net.inter.alpha + moved * net.inter.beta
+
+
+def allreduce_cpu(net: Network, ranks: int, nbytes: float) -> float:
+    """CPU-seconds one rank spends in a flat ring all-reduce: it sends and receives 2(N−1)/N · S bytes
+    in 2(N−1) steps (see :meth:`Link.cpu`; a step both sends and receives, so its bytes cost β)."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    link = net.link(ranks)
+    messages, moved = ring_terms(ranks, nbytes)
+    return moved * link.beta + (messages * link.alpha if link.shared_copy else 0.0)
+
+
+def gather_or_scatter(net: Network, ranks: int, nbytes: float) -> float:
+    """A ring all-gather or reduce-scatter of ``nbytes`` in all: (N−1)·α + (N−1)/N · S·β."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    link = net.link(ranks)
+    return (ranks - 1) * link.alpha + (ranks - 1) / ranks * nbytes * link.beta
+
+
+def cpu_bound(work_seconds: float, cores: Optional[int]) -> float:
+    """The shortest a step can be when a node's processes need ``work_seconds`` of CPU and have ``cores``."""
+    return 0.0 if cores is None else work_seconds / cores

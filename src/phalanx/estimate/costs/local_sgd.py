@@ -1,0 +1,37 @@
+"""``local-sgd``: every worker steps on its own; every H steps the parameters are averaged. Pure.
+
+An averaging is torch's ``PeriodicModelAverager``: flatten the parameters into one new vector,
+divide it by N, all-reduce it, and point the parameters at their slices of it (no copy back);
+between averagings nothing crosses the link and the loop needs no collective. The workers meet
+only at an averaging, where the slowest one's lead is waited for, so per step the
+cost is the worker's own iteration plus (averaging + one step's spread between workers) / H.
+"""
+
+from __future__ import annotations
+
+from .inputs import Compute, ModelFacts, Network, allreduce, allreduce_cpu, cpu_bound
+from .prediction import Prediction
+
+
+def predict_local_sgd(compute: Compute, facts: ModelFacts, net: Network, workers: int,
+                      sync_every: int) -> Prediction:
+    examples = workers * facts.batch_size
+    if workers == 1:
+        return Prediction("local-sgd", 1, 1, compute.step, examples, compute.step, compute.step)
+    nbytes = facts.param_bytes
+    reduce = allreduce(net, workers, nbytes)
+    average = compute.pack + compute.copy + reduce  # flatten into a new vector, divide it, all-reduce
+    spread = max(0.0, compute.slowest - compute.step)
+    timeline = compute.step + (average + spread) / sync_every
+    local = min(workers, net.per_node)
+    copied = (compute.pack + compute.copy + allreduce_cpu(net, workers, nbytes)) / sync_every
+    floor = cpu_bound(local * (compute.cpu + copied), compute.cores)
+    step = max(timeline, floor)
+    notes = [f"parameters ({nbytes / 1e6:.3g} MB) averaged every {sync_every} steps: "
+             f"{average * 1e3:.3g} ms each, {average / sync_every * 1e3:.3g} ms per step"]
+    if floor > timeline:
+        notes.append(f"CPU-bound: {local} processes on {compute.cores} cores")
+    return Prediction("local-sgd", workers, net.nodes(workers), step, examples, compute.step + spread / sync_every,
+                      compute.step, notes=tuple(notes),
+                      parts={"compute": compute.step, "averaging": average, "per_step_averaging": average / sync_every,
+                             "timeline": timeline, "cpu_floor": floor})

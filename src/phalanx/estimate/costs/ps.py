@@ -1,0 +1,81 @@
+"""``ps``: W workers push gradients to one server and pull the parameters back. Pure.
+
+Per global step (W gradients) the server's link carries W gradients in and W parameter copies
+out, each a header message and the vector, received into a newly allocated buffer (whose first
+touch, page faults, is measured). A worker's cycle: compute a gradient (forward, backward, flatten), push it, wait while the
+server applies it (scale, copy in, optimizer step, flatten) and sends the parameters back (a
+blocking send: the server's main thread is busy until it is gone), copy them in, start again.
+Pushes arrive on the server's receiving threads while its main thread works, one at a time on
+its inbound link; the main thread serves them in arrival order. :func:`simulate` plays this out,
+event by event, for the given durations; the step is the steady-state time per W updates.
+
+A CPU node also bounds the step from below: its cores must supply every process's CPU-seconds
+(the workers' compute, the server's updates, and the copying of every byte through the loopback).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from .inputs import Compute, ModelFacts, Network, cpu_bound
+from .prediction import Prediction
+
+SIMULATED_UPDATES = 40  #: updates per worker played out (the first quarter is the warm-up)
+
+
+def simulate(workers: int, compute: list[float], push: list[float], reply: list[float], apply: float,
+             unpack: float, server_loop: float = 0.0, updates: int = SIMULATED_UPDATES) -> float:
+    """Seconds per global step (W applied gradients) in steady state.
+
+    ``compute[i]``: worker i's seconds from having the parameters to having a gradient ready;
+    ``push[i]`` / ``reply[i]``: moving a gradient in / the parameters out over worker i's link;
+    ``apply``: the server's update; ``unpack``: the worker copying the parameters in;
+    ``server_loop``: the server's own loop work once per global step.
+    """
+    ready = [(compute[i], i) for i in range(workers)]  # (time its push is ready to go, worker)
+    heapq.heapify(ready)
+    inbound = server = 0.0
+    ends: list[float] = []
+    total = updates * workers
+    while len(ends) < total:
+        t, i = heapq.heappop(ready)
+        arrived = max(t, inbound) + push[i]  # pushes cross the server's inbound link one at a time
+        inbound = arrived
+        start = max(arrived, server)
+        server = start + apply + reply[i]
+        if (len(ends) + 1) % workers == 0:
+            server += server_loop
+        ends.append(server)
+        heapq.heappush(ready, (server + unpack + compute[i], i))
+    warm = total // 4
+    steps = (total - warm) / workers
+    return (ends[-1] - ends[warm - 1]) / steps if warm >= 1 else ends[-1] / (total / workers)
+
+
+def predict_ps(compute: Compute, facts: ModelFacts, net: Network, workers: int) -> Prediction:
+    """W workers and one server on node 0 (the server shares node 0 with the first workers)."""
+    nbytes = facts.param_bytes
+    node_of = [w // net.per_node for w in range(workers)]
+    links = [net.intra if node == 0 else net.inter for node in node_of]
+    work = compute.forward + compute.backward + compute.loop + compute.pack
+    # Each way, a header message and the vector, received into a newly allocated buffer.
+    messages = [link.alpha + link.message(nbytes) + compute.fresh for link in links]
+    timeline = simulate(workers, [work] * workers, messages, messages, compute.apply, compute.unpack, compute.loop)
+    local = min(workers, net.per_node)
+    # CPU-seconds on node 0 per global step: its workers, the server's updates, and moving every
+    # message (a header and a vector each way per update) at both of its ends on node 0.
+    exchange = 2 * net.intra.cpu(2, nbytes)  # one update's messages, at one end
+    worker_cpu = compute.cpu_share(without_optimizer=True) + compute.pack + compute.unpack
+    node0 = local * (worker_cpu + exchange) + workers * (compute.apply + exchange)
+    floor = cpu_bound(node0, compute.cores)
+    step = max(timeline, floor)
+    nodes = max(net.nodes(workers), 1)
+    notes = [f"event simulation of {workers} workers and one server: "
+             f"{'the server is the bottleneck' if workers * (compute.apply + messages[-1]) >= work else 'workers compute most of the time'}"]
+    if floor > timeline:
+        notes.append(f"CPU-bound: node 0 needs {node0 * 1e3:.1f} CPU-ms per step on {compute.cores} cores "
+                     f"({local} workers + the server)")
+    return Prediction("ps", workers, nodes, step, workers * facts.batch_size, work, work,
+                      notes=tuple(notes),
+                      parts={"worker_compute": work, "push_or_reply": max(messages), "server_apply": compute.apply,
+                             "timeline": timeline, "cpu_floor": floor})

@@ -1,0 +1,96 @@
+"""``sync`` (DDP): gradient buckets all-reduced while the backward pass goes on. Pure.
+
+DDP packs the gradients into buckets in reverse parameter order (the order backward produces
+them): the first bucket holds up to 1 MiB, the others up to ``--bucket-mb`` MiB (``facts.buckets``
+comes from torch's own assignment function). A bucket is all-reduced as soon as its last gradient
+is computed, i.e. when backward reaches the earliest block holding one of its gradients, and the
+reductions run one after another on the communication stream while backward continues. The
+optimizer waits for the last one. Then phalanx's loop all-reduces the loss (one float).
+
+Where compute and communication share the cores (CPU workers that fill every core), nothing
+overlaps. A CPU node also bounds the step from below by the CPU-seconds its processes need.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .inputs import Compute, ModelFacts, Network, allreduce, allreduce_cpu, cpu_bound
+from .prediction import Prediction
+from .timeline import Op, finish, one_stream
+
+LOSS_BYTES = 4  #: phalanx's loop all-reduces the step's loss: one float
+
+
+def overlaps(compute: Compute, extra_processes: int = 0) -> bool:
+    """Whether communication can overlap compute: on GPUs, or on CPU cores not all busy computing."""
+    if compute.cores is None:
+        return True
+    return (compute.processes + extra_processes) * compute.threads < compute.cores
+
+
+def bucket_ready(compute: Compute, facts: ModelFacts) -> list[float]:
+    """The share of backward done when each bucket's last gradient exists (backward runs last block first)."""
+    shares = compute.block_shares()
+    done_after = [sum(shares[block:]) for block in range(len(shares))]
+    return [done_after[first] for _, first in facts.buckets]
+
+
+def sync_ops(compute: Compute, facts: ModelFacts, net: Network, workers: int, pace: float,
+             compress: Optional[str] = None, hierarchical: bool = False) -> list[Op]:
+    """The step as ops: forward, backward cut at every bucket's ready point, all-reduces, optimizer, loss.
+
+    DDP also passes over every gradient byte three times: copying each gradient into its bucket as
+    it is produced, dividing the bucket by N before its all-reduce, and copying the result back into
+    the gradients after the last one; each pass costs what copying the gradients into an existing
+    vector (``copy``) costs.
+    """
+    scale = 0.5 if compress else 1.0
+    ops = [Op("forward", "compute", compute.forward * pace)]
+    done, previous = 0.0, "forward"
+    reductions = []
+    for k, ((nbytes, _), ready) in enumerate(zip(facts.buckets, bucket_ready(compute, facts))):
+        ready = max(ready, done)  # DDP launches bucket k only after buckets 0..k-1
+        share = nbytes / max(facts.param_bytes, 1)
+        ops.append(Op(f"backward to bucket {k}", "compute",
+                      ((ready - done) * compute.backward + share * compute.copy) * pace, (previous,)))
+        ops.append(Op(f"divide bucket {k}", "compute", share * compute.copy * pace, (f"backward to bucket {k}",)))
+        previous, done = f"divide bucket {k}", ready
+        ops.append(Op(f"all-reduce bucket {k}", "comm", allreduce(net, workers, nbytes * scale, hierarchical),
+                      (previous,)))
+        reductions.append(f"all-reduce bucket {k}")
+    ops.append(Op("backward rest", "compute", (1.0 - done) * compute.backward * pace, (previous,)))
+    ops.append(Op("copy back", "compute", compute.copy * pace, ("backward rest", *reductions)))
+    ops.append(Op("optimizer", "compute", compute.optimizer * pace, ("copy back",)))
+    ops.append(Op("loss all-reduce", "comm", allreduce(net, workers, LOSS_BYTES), ("optimizer",)))
+    ops.append(Op("loop", "compute", compute.loop * pace, ("loss all-reduce",)))
+    return ops
+
+
+def predict_sync(compute: Compute, facts: ModelFacts, net: Network, workers: int, compress: Optional[str] = None,
+                 hierarchical: bool = False) -> Prediction:
+    nodes = net.nodes(workers)
+    examples = workers * facts.batch_size
+    if workers == 1:  # one process: no DDP, no collective
+        return Prediction("sync", 1, 1, compute.step, examples, compute.step, compute.step,
+                          parts={"forward": compute.forward, "backward": compute.backward,
+                                 "optimizer": compute.optimizer, "loop": compute.loop})
+    pace = compute.slowest / compute.step if compute.step > 0 else 1.0  # lockstep: the slowest worker sets it
+    ops = sync_ops(compute, facts, net, workers, pace, compress, hierarchical)
+    overlap = overlaps(compute)
+    timeline = finish(ops if overlap else one_stream(ops))
+    scale = 0.5 if compress else 1.0
+    copied = sum(allreduce_cpu(net, workers, nbytes * scale) for nbytes, _ in facts.buckets) + \
+        allreduce_cpu(net, workers, LOSS_BYTES)
+    local = min(workers, net.per_node)
+    work = local * (compute.cpu + copied + 3 * compute.copy)
+    floor = cpu_bound(work, compute.cores)
+    step = max(timeline, floor)
+    comm = sum(op.seconds for op in ops if op.stream == "comm")
+    notes = [f"{len(facts.buckets)} bucket(s), all-reduced {'while backward runs' if overlap else 'after backward'}"
+             f"{' (the workers fill every core)' if not overlap else ''}"]
+    if floor > timeline:
+        notes.append(f"CPU-bound: {local} processes need {work * 1e3:.1f} CPU-ms per step on {compute.cores} cores")
+    return Prediction("sync", workers, nodes, step, examples, compute.slowest, compute.step, notes=tuple(notes),
+                      parts={"compute": compute.slowest, "all_reduce_total": comm, "timeline": timeline,
+                             "cpu_floor": floor})

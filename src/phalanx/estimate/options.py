@@ -1,0 +1,73 @@
+"""``phalanx estimate``'s own options, declared once: the fields are the flags.
+
+The model, data and batch flags are ``phalanx train``'s own (fields of ``TrainConfig``), and the
+strategy flags are the strategies' own (``--bucket-mb``, ``--compress``, ``--reduce`` of sync,
+``--sync-every`` of local-sgd, ``--stages``, ``--chunks``, ``--schedule`` of pipeline), so that an
+estimate describes exactly the run that the same flags would start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from ..errors import PhalanxError
+from ..options import option
+from .units import parse_bandwidth, parse_duration, parse_workers
+
+#: What --strategy may name: phalanx's strategies that the model covers, fsdp (analytical), or all of them.
+ESTIMATED = ("sync", "ps", "local-sgd", "pipeline", "fsdp")
+STRATEGY_CHOICES = ESTIMATED + ("all",)
+
+#: The flags of phalanx train that an estimate takes (they shape the measured step).
+TRAIN_FLAGS = ("model", "data", "data_dir", "synthetic_shape", "synthetic_size", "batch_size", "optimizer",
+               "devices", "threads", "seed")
+#: Each strategy's own flags that change its cost, by the strategy that owns them.
+STRATEGY_FLAGS = {"sync": ("reduce", "compress", "bucket_mb"), "local-sgd": ("sync_every",),
+                  "pipeline": ("stages", "chunks", "schedule")}
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimateOptions:
+    workers: tuple = option((1, 2, 4, 8), "worker counts to predict, e.g. 1,2,4,8,64,256", parse=parse_workers,
+                            show="1,2,4,8")
+    strategy: str = option("all", "which strategies to predict", choices=STRATEGY_CHOICES)
+    per_node: Optional[int] = option(None, "workers per machine (they share its cores or hold one GPU each)",
+                                     show="one per GPU here; on CPU, 2 as phalanx train")
+    link_bandwidth: Optional[float] = option(
+        None, "bus bandwidth of the network between machines, nccl-tests convention (e.g. 25GB/s, 200Gb/s)",
+        parse=parse_bandwidth, show="measured or from the topology")
+    link_latency: Optional[float] = option(None, "latency per message between machines (e.g. 10us)",
+                                           parse=parse_duration, show="measured or from the topology")
+    measure_link: bool = option(False, "time all-reduces of 4 KiB to 64 MiB between 2 local ranks and fit α and β "
+                                       "(done anyway on CPU when no --link-* is given)")
+    measure_steps: int = option(20, "timed steps per compute measurement, after 5 warm-up steps")
+    plot: Optional[str] = option(None, "write a scaling plot to this file (.png, .pdf or .svg)")
+    json: bool = option(False, "print the estimate as JSON (progress goes to stderr)")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.workers, str):
+            object.__setattr__(self, "workers", parse_workers(self.workers))
+        else:
+            object.__setattr__(self, "workers", parse_workers(",".join(map(str, self.workers))))
+        if self.strategy not in STRATEGY_CHOICES:
+            raise PhalanxError(f"unknown --strategy {self.strategy!r}: choose one of {', '.join(STRATEGY_CHOICES)}")
+        if self.per_node is not None and (not isinstance(self.per_node, int) or self.per_node < 1):
+            raise PhalanxError(f"--per-node must be at least 1, got {self.per_node!r}")
+        if not isinstance(self.measure_steps, int) or self.measure_steps < 3:
+            raise PhalanxError(f"--measure-steps must be at least 3 (medians need a few), got {self.measure_steps!r}")
+        if (self.link_bandwidth is None) != (self.link_latency is None):
+            given = "--link-bandwidth" if self.link_latency is None else "--link-latency"
+            missing = "--link-latency" if self.link_latency is None else "--link-bandwidth"
+            raise PhalanxError(f"{given} needs {missing} too: a link is its bandwidth and its latency "
+                               "(e.g. --link-bandwidth 25GB/s --link-latency 10us)")
+        if self.plot is not None and not self.plot.lower().endswith((".png", ".pdf", ".svg")):
+            raise PhalanxError(f"--plot {self.plot}: name a .png, .pdf or .svg file")
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        return ESTIMATED if self.strategy == "all" else (self.strategy,)
+
+    @property
+    def link_given(self) -> bool:
+        return self.link_bandwidth is not None

@@ -1,0 +1,278 @@
+"""Measuring one worker's step on this machine, under the conditions it would run in.
+
+Who talks to whom: the parent starts K processes through phalanx's own launcher, K being the
+worker processes that would share one node (each with the torch threads phalanx would give it:
+its share of the cores). Every process runs what a worker of ``phalanx train`` runs per step,
+on the same data path (the sharded batches and the prefetch thread), the same model and the same
+optimizer, with no communication: forward, backward, optimizer step, and the rest of the loop
+(next batch, learning-rate schedule, the loss as a number). All K run at once, so they compete for
+cores and memory as real workers do. After warm-up steps, each phase is timed per step; then the
+model's blocks are timed one by one (at the batch and at each micro-batch size a pipeline would
+use, and the pipelining schedule's own overhead per micro-batch), and the passes over the gradient
+bytes that DDP, local SGD and a parameter server make (and the server's update of one gradient).
+Every process sends its timings to rank 0, which returns them; :func:`summarise` takes medians.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from ..launch import launch
+from ..pipeline.split import model_blocks
+from .costs import Compute
+
+WARMUP_STEPS = 5
+#: timed repeats (after one warm-up) of the per-block timings and the passes over the gradient bytes:
+#: memory-bound work on large buffers is noisy where processes share the memory bus, so medians of 9
+OP_REPEATS = 9
+ENGINE_REPEATS = 5  #: of the one-stage pipeline schedule (a whole step each)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeSpec:
+    """What every measuring process builds and times (picklable: it travels to the processes)."""
+
+    config: Any  #: the resolved TrainConfig: model, data, batch, optimizer
+    steps: int  #: timed steps (after WARMUP_STEPS)
+    micro_batches: tuple[int, ...] = ()  #: M values whose per-block micro-batch times a pipeline needs
+
+
+@dataclasses.dataclass(frozen=True)
+class Conditions:
+    processes: int  #: worker processes computing at once on the node
+    threads: int  #: torch threads each
+    device: str  #: "cpu" or "cuda:0"
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _optimizer(cfg, params):
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def probe(ctx, spec: ProbeSpec) -> list[dict]:
+    """Inside a measuring process: time the steps, the blocks and the server's work; rank 0 returns every rank's."""
+    import torch.distributed as dist
+
+    from ..data import Prefetcher, ShardedBatches, load_data
+    from ..models import build_model
+
+    cfg, device = spec.config, ctx.device
+    data = load_data(cfg.data, cfg.data_dir, tuple(cfg.synthetic_shape), cfg.synthetic_size, cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
+    shards = ctx.world_size if cfg.batch_size * ctx.world_size <= len(data.train) else 1
+    batches = ShardedBatches(data.train, cfg.batch_size, ctx.rank % shards, shards, cfg.seed)
+    prefetcher = Prefetcher(batches(0), device, cfg.prefetch)
+    optimizer = _optimizer(cfg, model.parameters())
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    if ctx.distributed:
+        dist.barrier()  # start together: the processes compete as workers do
+    rows = []
+    try:
+        for i in range(WARMUP_STEPS + spec.steps):
+            cpu0, t0 = time.process_time(), _now(device)
+            x, y = next(prefetcher)
+            t1 = _now(device)
+            loss = F.cross_entropy(model(x), y)
+            t2 = _now(device)
+            loss.backward()
+            t3 = _now(device)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            t4 = _now(device)
+            schedule.step()
+            float(loss.detach())
+            t5 = _now(device)
+            if i >= WARMUP_STEPS:
+                rows.append((t2 - t1, t3 - t2, t4 - t3, (t1 - t0) + (t5 - t4), time.process_time() - cpu0))
+        x, y = next(prefetcher)
+    finally:
+        prefetcher.close()
+    result = {"rows": rows, **_blocks(model, x, device, spec)}
+    if spec.micro_batches:
+        result["engine"] = _engine(ctx, model, x, y, spec.micro_batches)
+    result.update(_vector_ops(model, optimizer, x, y, device))
+    if not ctx.distributed:
+        return [result]
+    every: list = [None] * ctx.world_size
+    dist.all_gather_object(every, result)
+    return every
+
+
+def _blocks(model, x, device, spec: ProbeSpec) -> dict:
+    blocks = [block for _, block in model_blocks(model)]
+    out = {"blocks": time_stage_blocks(blocks, x, 1, device), "micro": {}}
+    for m in spec.micro_batches:
+        out["micro"][m] = time_stage_blocks(blocks, x, m, device)
+    return out
+
+
+def time_stage_blocks(blocks, x, micro_batches: int, device, repeats: int = OP_REPEATS) -> list[float]:
+    """Forward+backward seconds of every block per micro-batch, as a training step runs them.
+
+    ``x`` is cut into ``micro_batches`` micro-batches that run through the blocks one after
+    another, their gradients accumulating in the parameters (cleared once per step, as the
+    optimizer's ``zero_grad`` does), and the first block's input needs no gradient (it is data).
+    That is how a pipeline stage and a whole step run; timing each micro-batch with fresh
+    gradients instead (``phalanx.pipeline.profile``, which only ranks blocks against each other)
+    would charge a large layer the first touch of its gradient on every micro-batch. The blocks
+    are private copies; the median over ``repeats`` steps after one warm-up is returned.
+    """
+    import copy
+
+    copies = [copy.deepcopy(block).train() for block in blocks]
+    steps = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for _ in range(repeats + 1):
+            totals = [0.0] * len(copies)
+            for part in x.chunk(micro_batches):
+                inputs, outputs, h = [], [], part
+                for i, block in enumerate(copies):
+                    inp = h.detach().requires_grad_(i > 0 and h.is_floating_point())
+                    start = _now(device)
+                    h = block(inp)
+                    totals[i] += _now(device) - start
+                    inputs.append(inp)
+                    outputs.append(h)
+                grad = torch.ones_like(h)
+                for i in reversed(range(len(copies))):
+                    start = _now(device)
+                    if outputs[i].requires_grad:
+                        outputs[i].backward(grad)
+                    totals[i] += _now(device) - start
+                    grad = inputs[i].grad if inputs[i].grad is not None else torch.zeros_like(inputs[i])
+            for block in copies:
+                block.zero_grad(set_to_none=True)
+            steps.append([t / micro_batches for t in totals])
+    return [statistics.median(step[i] for step in steps[1:]) for i in range(len(copies))]
+
+
+def _engine(ctx, model, x, y, micro_batches) -> dict:
+    """Seconds the pipelining schedule adds per micro-batch: a one-stage schedule against the same work by hand
+    (micro-batches forward and backward, then the gradients divided by M as ``scale_grads`` does).
+
+    The stage runs in a process group of this rank alone (every rank creates every such group, as
+    ``new_group`` requires); a process without a group gets a one-rank group for the measurement.
+    """
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+        out = {}
+        for m in micro_batches:
+            stage_model = copy.deepcopy(model)
+            stage = PipelineStage(stage_model, 0, 1, ctx.device, group=groups[dist.get_rank()])
+            schedule = ScheduleGPipe(stage, m, loss_fn=F.cross_entropy, scale_grads=True)
+            engine, by_hand = [], []
+            for _ in range(ENGINE_REPEATS + 1):
+                t0 = _now(ctx.device)
+                schedule.step(x, target=y, losses=[])
+                t1 = _now(ctx.device)
+                stage_model.zero_grad(set_to_none=True)
+                for xs, ys in zip(x.chunk(m), y.chunk(m)):
+                    F.cross_entropy(stage_model(xs), ys).backward()
+                for p in stage_model.parameters():  # the schedule's scale_grads, which the model prices apart
+                    p.grad.div_(m)
+                t2 = _now(ctx.device)
+                stage_model.zero_grad(set_to_none=True)
+                engine.append(t1 - t0)
+                by_hand.append(t2 - t1)
+            out[m] = max(0.0, (statistics.median(engine[1:]) - statistics.median(by_hand[1:])) / m)
+        return out
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
+def _vector_ops(model, optimizer, x, y, device) -> dict:
+    """Passes over the gradient bytes: flattening them into a new vector (a ps worker, local SGD) and
+    into an existing one (DDP's buckets), copying a vector into the parameters, the server's update
+    of one gradient (see strategies/ps), and the first touch of a new buffer of that size."""
+    params = list(model.parameters())
+    F.cross_entropy(model(x), y).backward()
+    size = sum(p.numel() for p in params)
+    bucket = torch.zeros(size, device=device)
+    pack, copy, unpack, apply = [], [], [], []
+    for _ in range(OP_REPEATS + 1):
+        vector = parameters_to_vector(params).detach().clone()
+        t = _now(device)
+        torch.cat([p.grad.flatten() for p in params], out=bucket)
+        copy.append(_now(device) - t)
+        t0 = _now(device)
+        flat = torch.cat([p.grad.flatten() for p in params])
+        t1 = _now(device)
+        vector_to_parameters(vector, params)
+        t2 = _now(device)
+        grad, offset = flat / 2, 0
+        for p in params:
+            p.grad = grad[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        parameters_to_vector(params).detach().contiguous()
+        t3 = _now(device)
+        pack.append(t1 - t0)
+        unpack.append(t2 - t1)
+        apply.append(t3 - t2)
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad = g.view_as(p).clone()
+    warm = torch.empty(size, device=device)
+    fresh = []
+    for _ in range(OP_REPEATS + 1):
+        t0 = _now(device)
+        warm.fill_(1.0)
+        t1 = _now(device)
+        torch.empty(size, device=device).fill_(1.0)
+        fresh.append(_now(device) - t1 - (t1 - t0))
+    return {"pack": statistics.median(pack[1:]), "copy": statistics.median(copy[1:]),
+            "unpack": statistics.median(unpack[1:]), "apply": statistics.median(apply[1:]),
+            "fresh": max(0.0, statistics.median(fresh[1:]))}
+
+
+def measure(spec: ProbeSpec, conditions: Conditions) -> Compute:
+    """Run the probe in ``conditions.processes`` processes at once and summarise it."""
+    device = torch.device(conditions.device)
+    devices = [device] * conditions.processes
+    every = launch(probe, devices, (spec,), threads=conditions.threads if device.type == "cpu" else None)
+    return summarise(every, conditions)
+
+
+def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = None) -> Compute:
+    """Medians over every process's timed steps; the pace of lockstep from the slowest process each step."""
+    from ..launch import available_cores
+
+    rows = [row for result in every for row in result["rows"]]
+    med = [statistics.median(row[k] for row in rows) for k in range(5)]
+    steps = min(len(result["rows"]) for result in every)
+    slowest = statistics.median(max(sum(result["rows"][i][:4]) for result in every) for i in range(steps))
+    blocks = [statistics.mean(result["blocks"][b] for result in every) for b in range(len(every[0]["blocks"]))]
+    micro = {m: tuple(statistics.mean(result["micro"][m][b] for result in every) for b in range(len(blocks)))
+             for m in every[0]["micro"]}
+    ops = {k: statistics.median(result[k] for result in every) if k in every[0] else 0.0
+           for k in ("pack", "copy", "unpack", "apply", "fresh")}
+    engine = {m: statistics.median(result["engine"][m] for result in every) for m in every[0].get("engine", {})}
+    on_cpu = conditions.device == "cpu"
+    return Compute(forward=med[0], backward=med[1], optimizer=med[2], loop=med[3], slowest=slowest, cpu=med[4],
+                   processes=conditions.processes, threads=conditions.threads,
+                   cores=(cores or available_cores()) if on_cpu else None, block_seconds=tuple(blocks),
+                   micro_seconds=micro, engine=engine, **ops)

@@ -1,0 +1,149 @@
+"""``phalanx estimate`` from top to bottom: check, read the model, measure, predict, advise.
+
+:func:`~phalanx.estimate.setup.prepare` checks the inputs and reads the model's sizes; :func:`run`
+then measures a worker's step on this machine once per distinct condition (``profile.py``),
+settles the links (``link.py``), asks the cost model (``costs/``) for every strategy and worker
+count, and tries what could help (``advice.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..errors import PhalanxError
+from .advice import advise
+from .costs import Compute, Network, Prediction
+from .link import Link, measure_link, ring_of_gpus
+from .profile import Conditions, ProbeSpec, measure
+from .setup import Setup, conditions_for, predict
+
+Say = Callable[[str], None]
+
+
+@dataclasses.dataclass
+class Estimate:
+    setup: Setup
+    baseline: Compute  #: one worker alone on this machine
+    computes: dict  #: Conditions -> Compute
+    network: Network
+    link_notes: list[str]
+    predictions: list[Prediction]
+    advice: dict  #: strategy -> lines
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.setup
+        return {
+            "model": s.config.model, "data": s.config.data, "input_shape": list(s.input_shape),
+            "batch_size": s.config.batch_size, "optimizer": s.config.optimizer, "device": str(s.device),
+            "cores": s.cores, "per_node": s.per_node, "parameters": s.facts.params,
+            "gradient_bytes": s.facts.param_bytes, "ddp_buckets_bytes": [b for b, _ in s.facts.buckets],
+            "compute": [{"processes": c.processes, "threads": c.threads, "device": c.device,
+                         **{k: getattr(m, k) for k in ("forward", "backward", "optimizer", "loop", "slowest", "cpu",
+                                                       "pack", "copy", "unpack", "apply", "fresh")},
+                         "block_seconds": list(m.block_seconds),
+                         "micro_batch_block_seconds": {str(k): list(v) for k, v in m.micro_seconds.items()},
+                         "engine_per_micro_batch": {str(k): v for k, v in m.engine.items()}}
+                        for c, m in self.computes.items()],
+            "links": {"within_machine": self.network.intra.to_dict(), "between_machines": self.network.inter.to_dict(),
+                      "notes": self.link_notes},
+            "predictions": [dict(p.to_dict(), speedup=self.speedup(p)) for p in self.predictions],
+            "skipped": s.skipped, "advice": self.advice,
+        }
+
+    def speedup(self, p: Prediction) -> float:
+        """Examples per second over those of one worker training alone on this machine."""
+        alone = self.setup.facts.batch_size / self.baseline.step
+        return p.examples_per_s / alone
+
+
+# --------------------------------------------------------------------------- measuring and predicting
+
+def run(setup: Setup, say: Say) -> Estimate:
+    opts = setup.options
+    rows = [(s, n) for s in opts.strategies for n in opts.workers if not _skipped(setup, s, n)]
+    spec = _probe_spec(setup)
+    baseline_at = conditions_for(setup, "sync", 1)
+    wanted = [baseline_at] + [conditions_for(setup, s, n) for s, n in rows]
+    computes: dict[Conditions, Compute] = {}
+    for cond in dict.fromkeys(wanted):
+        started = time.perf_counter()
+        say(f"measuring compute: {cond.processes} worker process(es) at once, {cond.threads} thread(s) each, "
+            f"on {cond.device} ...")
+        computes[cond] = measure(spec, cond)
+        say(f"  done in {time.perf_counter() - started:.1f} s")
+    network, notes = settle_links(setup, say)
+    predictions = [predict(setup, s, n, computes[conditions_for(setup, s, n)], network) for s, n in rows]
+    advice = {s: advise(setup, s, [p for p in predictions if p.strategy == s], computes, network)
+              for s in opts.strategies}
+    return Estimate(setup, computes[baseline_at], computes, network, notes, predictions,
+                    {s: lines for s, lines in advice.items() if lines})
+
+
+def _skipped(setup: Setup, strategy: str, workers: int) -> bool:
+    prefix = f"{strategy} on {workers} worker"
+    return any(line.startswith(prefix) for line in setup.skipped)
+
+
+def _probe_spec(setup: Setup) -> ProbeSpec:
+    strategies = setup.options.strategies
+    micro: tuple[int, ...] = ()
+    if "pipeline" in strategies:
+        m = setup.pipeline.chunks
+        micro = (m, 2 * m) if setup.config.batch_size % (2 * m) == 0 else (m,)
+    return ProbeSpec(setup.config, setup.options.measure_steps, micro)
+
+
+# --------------------------------------------------------------------------- the links
+
+def settle_links(setup: Setup, say: Say) -> tuple[Network, list[str]]:
+    """The link within a machine and between machines, and a line saying where each comes from."""
+    opts = setup.options
+    given = Link(opts.link_latency, 1.0 / opts.link_bandwidth, "given by --link-bandwidth and --link-latency") \
+        if opts.link_given else None
+    spans = max(opts.workers) > setup.per_node
+    intra = _intra_link(setup, given, say)
+    notes = [f"within a machine: {intra.describe()}"]
+    if given is not None:
+        inter = given
+    elif not spans:
+        inter = intra
+    elif setup.device.type == "cuda":
+        raise PhalanxError(f"--workers {max(opts.workers)} spans several machines of {setup.per_node} GPUs: give the "
+                           "network between them with --link-bandwidth and --link-latency (e.g. 25GB/s and 10us)")
+    else:
+        inter = dataclasses.replace(intra, shared_copy=False,
+                                    source="assumed equal to the link within a machine: give --link-bandwidth and "
+                                           "--link-latency for your network")
+    if spans:
+        notes.append(f"between machines: {inter.describe()}")
+    return Network(intra, inter, setup.per_node), notes
+
+
+def _intra_link(setup: Setup, given: Optional[Link], say: Say) -> Link:
+    opts = setup.options
+    if setup.device.type == "cpu":
+        if opts.measure_link or given is None:
+            say("measuring the link: all-reduces between 2 local gloo ranks ...")
+            return measure_link("cpu")[0]
+        return dataclasses.replace(given, source=given.source + " (--measure-link measures this machine's own)")
+    if opts.measure_link:
+        say("measuring the link: NCCL all-reduces between cuda:0 and cuda:1 ...")
+        return measure_link("cuda")[0]
+    gpus = torch.cuda.device_count()
+    if setup.per_node >= 2 and gpus >= 2:
+        from ..topology import detect_topology
+
+        topo = detect_topology(peer=False)
+        link = ring_of_gpus(topo.links, min(setup.per_node, len(topo.gpus))) if len(topo.gpus) >= 2 else None
+        if link is not None:
+            return link
+    if given is not None:
+        return given
+    if setup.per_node >= 2:
+        raise PhalanxError(f"--per-node {setup.per_node} but this machine has {gpus} GPU(s), so the link between GPUs "
+                           "of a machine is unknown: give --link-bandwidth and --link-latency, or run on that machine")
+    return Link(0.0, 1e-18, "not used: one GPU per machine and every job on one machine")

@@ -1,0 +1,401 @@
+"""``phalanx estimate``: the cost model on hand-computed cases, the α–β fit, DDP's buckets, the command.
+
+The formulas are pure functions of made-up inputs (tier 1); DDP's bucketing is checked against a
+real DDP on 2 gloo workers; the command runs end to end on the digits cnn with a tiny measurement,
+and every bad input is one line and exit status 2 before anything is measured.
+"""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from helpers import run_cli, run_workers
+from phalanx.cli import main
+from phalanx.errors import PhalanxError
+from phalanx.estimate import Compute, Link, ModelFacts, Network, fit_ring
+from phalanx.estimate.costs import (Op, allreduce, gather_or_scatter, predict_fsdp, predict_local_sgd,
+                                    predict_pipeline, predict_ps, predict_sync, schedule, simulate)
+from phalanx.estimate.facts import ddp_buckets, model_facts
+from phalanx.estimate.link import gpu_link, ring_terms
+from phalanx.estimate.profile import Conditions, summarise
+from phalanx.estimate.units import (fmt_bandwidth, fmt_bytes, fmt_seconds, parse_bandwidth, parse_duration,
+                                   parse_workers)
+
+MS = 1e-3
+GB = 1e9
+
+
+def link(gbps=10.0, alpha=5e-6, shared=False) -> Link:
+    return Link(alpha, 1 / (gbps * GB), "test", shared)
+
+
+def compute(**changes) -> Compute:
+    values = dict(forward=10 * MS, backward=20 * MS, optimizer=2 * MS, loop=1 * MS, slowest=33 * MS, cpu=33 * MS,
+                  processes=1, threads=1, cores=None, block_seconds=(1.0, 1.0), micro_seconds={},
+                  pack=0.5 * MS, copy=0.5 * MS, unpack=0.5 * MS, apply=3 * MS)
+    values.update(changes)
+    return Compute(**values)
+
+
+def facts(**changes) -> ModelFacts:
+    values = dict(block_names=("0", "1"), block_params=(1_000_000, 1_000_000), activation_bytes=(4000, 40),
+                  buckets=((4_000_000, 1), (4_000_000, 0)), batch_size=32)
+    values.update(changes)
+    return ModelFacts(**values)
+
+
+# ---------------------------------------------------------------- units
+
+def test_units_parse_as_people_write_them():
+    assert parse_bandwidth("25GB/s") == 25e9
+    assert parse_bandwidth("200Gb/s") == 25e9  # bits
+    assert parse_bandwidth("900 MB/s") == 900e6
+    assert parse_bandwidth("1GiB/s") == 2 ** 30
+    assert parse_duration("10us") == pytest.approx(1e-5)
+    assert parse_duration("2.5µs") == pytest.approx(2.5e-6)
+    assert parse_duration("0.1ms") == pytest.approx(1e-4)
+    assert parse_workers("8,1,2,2") == (1, 2, 8)
+    assert fmt_bandwidth(1 / (1 / 1e9)) == "1 GB/s" and fmt_bytes(605224) == "605 kB"
+    assert fmt_seconds(118e-6) == "118 µs" and fmt_seconds(0.99999e-3) == "1 ms" and fmt_seconds(1.2) == "1.2 s"
+
+
+@pytest.mark.parametrize("parse, text", [(parse_bandwidth, "25GB"), (parse_bandwidth, "fast"),
+                                         (parse_bandwidth, "-1GB/s"), (parse_duration, "10"),
+                                         (parse_duration, "0us"), (parse_workers, "1,a"), (parse_workers, "0,2")])
+def test_units_refuse_what_they_cannot_read(parse, text):
+    with pytest.raises(PhalanxError):
+        parse(text)
+
+
+# ---------------------------------------------------------------- the α–β formulas, by hand
+
+def test_ring_allreduce_is_2_n_minus_1_alpha_plus_2_n_minus_1_over_n_s_beta():
+    assert ring_terms(2, 1000) == (2.0, 1000.0)
+    assert ring_terms(4, 1000) == (6.0, 1500.0)
+    net = Network(link(10, 5e-6), link(1, 20e-6), per_node=4)
+    # 4 ranks on one machine: 6 x 5 µs + 1.5 x 1 MB / 10 GB/s = 30 µs + 150 µs
+    assert allreduce(net, 4, 1e6) == pytest.approx(180e-6)
+    # 8 ranks on 2 machines: the ring crosses the slow link: 14 x 20 µs + 1.75 x 1 MB / 1 GB/s
+    assert allreduce(net, 8, 1e6) == pytest.approx(280e-6 + 1750e-6)
+    assert allreduce(net, 1, 1e6) == 0.0
+
+
+def test_hierarchical_allreduce_reduces_within_machines_then_across_leaders():
+    net = Network(link(100, 2e-6), link(1, 20e-6), per_node=4)
+    within = 2 * (3 * 2e-6 + 1e6 / 100e9)  # reduce to the leader, broadcast back
+    across = 2 * 20e-6 + 1e6 / 1e9  # ring of 2 leaders: 2 x α + (2/2) x S x β
+    assert allreduce(net, 8, 1e6, hierarchical=True) == pytest.approx(within + across)
+    assert allreduce(net, 8, 1e6, hierarchical=True) < allreduce(net, 8, 1e6)
+
+
+def test_gather_and_scatter_move_n_minus_1_over_n_of_the_bytes():
+    net = Network(link(10, 5e-6), link(10, 5e-6), per_node=8)
+    assert gather_or_scatter(net, 4, 1e6) == pytest.approx(3 * 5e-6 + 0.75 * 1e6 / 10e9)
+
+
+def test_a_message_costs_alpha_plus_s_beta_and_half_the_bytes_where_one_cpu_copies_both_ways():
+    assert link(10, 5e-6).message(1e6) == pytest.approx(5e-6 + 1e-4)
+    assert link(10, 5e-6, shared=True).message(1e6) == pytest.approx(5e-6 + 0.5e-4)
+
+
+def test_cpu_spent_on_messages_counts_their_alpha_only_where_cpus_are_the_link():
+    # one end of 2 messages carrying 1 MB: every byte copied; on a loopback link α is software too
+    assert link(10, 5e-6).cpu(2, 1e6) == pytest.approx(1e6 / 10e9)
+    assert link(10, 5e-6, shared=True).cpu(2, 1e6) == pytest.approx(1e6 / 20e9 + 2 * 5e-6)
+
+
+def test_gpu_link_defaults_follow_the_datasheets():
+    assert gpu_link("NV12").bandwidth == pytest.approx(300e9)  # 12 links x 25 GB/s
+    assert gpu_link("NV18").alpha == pytest.approx(3.4e-6)
+    assert gpu_link("PIX").bandwidth == pytest.approx(31.5e9)
+    assert "NCCL" in gpu_link("SYS").source and "PCI-SIG" in gpu_link("SYS").source
+
+
+# ---------------------------------------------------------------- --measure-link's fit
+
+def test_fit_recovers_alpha_and_beta_from_exact_ring_timings():
+    alpha, beta = 40e-6, 1 / 3e9
+    sizes = [4096 * 4 ** k for k in range(7)]
+    for ranks in (2, 4):
+        seconds = [2 * (ranks - 1) * alpha + 2 * (ranks - 1) / ranks * s * beta for s in sizes]
+        fitted = fit_ring(sizes, seconds, ranks)
+        assert fitted.alpha == pytest.approx(alpha, rel=1e-9)
+        assert fitted.beta == pytest.approx(beta, rel=1e-9)
+
+
+def test_fit_recovers_alpha_and_beta_from_noisy_timings():
+    alpha, beta = 120e-6, 1 / 1.2e9
+    sizes = [4096 * 4 ** k for k in range(7)]
+    noise = [1.04, 0.97, 1.03, 0.96, 1.02, 0.98, 1.01]  # ±4%, made up
+    seconds = [(2 * alpha + s * beta) * e for s, e in zip(sizes, noise)]
+    fitted = fit_ring(sizes, seconds, 2)
+    assert fitted.alpha == pytest.approx(alpha, rel=0.15)
+    assert fitted.beta == pytest.approx(beta, rel=0.05)
+
+
+def test_fit_clamps_a_negative_latency_and_refuses_timings_that_do_not_grow():
+    sizes = [1e3, 1e6, 1e7]
+    fitted = fit_ring(sizes, [s / 1e9 * 0.5 for s in sizes], 2)  # no latency at all, slightly noisy below
+    assert fitted.alpha >= 0 and fitted.beta > 0
+    with pytest.raises(PhalanxError, match="do not grow"):
+        fit_ring(sizes, [1e-3, 1e-3 * 0.9, 1e-3 * 0.8], 2)
+    with pytest.raises(PhalanxError):
+        fit_ring([1e3], [1e-3], 2)
+
+
+# ---------------------------------------------------------------- two streams
+
+def test_schedule_overlaps_streams_and_respects_waits():
+    ops = [Op("a", "compute", 2.0), Op("x", "comm", 5.0, ("a",)), Op("b", "compute", 1.0, ("a",)),
+           Op("c", "compute", 1.0, ("b", "x"))]
+    times = schedule(ops)
+    assert times == {"a": (0.0, 2.0), "x": (2.0, 7.0), "b": (2.0, 3.0), "c": (7.0, 8.0)}
+
+
+# ---------------------------------------------------------------- the strategies, by hand
+
+def test_sync_overlaps_the_first_bucket_with_the_rest_of_backward_on_gpus():
+    net = Network(link(10, 0.0), link(10, 0.0), per_node=8)
+    c = compute(copy=0.0)  # forward 10, backward 20 (two equal blocks), optimizer 2, loop 1: 33 ms; slowest 33
+    # bucket 0 (block 1's 4 MB) is ready halfway through backward (20 ms), bucket 1 at its end (30 ms);
+    # each all-reduce over 2 ranks moves 4 MB at 10 GB/s: 0.4 ms, so bucket 0's hides behind backward.
+    p = predict_sync(c, facts(), net, 2)
+    assert p.step == pytest.approx(30 * MS + 0.4 * MS + 2 * MS + 1 * MS)
+    assert p.comm == pytest.approx(0.4 * MS)
+    assert p.examples == 64 and p.efficiency == pytest.approx(33 / 33.4)
+    # DDP's three passes over the gradients (into the buckets, divide, back): with 0.5 ms a pass, half of
+    # the first two hide nothing (they are compute), the copy back waits for the last all-reduce.
+    with_copies = predict_sync(compute(copy=0.5 * MS), facts(), net, 2)
+    assert with_copies.step == pytest.approx(p.step + 1.5 * MS)
+
+
+def test_sync_serialises_communication_where_the_workers_fill_every_core():
+    net = Network(link(10, 0.0), link(10, 0.0), per_node=2)
+    c = compute(processes=2, threads=1, cores=2, cpu=20 * MS)
+    p = predict_sync(c, facts(), net, 2)
+    assert p.step == pytest.approx(33 * MS + 2 * 0.4 * MS + 3 * 0.5 * MS)  # compute, 2 all-reduces, DDP's passes
+
+
+def test_sync_is_bounded_by_the_cpu_seconds_its_processes_need():
+    net = Network(link(10, 0.0), link(10, 0.0), per_node=4)
+    c = compute(processes=4, threads=1, cores=2, cpu=30 * MS)  # 4 processes on 2 cores
+    p = predict_sync(c, facts(), net, 4)
+    copied = 2 * 1.5 * 4e6 / 10e9  # every rank copies 1.5 x 4 MB per bucket
+    assert p.step == pytest.approx(4 * (30 * MS + copied + 3 * 0.5 * MS) / 2)
+    assert any("CPU-bound" in note for note in p.notes)
+
+
+def test_one_sync_worker_is_a_plain_step():
+    p = predict_sync(compute(), facts(), Network(link(), link(), 2), 1)
+    assert p.step == pytest.approx(33 * MS) and p.comm == 0 and p.efficiency == 1.0
+
+
+def test_ps_simulation_one_worker_cycles_through_compute_push_update_reply():
+    assert simulate(1, [10.0], [1.0], [1.0], 3.0, 0.5) == pytest.approx(10 + 1 + 3 + 1 + 0.5)
+
+
+def test_ps_simulation_two_workers_interleave_without_queueing():
+    # worker cycle 10 + 1 + 3 + 1 = 15; the server is busy 4 of every 15 per worker: one step per cycle
+    assert simulate(2, [10.0, 10.0], [1.0, 1.0], [1.0, 1.0], 3.0, 0.0) == pytest.approx(15.0)
+
+
+def test_ps_simulation_is_server_bound_when_updates_outlast_compute():
+    # 4 workers, each update holds the server 3 + 1: 16 per step of 4 updates
+    assert simulate(4, [1.0] * 4, [1.0] * 4, [1.0] * 4, 3.0, 0.0) == pytest.approx(16.0)
+
+
+def test_ps_server_link_carries_w_gradients_in_and_w_copies_out():
+    net = Network(link(1, 0.0), link(1, 0.0), per_node=64)
+    c = compute(forward=0.0, backward=0.0, loop=0.0, pack=0.0, unpack=0.0, apply=0.0)
+    p = predict_ps(c, facts(), net, 8)  # 8 MB of parameters at 1 GB/s: 8 ms a message
+    assert p.step == pytest.approx(8 * 8 * MS)  # the server sends 8 copies one after another
+    # a header before every vector, and fresh receive buffers: each message costs α + fresh more
+    slow = predict_ps(dataclasses.replace(c, fresh=1 * MS), facts(),
+                      Network(link(1, 1e-4), link(1, 1e-4), per_node=64), 8)
+    assert slow.step == pytest.approx(8 * (8 * MS + 2 * 1e-4 + 1 * MS))
+
+
+def test_local_sgd_amortises_one_averaging_over_h_steps():
+    net = Network(link(10, 0.0), link(10, 0.0), per_node=8)
+    c = compute(slowest=35 * MS)
+    p = predict_local_sgd(c, facts(), net, 2, sync_every=8)
+    average = 0.5 * MS + 0.5 * MS + 8e6 / 10e9  # flatten (new vector), divide, all-reduce 8 MB over 2 ranks
+    assert p.step == pytest.approx(33 * MS + (average + 2 * MS) / 8)
+
+
+def test_pipeline_of_equal_stages_has_the_textbook_bubble():
+    net = Network(link(10, 0.0), link(10, 0.0), per_node=8)
+    c = compute(micro_seconds={4: (1 * MS, 1 * MS)}, optimizer=0.0, loop=0.0, copy=0.0)
+    p = predict_pipeline(c, facts(), net, 2, stages=2, micro_batches=4)
+    hop = 4000 * 8 / 10e9  # block 0's output, 8 examples per micro-batch
+    assert p.step == pytest.approx((1 + 1 + 3 * 1) * MS + 2 * hop)
+    assert p.bubble / (5 * MS) == pytest.approx(1 / 5)  # (P-1)/(M+P-1) with P = 2, M = 4
+    assert "bubble 20.0%" in p.notes[0]
+    # the engine's own work per micro-batch lands on every stage: (P + M - 1) times on the critical path
+    slower = predict_pipeline(dataclasses.replace(c, engine={4: 0.1 * MS}), facts(), net, 2, stages=2, micro_batches=4)
+    assert slower.step - p.step == pytest.approx(5 * 0.1 * MS)
+
+
+def test_pipeline_replicas_add_an_all_reduce_of_each_stage():
+    net = Network(link(10, 0.0), link(10, 0.0), per_node=8)
+    c = compute(micro_seconds={4: (1 * MS, 1 * MS)}, optimizer=0.0, loop=0.0, copy=0.0)
+    one = predict_pipeline(c, facts(), net, 2, stages=2, micro_batches=4)
+    two = predict_pipeline(c, facts(), net, 4, stages=2, micro_batches=4)
+    assert two.step - one.step == pytest.approx(4e6 / 10e9)  # 4 MB per stage over 2 replicas
+    assert two.examples == 2 * one.examples
+
+
+def test_fsdp_without_overlap_adds_every_gather_and_scatter():
+    net = Network(link(10, 0.0), link(10, 0.0), per_node=2)
+    c = compute(processes=2, threads=1, cores=2, cpu=0.0)
+    p = predict_fsdp(c, facts(), net, 2)
+    unit = gather_or_scatter(net, 2, 4e6)  # one block's 4 MB over 2 ranks
+    assert p.step == pytest.approx(10 * MS + 20 * MS + 1 * MS + 1 * MS + 6 * unit)  # optimizer halved
+
+
+@pytest.mark.parametrize("workers", [2, 4, 64])
+def test_every_strategy_keeps_step_at_least_its_ideal(workers):
+    net = Network(link(10, 5e-6), link(1, 20e-6), per_node=2)
+    c = compute(micro_seconds={4: (1 * MS, 2 * MS)})
+    rows = [predict_sync(c, facts(), net, workers), predict_ps(c, facts(), net, workers),
+            predict_local_sgd(c, facts(), net, workers, 8), predict_fsdp(c, facts(), net, workers),
+            predict_pipeline(c, facts(), net, workers, 2, 4)]
+    for p in rows:
+        assert p.step >= p.compute - 1e-12 and 0 < p.efficiency <= 1 and 0 <= p.comm_share < 1, p
+
+
+# ---------------------------------------------------------------- measuring and the model's sizes
+
+def test_summary_takes_medians_and_the_slowest_worker_of_each_step():
+    ops = {"pack": 0.1, "copy": 0.05, "unpack": 0.2, "fresh": 0.0}
+    rank0 = {"rows": [(1, 2, 0.5, 0.1, 3.6), (1, 2, 0.5, 0.1, 3.6), (1, 4, 0.5, 0.1, 5.6)],
+             "blocks": [1.0, 2.0], "micro": {2: [0.5, 1.0]}, "engine": {2: 0.3}, "apply": 0.3, **ops}
+    rank1 = {"rows": [(2, 2, 0.5, 0.1, 4.6), (1, 2, 0.5, 0.1, 3.6), (1, 2, 0.5, 0.1, 3.6)],
+             "blocks": [3.0, 2.0], "micro": {2: [1.5, 1.0]}, "engine": {2: 0.5}, "apply": 0.5, **ops}
+    c = summarise([rank0, rank1], Conditions(2, 1, "cpu"), cores=2)
+    assert (c.forward, c.backward, c.optimizer, c.loop) == (1, 2, 0.5, 0.1)
+    assert c.slowest == pytest.approx(4.6)  # per step max: 4.6, 3.6, 5.6 -> median 4.6
+    assert c.block_seconds == (2.0, 2.0) and c.micro_seconds == {2: (1.0, 1.0)}
+    assert c.apply == pytest.approx(0.4) and c.engine == {2: pytest.approx(0.4)} and c.cores == 2
+    assert (c.pack, c.copy) == (0.1, 0.05)
+
+
+def test_stage_block_timer_leaves_the_model_alone_and_times_every_block():
+    from phalanx.estimate.profile import time_stage_blocks
+
+    torch.manual_seed(0)
+    blocks = [torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)]
+    before = [p.detach().clone() for b in blocks for p in b.parameters()]
+    seconds = time_stage_blocks(blocks, torch.randn(12, 8), 3, torch.device("cpu"), repeats=2)
+    assert len(seconds) == 3 and all(s >= 0 for s in seconds)
+    assert all(p.grad is None for b in blocks for p in b.parameters())  # private copies were timed
+    assert all(torch.equal(a, p) for a, p in zip(before, (p for b in blocks for p in b.parameters())))
+
+
+def _real_ddp_buckets(ctx):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 1000), torch.nn.ReLU(), torch.nn.Linear(1000, 200),
+                                torch.nn.Linear(200, 10))
+    ddp = DDP(model, bucket_cap_mb=0.5)
+    for _ in range(3):  # DDP rebuilds its buckets in backward order after the first steps
+        ddp(torch.randn(4, 300)).sum().backward()
+    data = ddp._get_ddp_logging_data()
+    return [int(b) for b in data["rebuilt_bucket_sizes"].split(",")]
+
+
+def test_bucket_model_equals_ddps_own_rebuilt_buckets():
+    real = run_workers(_real_ddp_buckets, 2)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 1000), torch.nn.ReLU(), torch.nn.Linear(1000, 200),
+                                torch.nn.Linear(200, 10))
+    sizes = model_facts(model, torch.zeros(1, 300), 4, bucket_mb=0.5)
+    assert [b for b, _ in sizes.buckets] == real
+    assert len(real) > 1
+    assert sizes.params == sum(p.numel() for p in model.parameters())
+    assert sizes.activation_bytes == (4000, 4000, 800, 40)
+    backward = list(reversed(list(model.parameters())))
+    assert sum(len(b) for b in ddp_buckets(backward, 0.5)) == len(backward)
+
+
+# ---------------------------------------------------------------- the command
+
+@pytest.fixture(scope="module")
+def estimate_json(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("estimate")
+    out = run_cli("estimate", "--model", "cnn", "--workers", "1,2", "--link-bandwidth", "10GB/s", "--link-latency",
+                  "5us", "--json", "--measure-steps", "3", "--plot", "scaling.png", cwd=cwd)
+    return cwd, out
+
+
+@pytest.mark.slow
+def test_estimate_json_numbers_are_consistent(estimate_json):
+    cwd, out = estimate_json
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out.stdout)
+    assert data["model"] == "cnn" and data["parameters"] == 151_306 and data["gradient_bytes"] == 4 * 151_306
+    assert data["links"]["within_machine"]["bandwidth_bytes_per_s"] == pytest.approx(10e9)
+    assert data["links"]["within_machine"]["alpha_s"] == pytest.approx(5e-6)
+    rows = {(p["strategy"], p["workers"]): p for p in data["predictions"]}
+    assert set(rows) == {(s, n) for s in ("sync", "local-sgd", "pipeline", "fsdp") for n in (1, 2)} | {("ps", 2)}
+    assert any("ps on 1 worker" in line for line in data["skipped"])
+    for p in rows.values():
+        assert p["step_s"] > 0 and 0 < p["efficiency"] <= 1 and 0 <= p["comm_share"] <= 1
+        assert p["examples_per_s"] == pytest.approx(p["examples_per_step"] / p["step_s"])
+        assert p["step_s"] >= p["compute_s"] - 1e-12
+    assert rows[("sync", 2)]["examples_per_step"] == 64 and rows[("pipeline", 2)]["examples_per_step"] == 32
+    single = rows[("sync", 1)]
+    assert single["comm_share"] == 0 and single["efficiency"] == 1 and single["speedup"] == pytest.approx(1)
+    measured = {(c["processes"], c["threads"]) for c in data["compute"]}
+    assert measured == {(1, 2), (2, 1)}  # one worker alone with both cores; two sharing them
+    assert (cwd / "scaling.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_estimate_table_with_a_measured_link(tmp_path):
+    out = run_cli("estimate", "--model", "cnn", "--strategy", "sync", "--workers", "1", "--measure-link",
+                  "--measure-steps", "3", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "measured here: gloo all-reduces of 8 sizes" in out.stdout
+    assert "sync (DDP)" in out.stdout and "examples/s" in out.stdout
+    row = next(line for line in out.stdout.splitlines() if line.split()[:2] == ["1", "1"])
+    assert float(row.split()[-3]) == pytest.approx(1.0)  # one worker: speedup 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--link-bandwidth", "25GB"], "not a bandwidth like 25GB/s"),
+    (["--link-latency", "10"], "not a duration with a unit"),
+    (["--link-bandwidth", "25GB/s"], "--link-bandwidth needs --link-latency too"),
+    (["--workers", "0,2"], "every worker count must be 1 or more"),
+    (["--workers", "two"], "not a list of worker counts"),
+    (["--strategy", "hogwild"], "unknown --strategy 'hogwild'"),
+    (["--strategy", "sync", "--sync-every", "4"], "--sync-every is an option of local-sgd"),
+    (["--strategy", "pipeline", "--chunks", "5"], "does not split into --chunks 5"),
+    (["--strategy", "pipeline", "--stages", "9"], "the model has only 4 blocks"),
+    (["--plot", "out.txt"], "name a .png, .pdf or .svg file"),
+    (["--plot", "missing/out.png"], "does not exist"),
+    (["--per-node", "0"], "--per-node must be at least 1"),
+    (["--measure-steps", "1"], "--measure-steps must be at least 3"),
+    (["--synthetic-shape", "3x8x8"], "--synthetic-shape applies to --data synthetic"),
+    (["--batch-size", "5000"], "larger than the 1437 training examples"),
+    (["--compress", "int8"], "unknown --compress"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(["estimate", *args])
+    except SystemExit as e:  # argparse's own usage errors exit directly
+        code = e.code
+    out = capsys.readouterr()
+    assert code == 2, (out.out, out.err)
+    assert out.out == ""
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], out.err
+
+
+def test_bad_input_through_the_installed_command(tmp_path):
+    out = run_cli("estimate", "--link-latency", "10", cwd=tmp_path)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "not a duration" in out.stderr
