@@ -42,6 +42,19 @@ def test_a_stopped_sync_worker_is_named_with_its_step_and_the_others_with_their_
     assert "Traceback" not in err and not spawned_children(os.getpid())
 
 
+def test_a_stopped_ps_worker_is_dropped_and_the_others_finish_the_run(tmp_path):
+    code, out, err = run_and_signal(["train", "--strategy", "ps", "--workers", "3", "--steps", "600", "--log-every", "20",
+                                     "--hang-timeout", "6", "--checkpoint-dir", "ck"], tmp_path, "step 40,",
+                                    signal.SIGSTOP, rank=2)
+    assert code == 0, err
+    lost = re.search(r"^worker (\d) lost at step (\d+) \(no message for \d+ s: stopped, frozen or stuck\); "
+                     r"continuing with 2 workers$", out, re.M)
+    assert lost, out
+    assert int(lost.group(2)) >= 40 and "step 600," in out
+    assert latest_checkpoint(tmp_path / "ck").name == "step-00000600.pt"
+    assert err == "" and not spawned_children(os.getpid())  # the frozen worker is killed, not left behind
+
+
 class SleepsOnRank1(nn.Module):
     """The default digits CNN, except that rank 1's 30th forward pass never returns (a stuck data loader, a
     deadlocked user callback...)."""

@@ -171,7 +171,7 @@ def _spawned_worker(
         if local_rank == 0:
             results.put(("result", 0, _to_bytes(value)))
         progress.at(progress.step, "leaving")
-        _leave_together()
+        _leave_together(dist.PrefixStore(PREFIX, store), world_size)
     except PhalanxError as e:
         # Bad input found inside a worker (or a failure it diagnosed itself, such as a server that lost
         # every worker): send the message home, then fail so the rest stop too.
@@ -194,18 +194,19 @@ def _spawned_worker(
     os._exit(0)
 
 
-def _leave_together(wait_s: float = 30.0) -> None:
-    """Wait until every live rank is done before closing connections (a lost rank is skipped).
+def _leave_together(store: dist.Store, world_size: int, wait_s: float = 10.0) -> None:
+    """Wait until every rank is done before closing connections, through the store (silently).
 
-    On gloo a monitored barrier with a deadline: a rank that is frozen (an asynchronous strategy's
-    hung worker, dropped by its server) must not keep the others from leaving.
+    Every rank counts itself out; the parent counts the ranks it saw die (an asynchronous
+    strategy's lost worker). A rank that is frozen (a hung worker its server dropped) is never
+    counted: the deadline lets the others leave anyway.
     """
     try:
-        if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=timedelta(seconds=wait_s))
-        else:
-            dist.barrier()
-    except Exception:  # a peer is gone or frozen: nothing to wait for
+        store.add("left", 1)
+        deadline = time.monotonic() + wait_s
+        while store.add("left", 0) + store.add("gone", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:  # the store is gone: so is everyone else
         pass
 
 
@@ -310,7 +311,10 @@ def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], b
                 if code is None:
                     continue
                 alive.discard(rank)
-                if code == 0 or (tolerate is not None and tolerate(rank)):
+                if code == 0:
+                    continue
+                if tolerate is not None and tolerate(rank):
+                    watcher.store.add("gone", 1)  # the others need not wait for it to leave
                     continue
                 _terminate([processes[r] for r in alive])
                 received += _drain(results)
@@ -330,7 +334,7 @@ def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], b
 
 
 #: How long ranks may take to leave once rank 0 delivered its result.
-LEAVE_GRACE_S = 60.0
+LEAVE_GRACE_S = 15.0
 
 
 class _Forward:

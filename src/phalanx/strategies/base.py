@@ -148,6 +148,8 @@ class Build:
     steps: int  #: global steps in the whole run (a server says stop at it)
     accumulate: int = 1
     example: Optional[Batch] = None  #: one batch as this rank will see it (None: it reads no data)
+    #: how long a peer may stay silent before it counts as hung (0: never), for strategies that drop one
+    hang_timeout_s: float = 0.0
 
     @property
     def plan(self) -> RankPlan:

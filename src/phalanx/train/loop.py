@@ -59,7 +59,8 @@ class WorkerRun:
         # Before the runtime: calibrating shares every rank's compute time (a collective).
         self.straggle = Straggle.start(cfg.straggler, ctx, self.me.shard, model, example, plan.loss_fn,
                                        cfg.accumulate, cfg.seed)
-        build = Build(ctx, plan.layout, model, self._make_optimizer, plan.loss_fn, cfg.steps, cfg.accumulate, example)
+        build = Build(ctx, plan.layout, model, self._make_optimizer, plan.loss_fn, cfg.steps, cfg.accumulate, example,
+                      cfg.hang_timeout_s)
         self.runtime = cfg.strategy.runtime(build)
         self.schedule = Schedule(cfg.lr_schedule, cfg.lr_decay_every, cfg.lr_decay_factor, cfg.staircase,
                                  cfg.warmup_steps, cfg.steps)

@@ -146,7 +146,7 @@ class ServerRuntime(Runtime):
         super().__init__(build, description=options.describe())
         workers = self.ctx.world_size - 1
         self.server = Server(self.model, self.optimizer, self.ctx.world_size, self.ctx.device, options.bound,
-                             options.aggregation(workers), build.steps)
+                             options.aggregation(workers), build.steps, build.hang_timeout_s)
 
     def train_step(self, x, y) -> torch.Tensor:
         return self.server.serve_one_step()

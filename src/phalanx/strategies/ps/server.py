@@ -19,7 +19,11 @@ of the lowest-numbered worker in it (for ``ps``, its one gradient's), and every 
 server's. That is DDP's rule (rank 0's buffers are broadcast before every forward), so ``ssp:0``
 and ``backup:0`` equal ``sync``, buffers included; checkpoints and evaluation use the server's.
 
-A worker whose connection drops is reported lost and no longer counted (in the gate, in quorums).
+A worker whose connection drops is reported lost and no longer counted (in the gate, in quorums),
+and so is one that stays silent for the hang timeout while the server expects its gradient (it is
+stopped, frozen or stuck): the others go on. The server never blocks on one worker: each worker's
+replies go out through a sender thread of its own, so a worker that stops reading holds up only
+its own sender.
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
 from typing import Any, Optional
 
 import torch
 from torch.nn.utils import parameters_to_vector
 
 from ...errors import WorkerFailed
+from ...watch import STARTUP_S
 from ..staleness import StalenessStats
 from . import protocol
 from .aggregate import Rounds, Rule
@@ -42,7 +48,7 @@ from .protocol import BYE, HELLO, PUSH, Message, Reply, buffer_count, buffers_to
 
 class Server:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int,
-                 device: torch.device, bound: Optional[int], rule: Rule, steps: int):
+                 device: torch.device, bound: Optional[int], rule: Rule, steps: int, hang_timeout_s: float = 0.0):
         self.model, self.optimizer, self.device = model, optimizer, device
         self.params = list(model.parameters())
         self.size = sum(p.numel() for p in self.params)
@@ -66,10 +72,14 @@ class Server:
         self.replies = 0
         self.last_version = 0
         self.versions_out_of_order = 0  # replies whose version was older than an earlier one (must stay 0)
+        self.hang_timeout_s = hang_timeout_s
+        self.checked = time.monotonic()
+        self.expecting: dict[int, float] = {w: time.monotonic() for w in self.gate.live}  # worker -> since when
         self.inbox: queue.Queue = queue.Queue()
-        self.receivers = [threading.Thread(target=self._receive, args=(w,), daemon=True)
-                          for w in sorted(self.gate.live)]
-        for thread in self.receivers:
+        self.outboxes: dict[int, queue.Queue] = {w: queue.Queue() for w in self.gate.live}
+        self.receivers = {w: threading.Thread(target=self._receive, args=(w,), daemon=True) for w in self.gate.live}
+        self.senders = [threading.Thread(target=self._send, args=(w,), daemon=True) for w in sorted(self.gate.live)]
+        for thread in list(self.receivers.values()) + self.senders:
             thread.start()
 
     @property
@@ -92,6 +102,18 @@ class Server:
         except Exception as e:  # the connection closed: the worker died (or finished)
             self.inbox.put(Message(worker, -1, error=str(e).splitlines()[0][:200] if str(e) else type(e).__name__))
 
+    def _send(self, worker: int) -> None:
+        """Send this worker its replies, in order; a send that fails makes it lost, like any other."""
+        while True:
+            item = self.outboxes[worker].get()
+            if item is None:
+                return
+            try:
+                protocol.send_reply(worker, *item, self.device)
+            except Exception as e:  # it died after its last push reached us
+                self.inbox.put(Message(worker, -1, error=str(e).splitlines()[0][:200] if str(e) else type(e).__name__))
+                return
+
     # ---- the loop ----
     def global_step(self) -> int:
         return self.updates // self.rule.per_step
@@ -105,10 +127,30 @@ class Server:
         return torch.tensor(sum(self.step_losses) / max(len(self.step_losses), 1))
 
     def _next_message(self) -> Message:
-        if not self.live:
-            raise WorkerFailed(0, "every worker was lost; the parameter server cannot continue (the last "
-                                  "checkpoint is intact: --resume from it)")
-        return self.inbox.get()
+        """The next message, waiting; meanwhile (checked every second) a worker silent too long is lost."""
+        while True:
+            if not self.live:
+                raise WorkerFailed(0, "every worker was lost; the parameter server cannot continue (the last "
+                                      "checkpoint is intact: --resume from it)")
+            if self.hang_timeout_s > 0 and time.monotonic() - self.checked > 1.0:
+                self.checked = time.monotonic()
+                self._lose_the_silent()
+            try:
+                message = self.inbox.get(timeout=1.0 if self.hang_timeout_s > 0 else None)
+            except queue.Empty:
+                continue
+            self.expecting.pop(message.worker, None)  # heard from: nothing expected until its next reply
+            return message
+
+    def _lose_the_silent(self) -> None:
+        """Lose every worker whose gradient is due for half the hang timeout: half, so that the others go
+        on (and the job shows progress) well before the launcher would call the whole job hung."""
+        now = time.monotonic()
+        for worker, since in sorted(self.expecting.items()):
+            # (a worker told to stop owes only its BYE; one that never spoke may still be starting)
+            allowed = self.hang_timeout_s / 2 if self.gate.clock[worker] else max(self.hang_timeout_s, STARTUP_S)
+            if worker in self.live and worker not in self.stopped and now - since > allowed:
+                self._lose(worker, f"no message for {now - since:.0f} s: stopped, frozen or stuck")
 
     def _handle(self, message: Message) -> None:
         worker = message.worker
@@ -176,12 +218,10 @@ class Server:
         if not stop:  # the worker begins a step now: the bound must hold
             self.max_lead = max(self.max_lead, self.gate.lead(worker))
         reply = Reply(self.updates, stop, self.global_step())
-        try:
-            protocol.send_reply(worker, reply, parameters_to_vector(self.params).detach().contiguous(),
-                                buffers_to_vector(self.model), self.device)
-        except Exception as e:  # it died after its last push reached us: lost, like any other
-            self._lose(worker, str(e).splitlines()[0][:200])
-            return
+        # A copy of the parameters as they are now, sent by the worker's own thread: never blocks here.
+        self.outboxes[worker].put((reply, parameters_to_vector(self.params).detach().contiguous(),
+                                   buffers_to_vector(self.model)))
+        self.expecting[worker] = time.monotonic()  # its gradient (or, told to stop, its BYE) is due
         self.replies += 1
         self.versions_out_of_order += reply.version < self.last_version
         self.last_version = reply.version
@@ -195,9 +235,12 @@ class Server:
         self.waiting.discard(worker)
         if self.pending.pop(worker, None) is not None:  # its round goes on without it
             self.dropped[worker] += 1
+        self.expecting.pop(worker, None)
+        self.outboxes[worker].put(None)  # its sender ends once any reply it is stuck on gives way
         self.lost.append((worker, self.global_step()))
         if worker not in self.stopped:
-            print(f"worker {worker} lost at step {self.global_step()}; continuing with {len(self.live)} workers",
+            hung = f" ({why})" if why.startswith("no message") else ""
+            print(f"worker {worker} lost at step {self.global_step()}{hung}; continuing with {len(self.live)} workers",
                   flush=True)
         self._apply_if_ready()  # the others may have been waiting for it
 
@@ -212,7 +255,7 @@ class Server:
             self._reply(worker)
         self.waiting.clear()
         while self.live - self.stopped:
-            message = self.inbox.get()
+            message = self._next_message()
             if message.kind not in (PUSH, HELLO):
                 self._lose(message.worker, message.error)
                 continue
@@ -259,7 +302,13 @@ class Server:
         return line
 
     def close(self, timeout_s: float = 60.0) -> None:
-        # A thread still blocked in recv when the process exits aborts it: wait for every BYE (a lost
-        # worker's thread has ended already: its connection closed).
-        for thread in self.receivers:
-            thread.join(timeout_s)
+        # A thread still blocked in recv when the process exits aborts it: wait for every BYE. A lost
+        # worker's threads are left: either its connection closed (they ended) or it is frozen (they
+        # never will; they are daemons, and the process leaves without waiting for them).
+        lost = {w for w, _ in self.lost}
+        for worker, thread in self.receivers.items():
+            if worker not in lost:
+                thread.join(timeout_s)
+        for worker, outbox in self.outboxes.items():
+            if worker not in lost:
+                outbox.put(None)
