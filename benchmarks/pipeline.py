@@ -92,7 +92,7 @@ def _timed_steps(ctx, strategy, x, y, steps: int) -> float:
     dist.barrier()
     start = time.perf_counter()
     for _ in range(steps):
-        strategy.global_loss(strategy.train_step(x, y))
+        strategy.global_losses(strategy.train_step(x, y))
     took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return took.item()

@@ -43,7 +43,7 @@ def run_mesh(ctx: WorkerContext, strategy: Pipeline) -> dict:
     losses = []
     for x, y in batches()[:K]:
         loss = runtime.train_step(my_part(ctx, x, replicas), my_part(ctx, y, replicas))
-        losses.append(float(runtime.global_loss(loss)))
+        losses.append(float(runtime.global_losses(loss)))
     grads = {names[g]: t for g, t in zip(runtime.local_to_global, runtime.optimizer.seen)}
     merged, per_rank = {}, gather(ctx, grads)
     for part in per_rank[::replicas]:  # replica 0 of each stage

@@ -69,7 +69,7 @@ def run_pipeline(ctx: WorkerContext, strategy: Pipeline, steps: int = K, resume:
     losses = []
     for x, y in batches()[resume["step"] if resume else 0:steps]:
         loss = runtime.train_step(x, y)
-        losses.append(float(runtime.global_loss(loss)))
+        losses.append(float(runtime.global_losses(loss)))
     grads = {names[g]: t for g, t in zip(runtime.local_to_global, runtime.optimizer.seen)}
     merged = {}
     for part in gather(ctx, grads):

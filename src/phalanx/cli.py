@@ -26,6 +26,7 @@ from .options import add_flags, declared, field_flag, given
 SECTIONS = {
     "parallelism": ("strategy", "devices", "strict_devices", "workers", "threads", "master_addr"),
     "faults": ("timeout_s", "hang_timeout_s", "max_restarts"),
+    "speed": ("precision", "compile"),
     "model and data": ("model", "data", "data_dir", "synthetic_shape", "synthetic_size"),
     "optimisation (unset: the model's recipe)": (
         "steps", "batch_size", "accumulate", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",

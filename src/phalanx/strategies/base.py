@@ -12,7 +12,7 @@
 
       loss = runtime.train_step(x, y)       # forward, backward, update (micro-batched)
       step = runtime.next_step(step)        # the global step now (None: this rank is done)
-      loss = runtime.global_loss(loss)      # the loss every rank agrees on (logs, NaN guard)
+      losses = runtime.global_losses(losses)  # the per-step losses every rank agrees on (at log steps)
       correct, total = runtime.evaluate(batches)
       runtime.state_dict() / runtime.load_state_dict(state)    # checkpoints
       runtime.finish(); runtime.report(final); runtime.close()
@@ -32,6 +32,7 @@ from torch import nn
 
 from ..errors import PhalanxError
 from ..launch import WorkerContext
+from ..precision import Precision
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -150,6 +151,7 @@ class Build:
     example: Optional[Batch] = None  #: one batch as this rank will see it (None: it reads no data)
     #: how long a peer may stay silent before it counts as hung (0: never), for strategies that drop one
     hang_timeout_s: float = 0.0
+    precision: Precision = Precision()  #: autocast around each forward (and fp16's gradient scaler)
 
     @property
     def plan(self) -> RankPlan:
@@ -181,6 +183,7 @@ class Runtime:
         self.optimizer = optimizer if optimizer is not None else build.make_optimizer(self.model.parameters())
         self.description = description
         self.notes = list(notes)
+        self.scaler = build.precision.scaler()  #: fp16 only (sync: checked in the parent)
 
     @property
     def module(self) -> nn.Module:
@@ -194,7 +197,7 @@ class Runtime:
         """Gradients of the mean loss over the batch, in ``parts`` micro-batches (default: ``accumulate``).
 
         Returns the mean loss. Only the last micro-batch's backward communicates: the others run
-        under ``no_sync``.
+        under ``no_sync``. The forward and the loss run under the run's autocast (if any).
         """
         parts = parts or self.build.accumulate
         xs, ys = x.chunk(parts), y.chunk(parts)
@@ -202,16 +205,22 @@ class Runtime:
         for i, (xk, yk) in enumerate(zip(xs, ys)):
             weight = len(xk) / len(x)
             with self.no_sync() if i < len(xs) - 1 else contextlib.nullcontext():
-                loss = self.build.loss_fn(self.model(xk), yk)
-                (loss * weight).backward()
-            total += loss.detach() * weight
+                with self.build.precision.autocast():
+                    loss = self.build.loss_fn(self.model(xk), yk)
+                scaled = loss.float() * weight
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            total += loss.detach().float() * weight
         return total
 
     # ---- what the loop calls ----
     def train_step(self, x: torch.Tensor, y: torch.Tensor, parts: Optional[int] = None) -> torch.Tensor:
         """Forward, backward, one optimizer step; this rank's mean loss over its batch (detached)."""
         loss = self.forward_backward(x, y, parts)
-        self.optimizer.step()
+        if self.scaler is not None:  # fp16: unscale, skip the step if a gradient overflowed, adapt the scale
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss
 
@@ -219,11 +228,12 @@ class Runtime:
         """The global step after this rank's train_step (None: this rank is done)."""
         return step + 1
 
-    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The mean of ``loss`` over every rank (every rank gets the same value)."""
+    def global_losses(self, losses: torch.Tensor) -> torch.Tensor:
+        """The mean over every rank of ``losses`` (this rank's loss at each step since the loop last
+        looked), every rank getting the same values: one small all-reduce, at log steps only."""
         if not self.ctx.distributed:
-            return loss
-        out = loss.detach().clone()
+            return losses
+        out = losses.detach().clone()
         dist.all_reduce(out)
         return out / self.ctx.world_size
 
@@ -238,12 +248,15 @@ class Runtime:
 
     def state_dict(self) -> Optional[dict[str, Any]]:
         """Model and optimizer state to save (called on every rank; rank 0's result is written)."""
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        scaler = {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), **scaler}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (on every rank)."""
         load_model_state(self.module, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
 
     def finish(self) -> None:
         """After the last step, before the final evaluation and checkpoint.

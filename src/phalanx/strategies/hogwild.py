@@ -124,8 +124,8 @@ class HogwildRuntime(Runtime):
         self.staleness.record(int(others - seen))
         return loss
 
-    def global_loss(self, loss):
-        return loss  # no per-step collective: workers never wait for each other
+    def global_losses(self, losses):
+        return losses  # no collective: workers never wait for each other
 
     def report(self, final: bool = False) -> Report:
         return Report(self.staleness.to_dict(), [self.staleness.line()])

@@ -48,6 +48,6 @@ class LocalSGDRuntime(Runtime):
             # The optimizer stays the user's object; its step() now ends with the averager's turn.
             self.optimizer.register_step_post_hook(lambda *_: averager.average_parameters(params))
 
-    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        # No per-step collective: that would put the workers back in lockstep every step.
-        return loss
+    def global_losses(self, losses: torch.Tensor) -> torch.Tensor:
+        # No collective: that would put the workers back in lockstep at every log step.
+        return losses

@@ -4,7 +4,7 @@ Each worker holds one stage, a contiguous run of the model's blocks. A step cuts
 M micro-batches; stage s receives micro-batch activations from s−1 and sends its outputs to s+1
 (point-to-point, in the order GPipe or 1F1B prescribes), and the gradients flow back the same
 way. Every stage of a pipeline loads the same batch: the first stage feeds the inputs, the last
-one the labels. The last stage alone knows the loss, so :meth:`global_loss` sums it over the
+one the labels. The last stage alone knows the loss, so :meth:`global_losses` sums it over the
 ranks (the others add zero); :meth:`evaluate` runs the pipeline forward and sums the last
 stages' counts; a checkpoint gathers one pipeline's stages to rank 0 as one whole model.
 
@@ -146,6 +146,8 @@ class PipelineRuntime(Runtime):
             lo, hi = bounds(self.plan.counts)[self.stage_index]
             model = StageModule(named[lo:hi])
         self.stage_module = model
+        if self.stages > 1:  # the engine calls the stage itself, forward and backward interleaved
+            build.precision.around_forward(model)
         #: the whole model's parameter index of each of this stage's parameters
         self.local_to_global = [index[id(p)] for p in model.parameters()]
         super().__init__(build, model, description=options.describe(self.stages, self.replicas),
@@ -227,7 +229,7 @@ class PipelineRuntime(Runtime):
         self.optimizer.zero_grad(set_to_none=True)
         if self.is_last:
             return torch.stack([loss.detach() for loss in losses]).mean()
-        return torch.zeros((), device=self.ctx.device)  # only the last stage knows it: see global_loss
+        return torch.zeros((), device=self.ctx.device)  # only the last stage knows it: see global_losses
 
     def _average_over_replicas(self) -> None:
         """Average this stage's gradients over its replicas: one flat all-reduce per dtype.
@@ -260,11 +262,11 @@ class PipelineRuntime(Runtime):
                 self._stage, micro, loss_fn=self.build.loss_fn, scale_grads=True)
         return self._schedules[micro]
 
-    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+    def global_losses(self, losses: torch.Tensor) -> torch.Tensor:
         """The mean of the last stages' losses over the replicas, on every rank (the other stages add 0)."""
         if self._stage is None:
-            return super().global_loss(loss)
-        out = loss.detach().reshape(()).to(self.ctx.device, torch.float32).clone()
+            return super().global_losses(losses)
+        out = losses.detach().to(self.ctx.device, torch.float32).clone()
         dist.all_reduce(out)
         return out / self.replicas
 

@@ -107,6 +107,18 @@ def check_global_batch(cfg: TrainConfig, layout: Layout, facts: DataFacts) -> No
                            "use a smaller --batch-size")
 
 
+def check_precision(cfg: TrainConfig, layout: Layout) -> None:
+    """fp16 needs a gradient scaler, which needs CUDA and one optimizer step per rank per step (sync)."""
+    if cfg.precision != "fp16":
+        return
+    if any(d.type != "cuda" for d in layout.devices):
+        raise PhalanxError("--precision fp16 runs on CUDA devices only (its gradient scaler is a GPU feature); "
+                           "use --precision bf16 on the CPU: the same speed-up, fp32's range, no scaler")
+    if cfg.strategy.name != "sync":
+        raise PhalanxError(f"--precision fp16 works with --strategy sync only (a gradient scaler that skips a step "
+                           f"must skip it on every replica alike); use --precision bf16 with {cfg.strategy.name}")
+
+
 def check_straggler(cfg: TrainConfig, layout: Layout) -> None:
     """``--straggler RANK:FACTOR`` must name a rank of this run that computes (reads data)."""
     slow = cfg.straggler

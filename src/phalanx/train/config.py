@@ -17,6 +17,7 @@ from ..data.datasets import DATASETS
 from ..errors import PhalanxError
 from ..models import MODELS, RECIPES, USER_RECIPE, Recipe
 from ..options import option
+from ..precision import PRECISIONS
 from ..strategies import STRATEGIES, Options, strategy_class
 from .schedules import SCHEDULES
 from .straggle import Slowness, parse_slowness
@@ -77,6 +78,9 @@ class TrainConfig:
     warmup_steps: int = option(0, "linear warmup length in steps")
     lr_base_batch: Optional[int] = option(None, "linear scaling rule: lr x global batch / this")
     seed: int = option(0, "model initialisation and data order")
+    precision: str = option("fp32", "autocast each forward pass to bf16 or fp16 (fp16: CUDA and sync only, with a "
+                                    "gradient scaler); parameters and checkpoints stay fp32", choices=PRECISIONS)
+    compile: bool = option(False, "torch.compile each block of the model (in place: checkpoints are unchanged)")
     straggler: Optional[Union[str, tuple, Slowness]] = option(
         None, "slow a worker down, for studying stragglers: RANK:FACTOR (that rank's compute takes FACTOR times as "
               "long every step) or pauses:P:FACTOR (every step, each worker is FACTOR times as slow with "
@@ -147,7 +151,7 @@ class TrainConfig:
 
     def _check_choices(self) -> None:
         for name, choices in (("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES), ("progress", PROGRESS),
-                              ("model", tuple(MODELS)), ("data", DATASETS)):
+                              ("model", tuple(MODELS)), ("data", DATASETS), ("precision", PRECISIONS)):
             value = getattr(self, name)
             if value is not None and value not in choices:
                 what = {"optimizer": "optimizer", "model": "model", "data": "data set"}.get(name, _flag(name))

@@ -23,8 +23,10 @@ from ..errors import TrainingDiverged
 from ..launch import WorkerContext
 from ..memory import Held, describe, held, largest
 from ..models import build_model
+from ..precision import Precision, compile_blocks
 from ..strategies import Build
 from . import checkpoint as ckpt
+from .losses import LossWindow, first_non_finite
 from .report import Reporter, step_line
 from .schedules import Schedule, scaled_lr
 from .straggle import Straggle
@@ -56,11 +58,12 @@ class WorkerRun:
         self.steps_per_epoch = len(self.data.train) // self.global_batch
         example = next(self.batches(0)) if self.batches is not None else None
         model = self._build_model().to(ctx.device)
+        self.compiled = compile_blocks(model) if cfg.compile else 0  # in place: before any strategy wraps it
         # Before the runtime: calibrating shares every rank's compute time (a collective).
         self.straggle = Straggle.start(cfg.straggler, ctx, self.me.shard, model, example, plan.loss_fn,
                                        cfg.accumulate, cfg.seed)
         build = Build(ctx, plan.layout, model, self._make_optimizer, plan.loss_fn, cfg.steps, cfg.accumulate, example,
-                      cfg.hang_timeout_s)
+                      cfg.hang_timeout_s, Precision(cfg.precision, ctx.device.type))
         self.runtime = cfg.strategy.runtime(build)
         self.schedule = Schedule(cfg.lr_schedule, cfg.lr_decay_every, cfg.lr_decay_factor, cfg.staircase,
                                  cfg.warmup_steps, cfg.steps)
@@ -106,6 +109,9 @@ class WorkerRun:
         progress = self.ctx.progress
         progress.handle_signals()  # from here on SIGTERM/SIGINT mean: stop at a step boundary and save
         reached = False
+        # An ordinary step reads nothing on the host and runs no collective of its own: the losses
+        # wait on the device until a log or checkpoint step looks at them (see losses.py).
+        window = LossWindow(self.ctx.device, self.cfg.log_every)
         while self.step < self.cfg.steps and not reached:
             if self._stopping():
                 break
@@ -114,21 +120,26 @@ class WorkerRun:
             loss = self.runtime.train_step(x, y)
             self.straggle.after_step()
             self.scheduler.step()
-            value = float(self.runtime.global_loss(loss))
             following = self.runtime.next_step(self.step)
             if following is None:  # an asynchronous worker told to stop
                 break
             self.step = following
-            self._guard(value)
-            self.reporter.advance(value)
-            if self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps:
+            window.add(self.step, loss)
+            self.reporter.advance()
+            logging = self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps
+            saving = bool(self.cfg.checkpoint_every) and self.step % self.cfg.checkpoint_every == 0
+            if logging or saving or window.full:
+                value = self._look(window)
+            if logging:
                 now = time.perf_counter()
                 self._log(value, self.step - mark_step, now - mark)
                 mark, mark_step = now, self.step
             if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.steps:
                 reached = self._evaluate(start) >= (self.cfg.stop_at_accuracy or math.inf)
-            if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
+            if saving:
                 self._save()
+        if len(window):  # every rank stops at the same step, holding the same steps
+            self._look(window)
         progress.at(self.step, "finishing")
         self.runtime.finish()
         elapsed = time.perf_counter() - start - self.eval_seconds
@@ -159,16 +170,21 @@ class WorkerRun:
         # The first proposal stored wins (compare_set), so every rank reads the same step.
         return int(self.ctx.store.compare_set("phalanx/stop_at", "", str(self.step + 2)))
 
-    def _guard(self, loss: float) -> None:
-        # Every rank holds the same agreed loss, so every rank stops at the same step.
-        if not math.isfinite(loss):
-            self._diverged(loss)
+    def _look(self, window: LossWindow) -> float:
+        """The NaN guard over every step since the last look, on the losses every rank agrees on (so
+        every rank stops at the same step); returns the newest agreed loss."""
+        steps, losses = window.take(self.runtime.global_losses)
+        bad = first_non_finite(steps, losses)
+        if bad is not None:
+            self._diverged(bad[1], bad[0])
+        self.reporter.show_loss(losses[-1])
+        return losses[-1]
 
-    def _diverged(self, loss: float) -> None:
+    def _diverged(self, loss: float, step: int) -> None:
         last = self.last_checkpoint or "none (no checkpoint was written before this step)"
-        self.reporter.record("diverged", step=self.step, loss=str(loss))
+        self.reporter.record("diverged", step=step, loss=str(loss))
         raise TrainingDiverged(
-            f"model diverged with loss = {loss} at step {self.step}; last good checkpoint: {last} "
+            f"model diverged with loss = {loss} at step {step}; last good checkpoint: {last} "
             "(lower --lr or add --warmup-steps, then --resume from it)"
         )
 
@@ -201,7 +217,7 @@ class WorkerRun:
         # The loss of this step was finite, but its update may not be: never save such weights.
         self.ctx.progress.at(self.step, "checkpointing")
         if not all(torch.isfinite(p).all() for p in self.runtime.module.parameters()):
-            self._diverged(float("nan"))
+            self._diverged(float("nan"), self.step)
         state = self.runtime.state_dict()
         rng = [torch.get_rng_state()]
         if self.ctx.distributed and self.plan.layout.lockstep:
@@ -247,11 +263,22 @@ class WorkerRun:
             f"{', '.join(devs)}, backend {backend}, global batch {self.global_batch} "
             f"({self._batch_split()}), {model} on {self.data.name}{resumed}"
         )
-        for line in self.runtime.notes + self.straggle.lines():
+        for line in self.runtime.notes + self.straggle.lines() + self._precision_lines():
             self.reporter.say(line)
         self.reporter.say(self.plan.recipe)
         if self.straggle.fields():
             self.reporter.record("straggle", **self.straggle.fields())
+
+    def _precision_lines(self) -> list[str]:
+        lines = []
+        if self.cfg.precision != "fp32":
+            scaler = ", with a gradient scaler" if self.cfg.precision == "fp16" else ""
+            lines.append(f"precision: {self.cfg.precision} autocast in every forward pass{scaler}; parameters, "
+                         "gradients, optimizer state and checkpoints in fp32")
+        if self.compiled:
+            lines.append(f"compiled: {self.compiled} blocks, each with torch.compile (the first steps include "
+                         "the compilation)")
+        return lines
 
     def _batch_split(self) -> str:
         shards = self.plan.layout.shards
@@ -274,6 +301,7 @@ class WorkerRun:
                    "stopped_at_accuracy": reached, "checkpoint": self.last_checkpoint,
                    "metrics": self.cfg.metrics, "stopped_by": stopped,
                    "world_size": self.ctx.world_size, "strategy": self.cfg.strategy.name,
+                   "precision": self.cfg.precision, "compiled_blocks": self.compiled,
                    "watch_cpu_seconds": round(self.ctx.progress.cpu_seconds, 4),
                    "memory_bytes": mine.as_dict(), **({"memory_bytes_max": most.as_dict()} if most else {}),
                    **report.fields}

@@ -70,9 +70,12 @@ class Reporter:
         if self.metrics is not None:
             self.metrics.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
 
-    def advance(self, loss: float) -> None:
+    def advance(self) -> None:
         if self.bar is not None:
             self.bar.update(1)
+
+    def show_loss(self, loss: float) -> None:
+        if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
 
     def close(self) -> None:

@@ -80,6 +80,7 @@ class Trainer:
         layout = cfg.strategy.layout(job)
         checks.check_global_batch(cfg, layout, facts)
         checks.check_straggler(cfg, layout)
+        checks.check_precision(cfg, layout)
         spawning = layout.world_size > 1 and not in_torchrun()
         if spawning:
             checks.check_main_guard()

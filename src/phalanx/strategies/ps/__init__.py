@@ -154,8 +154,8 @@ class ServerRuntime(Runtime):
     def next_step(self, step: int) -> Optional[int]:
         return self.server.global_step()
 
-    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss  # the server heard every worker's loss: it alone guards against divergence
+    def global_losses(self, losses: torch.Tensor) -> torch.Tensor:
+        return losses  # the server heard every worker's loss: it alone guards against divergence
 
     def evaluate(self, batches) -> tuple[int, int]:
         counts = count_correct(self.module, batches, self.ctx.device)  # the whole test set, no collective

@@ -57,9 +57,9 @@ class WorkerRuntime(Runtime):
         # A worker's own count means nothing here: only the server's global step, or stop.
         return None if self.stop else self.step_seen
 
-    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+    def global_losses(self, losses: torch.Tensor) -> torch.Tensor:
         # The server sees every pushed loss and guards against divergence; workers do not judge.
-        return torch.zeros(())
+        return torch.zeros_like(losses)
 
     def evaluate(self, batches) -> tuple[int, int]:
         return 0, 0  # the server evaluates; workers are not in step with it

@@ -1,0 +1,74 @@
+"""Mixed precision and compilation, for every strategy alike.
+
+``--precision bf16|fp16`` runs each forward pass (and the loss) under ``torch.autocast``: matrix
+products in half precision, reductions and the loss in fp32. Parameters, gradients, optimizer
+state and checkpoints stay fp32. fp16 needs a gradient scaler (its range is too small for small
+gradients) and is offered on CUDA only; bf16 has fp32's range and needs none.
+
+``--compile`` compiles each block of the model in place (``Module.compile``): the parameter names
+stay the same (checkpoints load into an uncompiled model), DDP, FSDP and the pipeline stages hold
+the compiled blocks as they would the eager ones, and a strategy that splits the model splits it
+at block boundaries, so every piece is compiled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import nn
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    name: str = "fp32"
+    device_type: str = "cpu"
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Around a forward pass and its loss (never around backward)."""
+        if self.name == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=_DTYPES[self.name])
+
+    def scaler(self) -> Optional[torch.amp.GradScaler]:
+        """fp16's gradient scaler (None for bf16 and fp32, which need none)."""
+        return torch.amp.GradScaler(self.device_type) if self.name == "fp16" else None
+
+    def around_forward(self, module: nn.Module) -> None:
+        """Make ``module``'s own forward run under autocast, for engines that call it themselves
+        (a pipeline schedule runs forward and backward interleaved: the context cannot wrap one
+        without the other). Its outputs come back in fp32, as the next stage and the loss expect."""
+        if self.name == "fp32":
+            return
+        contexts: list = []
+
+        def enter(mod, args):
+            contexts.append(self.autocast())
+            contexts[-1].__enter__()
+
+        def leave(mod, args, out):
+            contexts.pop().__exit__(None, None, None)
+            return out.float() if torch.is_tensor(out) and out.is_floating_point() else out
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave)
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The units compiled one by one: the model's top-level children (the built-in models are
+    sequences of blocks), or the model itself if it has none."""
+    children = [c for c in model.children() if any(True for _ in c.parameters())]
+    return children or [model]
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """Compile every block of ``model`` in place; returns how many."""
+    units = blocks(model)
+    for unit in units:
+        unit.compile()
+    return len(units)

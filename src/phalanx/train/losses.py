@@ -1,0 +1,47 @@
+"""The per-step losses, kept on the device until the loop looks at them.
+
+Reading a loss on the host waits for the device to finish the step, and agreeing on it across
+ranks is a collective: on every step, that is a stall the user's own loop would not have. So
+each step adds its loss to a small device tensor (a copy, no synchronisation), and the loop looks
+only when it logs, checkpoints or the window is full: one host read and one small all-reduce for
+all the steps since it last looked. The NaN guard stays exact: every step's agreed loss is
+checked, and the first non-finite one is named with its own step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+
+#: Most steps between two looks (a look is also forced at every log and checkpoint step).
+MAX_WINDOW = 1000
+
+
+class LossWindow:
+    def __init__(self, device: torch.device, capacity: int):
+        self.values = torch.zeros(max(1, min(capacity, MAX_WINDOW)), device=device, dtype=torch.float32)
+        self.steps: list[int] = []  #: the global step of each value held
+
+    def add(self, step: int, loss: torch.Tensor) -> None:
+        self.values[len(self.steps)].copy_(loss.detach().reshape(()), non_blocking=True)
+        self.steps.append(step)
+
+    @property
+    def full(self) -> bool:
+        return len(self.steps) == len(self.values)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def take(self, agree: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[int], list[float]]:
+        """Every held step and its loss as the ranks agree on it (``agree``: the runtime's
+        ``global_losses``); the window is empty afterwards."""
+        steps, self.steps = self.steps, []
+        return steps, agree(self.values[: len(steps)]).tolist()
+
+
+def first_non_finite(steps: list[int], losses: list[float]) -> Optional[tuple[int, float]]:
+    """The first (step, loss) whose loss is not finite, if any."""
+    return next(((s, v) for s, v in zip(steps, losses) if not math.isfinite(v)), None)
