@@ -104,12 +104,17 @@ def main() -> None:
     paired = [p / d for p, d in zip(runs["phalanx x2"], runs["ddp x2"])]
     eff_phalanx = med["phalanx x2"] / (2 * med["phalanx x1"])
     eff_ddp = med["ddp x2"] / (2 * med["ddp x1"])
-    print(f"  ratio phalanx/DDP (2 workers): {ratio:.3f} (paired per repeat: {statistics.median(paired):.3f}, "
-          f"{min(paired):.3f}-{max(paired):.3f})")
-    print(f"  weak-scaling efficiency (2 workers / 2 x 1 worker): phalanx {eff_phalanx:.3f}, DDP {eff_ddp:.3f}")
+    goals = {"median ratio >= 1.00": ratio >= 1.0, "paired median >= 0.98": statistics.median(paired) >= 0.98,
+             "efficiency within 0.01 of DDP's": eff_phalanx >= eff_ddp - 0.01}
+    print(f"  ratio phalanx/DDP (2 workers): {ratio:.3f} (goal >= 1.00); paired per repeat: "
+          f"{statistics.median(paired):.3f} (goal >= 0.98), {min(paired):.3f}-{max(paired):.3f}")
+    print(f"  weak-scaling efficiency (2 workers / 2 x 1 worker): phalanx {eff_phalanx:.3f}, DDP {eff_ddp:.3f} "
+          f"(goal: within 0.01)")
+    print("  goals: " + "; ".join(f"{name} {'met' if ok else 'NOT met'}" for name, ok in goals.items()))
 
     save_result("sync_vs_ddp", args=vars(args), examples_per_sec=runs, median=med, ratio_phalanx_over_ddp=ratio,
-                paired_ratios=paired, weak_scaling_efficiency={"phalanx": eff_phalanx, "ddp": eff_ddp})
+                paired_ratios=paired, weak_scaling_efficiency={"phalanx": eff_phalanx, "ddp": eff_ddp},
+                goals_met=goals)
 
 
 if __name__ == "__main__":
