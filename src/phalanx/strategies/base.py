@@ -207,9 +207,9 @@ class Runtime:
             with self.no_sync() if i < len(xs) - 1 else contextlib.nullcontext():
                 with self.build.precision.autocast():
                     loss = self.build.loss_fn(self.model(xk), yk)
-                scaled = loss.float() * weight
+                scaled = loss * weight  # (under autocast the loss is computed in fp32)
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            total += loss.detach().float() * weight
+            total += loss.detach() * weight
         return total
 
     # ---- what the loop calls ----
