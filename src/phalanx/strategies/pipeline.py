@@ -42,7 +42,8 @@ from ..options import option
 from ..pipeline import state as opt_state
 from ..pipeline.balance import Balance, bounds, check_counts, check_stages, parse_balance, partition
 from ..pipeline.plan import StagePlan
-from ..pipeline.profile import time_blocks
+from ..pipeline.messages import interpolate, time_messages
+from ..pipeline.profile import agree, time_blocks
 from ..pipeline.split import StageModule, model_blocks, parameter_counts
 from .base import Batch, Build, Job, Layout, Options, RankPlan, Report, Runtime, require_positive
 
@@ -178,22 +179,41 @@ class PipelineRuntime(Runtime):
         if how == "explicit":
             check_counts(options.balance, len(blocks), self.stages)  # before measuring: a bad plan fails at once
         params = parameter_counts(blocks)
-        seconds = self._measure(blocks, example) if example is not None else None
-        counts = tuple(options.balance) if how == "explicit" else \
-            partition(seconds if how == "time" else params, self.stages)
-        return StagePlan(counts, [n for n, _ in named], params, seconds, how, options.chunks, options.schedule,
+        plan = StagePlan((), [n for n, _ in named], params, None, how, options.chunks, options.schedule,
                          self.replicas)
+        if example is not None:
+            self._measure(blocks, example, plan)
+        if how == "explicit":
+            plan.counts = tuple(options.balance)
+        else:
+            plan.counts = partition(plan.seconds, self.stages, plan.boundary()) if how == "time" else \
+                partition(params, self.stages)
+        return plan
 
-    def _measure(self, blocks: list[nn.Module], example: torch.Tensor) -> list[float]:
-        """Per-block seconds, averaged over ranks so that every rank computes the same partition."""
-        micro = example[: max(1, len(example) // self.options.chunks)]
-        seconds = torch.tensor(time_blocks(blocks, micro, self.ctx.device, self.options.profile_repeats),
-                               dtype=torch.float64)
+    def _measure(self, blocks: list[nn.Module], example: torch.Tensor, plan: StagePlan) -> None:
+        """Every block's time and every cut's message, measured as the stages will run, agreed by all ranks.
+
+        Every rank times every block at once (see ``pipeline/profile.py``) on one step's
+        micro-batches; the ranks all-gather their figures and take the median per block. Then
+        neighbouring stages time the messages a cut could send (``pipeline/messages.py``).
+        """
+        micro = self.options.chunks * self.build.accumulate
+        size = max(1, len(example) // micro)
+        parts = list(example[: size * micro].split(size)) if len(example) >= micro else [example]
+        barrier = dist.barrier if self.ctx.distributed else None
+        mine = time_blocks(blocks, parts, self.ctx.device, self.options.profile_repeats,
+                           schedule=self.options.schedule, barrier=barrier)
+        rows = [mine.seconds]
         if self.ctx.distributed:
-            seconds = seconds.to(self.ctx.device)
-            dist.all_reduce(seconds)
-            seconds = seconds.cpu() / self.ctx.world_size
-        return seconds.tolist()
+            rows = [None] * self.ctx.world_size
+            dist.all_gather_object(rows, mine.seconds)
+        plan.seconds, plan.output_bytes = agree(rows), mine.output_bytes
+        plan.conditions = _conditions(self.ctx, parts, self.options, len(rows))
+        if self.stages > 1:
+            pipeline = [stage * self.replicas + self.replica for stage in range(self.stages)]
+            sizes, seconds = time_messages(mine.output_bytes[:-1], pipeline, self.stage_index, self.ctx.device,
+                                           self.pipe_group)
+            plan.message = [interpolate(sizes, seconds, n) for n in mine.output_bytes]
 
     @property
     def is_first(self) -> bool:
@@ -345,6 +365,18 @@ class PipelineRuntime(Runtime):
     def close(self) -> None:
         self._schedules.clear()
         self._stage = None
+
+
+def _conditions(ctx: Any, parts: list, options: Pipeline, ranks: int) -> str:
+    """How the block times were measured, as the plan prints it."""
+    where = "in every worker at once" if ctx.distributed else "in this process"
+    threads = torch.get_num_threads()
+    on = str(ctx.device)
+    if ctx.device.type == "cpu":
+        on = f"{threads} torch thread{'s' if threads > 1 else ''} each on cpu"
+    agreed = f"; median over {ranks} ranks" if ranks > 1 else ""
+    return (f"{where}: {on}, {len(parts)} micro-batches of {len(parts[0])} per pass in {options.schedule} order, "
+            f"median of {options.profile_repeats} passes after a warm-up{agreed}")
 
 
 def check_mesh(stages: int, processes: int) -> int:
