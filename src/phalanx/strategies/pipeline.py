@@ -51,9 +51,11 @@ SCHEDULES = ("gpipe", "1f1b")
 
 
 def _schedule_class(name: str):
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import Schedule1F1B
 
-    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+    from ..pipeline.schedule import GPipeAhead
+
+    return {"gpipe": GPipeAhead, "1f1b": Schedule1F1B}[name]
 
 
 @dataclasses.dataclass(frozen=True)
