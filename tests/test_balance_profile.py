@@ -12,7 +12,7 @@ from torch import nn
 
 from phalanx.pipeline import messages
 from phalanx.pipeline.plan import StagePlan
-from phalanx.pipeline.profile import agree, time_blocks
+from phalanx.pipeline.profile import agree, describe, profile_order, time_blocks
 
 
 def small_model() -> nn.Sequential:
@@ -112,3 +112,17 @@ def test_plan_lines_show_boundaries_prediction_and_conditions():
     assert lines[4].startswith("  slowest stage 5.20 ms per micro-batch with its messages; predicted step 24.2 ms, "
                                "predicted bubble ")
     assert lines[5] == "  measured in every worker at once"
+
+
+def test_profile_order_and_description():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert profile_order("gpipe", cpu) == "gpipe" and profile_order("1f1b", cpu) == "1f1b"
+    assert profile_order("gpipe", gpu) == "1f1b"  # one micro-batch's activations at a time on a device
+    micro = list(torch.zeros(8, 2).split(2))
+    threads = torch.get_num_threads()
+    text = describe(cpu, micro, "gpipe", 5, 2, True)
+    assert text.startswith(f"in every worker at once: {threads} torch thread")
+    assert text.endswith("4 micro-batches of 2 per pass in gpipe order, median of 5 passes after a warm-up; "
+                         "median over 2 ranks")
+    assert describe(gpu, micro, "gpipe", 3, 1, False) == ("in this process: cuda:0, 4 micro-batches of 2 per pass "
+                                                          "in 1f1b order, median of 3 passes after a warm-up")

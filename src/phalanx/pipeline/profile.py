@@ -6,9 +6,10 @@ The conditions are the stage's:
 
 - the worker's own torch threads and device (the process it trains in, not the parent);
 - micro-batches of the size the schedule feeds (the batch / M), M of them per pass, in the
-  schedule's order: GPipe runs every forward, then every backward, so a block's activations of
-  all M micro-batches are alive and fall out of the caches before its backward reads them; 1F1B
-  runs each micro-batch's forward and backward close together;
+  schedule's order on a CPU: GPipe runs every forward, then every backward, so a block's
+  activations of all M micro-batches are alive and fall out of the caches before its backward
+  reads them; 1F1B runs each micro-batch's forward and backward close together (see
+  :func:`profile_order` for accelerators);
 - every rank timing at the same moment (``barrier`` before each pass): in training all stages
   compute at once and share the node's cores, memory bandwidth and caches;
 - warm (``warmup`` untimed passes first: allocator, kernels, caches), and gradients
@@ -121,3 +122,22 @@ def agree(per_rank: Sequence[Sequence[float]]) -> list[float]:
     if len(blocks) != 1:
         raise ValueError(f"ranks measured different numbers of blocks: {sorted(blocks)}")
     return [float(statistics.median(row[i] for row in per_rank)) for i in range(blocks.pop())]
+
+
+def profile_order(schedule: str, device: torch.device) -> str:
+    """The order blocks are timed in: the schedule's on a CPU, where GPipe's M live micro-batches push
+    activations out of the caches; micro-batch by micro-batch on an accelerator, where activations
+    stay in device memory either way and M micro-batches of the *whole* model's activations (every
+    rank times every block) could outgrow the one device the stage will run on."""
+    return schedule if device.type == "cpu" else "1f1b"
+
+
+def describe(device: torch.device, micro: Sequence[torch.Tensor], schedule: str, repeats: int, ranks: int,
+             distributed: bool) -> str:
+    """How the block times were measured, as the plan prints it."""
+    where = "in every worker at once" if distributed else "in this process"
+    threads = torch.get_num_threads()
+    on = f"{threads} torch thread{'s' if threads > 1 else ''} each on cpu" if device.type == "cpu" else str(device)
+    agreed = f"; median over {ranks} ranks" if ranks > 1 else ""
+    return (f"{where}: {on}, {len(micro)} micro-batches of {len(micro[0])} per pass in "
+            f"{profile_order(schedule, device)} order, median of {repeats} passes after a warm-up{agreed}")

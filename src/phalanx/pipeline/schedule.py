@@ -18,14 +18,15 @@ Here every forward receive of the step is posted when the step begins and every 
 receive when the backward half begins. The engine already gives each micro-batch its own
 receive buffer (``PipelineStage`` allocates one per chunk), so posting early costs no memory
 and no copy, and messages between one pair of stages are matched in the order they are sent.
-The rest (loss, waits on the sends, gradient scaling) is ``ScheduleGPipe``'s own, step by step.
+The rest (loss, waits on the sends, gradient scaling) is ``ScheduleGPipe``'s own, step by step,
+less its ``record_function`` labels per micro-batch (about 1% of a stage's time on the CPU; a
+profiler trace still shows each stage's operators).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from torch.autograd.profiler import record_function
 from torch.distributed.pipelining import ScheduleGPipe
 from torch.distributed.pipelining.schedules import _sorted_batch_p2p, _wait_batch_p2p
 
@@ -42,20 +43,18 @@ class GPipeAhead(ScheduleGPipe):
         receives = [_sorted_batch_p2p(stage.get_fwd_recv_ops(i), desc="fwd_recv") for i in range(m)]
         sends = []
         for i in range(m):
-            with record_function(f"Forward {i}"):
-                _wait_all(receives[i])
-                output = stage.forward_one_chunk(i, arg_mbs[i], kwarg_mbs[i], save_forward_output=return_outputs)
-                sends.append(_sorted_batch_p2p(stage.get_fwd_send_ops(i), desc="fwd_send"))
+            _wait_all(receives[i])
+            output = stage.forward_one_chunk(i, arg_mbs[i], kwarg_mbs[i], save_forward_output=return_outputs)
+            sends.append(_sorted_batch_p2p(stage.get_fwd_send_ops(i), desc="fwd_send"))
             self._maybe_compute_loss(stage, output, target_mbs, i, loss_kwargs)
         for works in sends:  # all sent before the backward half reuses the pair (as ScheduleGPipe does)
             _wait_all(works)
         receives = [_sorted_batch_p2p(stage.get_bwd_recv_ops(i), desc="bwd_recv") for i in range(m)]
         sends = []
         for i in range(m):
-            with record_function(f"Backward {i}"):
-                _wait_all(receives[i])
-                stage.backward_one_chunk(i, loss=self._maybe_get_loss(stage, i), last_backward=i == m - 1)
-                sends.append(_sorted_batch_p2p(stage.get_bwd_send_ops(i), desc="bwd_send"))
+            _wait_all(receives[i])
+            stage.backward_one_chunk(i, loss=self._maybe_get_loss(stage, i), last_backward=i == m - 1)
+            sends.append(_sorted_batch_p2p(stage.get_bwd_send_ops(i), desc="bwd_send"))
         for works in sends:
             _wait_all(works)
         self._update_losses(stage, losses)

@@ -43,7 +43,7 @@ from ..pipeline import state as opt_state
 from ..pipeline.balance import Balance, bounds, check_counts, check_stages, parse_balance, partition
 from ..pipeline.plan import StagePlan
 from ..pipeline.messages import interpolate, time_messages
-from ..pipeline.profile import agree, time_blocks
+from ..pipeline.profile import agree, describe, profile_order, time_blocks
 from ..pipeline.split import StageModule, model_blocks, parameter_counts
 from .base import Batch, Build, Job, Layout, Options, RankPlan, Report, Runtime, require_positive
 
@@ -204,13 +204,14 @@ class PipelineRuntime(Runtime):
         parts = list(example[: size * micro].split(size)) if len(example) >= micro else [example]
         barrier = dist.barrier if self.ctx.distributed else None
         mine = time_blocks(blocks, parts, self.ctx.device, self.options.profile_repeats,
-                           schedule=self.options.schedule, barrier=barrier)
+                           schedule=profile_order(self.options.schedule, self.ctx.device), barrier=barrier)
         rows = [mine.seconds]
         if self.ctx.distributed:
             rows = [None] * self.ctx.world_size
             dist.all_gather_object(rows, mine.seconds)
         plan.seconds, plan.output_bytes = agree(rows), mine.output_bytes
-        plan.conditions = _conditions(self.ctx, parts, self.options, len(rows))
+        plan.conditions = describe(self.ctx.device, parts, self.options.schedule, self.options.profile_repeats,
+                                   len(rows), self.ctx.distributed)
         if self.stages > 1:
             pipeline = [stage * self.replicas + self.replica for stage in range(self.stages)]
             sizes, seconds = time_messages(mine.output_bytes[:-1], pipeline, self.stage_index, self.ctx.device,
@@ -362,23 +363,14 @@ class PipelineRuntime(Runtime):
         fields = {"stages": self.plan.stages, "replicas": self.replicas, "chunks": self.options.chunks,
                   "schedule": self.options.schedule, "balance": list(self.plan.counts),
                   "predicted_bubble": round(self.plan.bubble(), 4)}
+        step = self.plan.step_seconds()
+        if step is not None:  # the schedule alone: forwards, backwards and messages, from the measured times
+            fields["predicted_step_seconds"] = round(step, 6)
         return Report(fields)
 
     def close(self) -> None:
         self._schedules.clear()
         self._stage = None
-
-
-def _conditions(ctx: Any, parts: list, options: Pipeline, ranks: int) -> str:
-    """How the block times were measured, as the plan prints it."""
-    where = "in every worker at once" if ctx.distributed else "in this process"
-    threads = torch.get_num_threads()
-    on = str(ctx.device)
-    if ctx.device.type == "cpu":
-        on = f"{threads} torch thread{'s' if threads > 1 else ''} each on cpu"
-    agreed = f"; median over {ranks} ranks" if ranks > 1 else ""
-    return (f"{where}: {on}, {len(parts)} micro-batches of {len(parts[0])} per pass in {options.schedule} order, "
-            f"median of {options.profile_repeats} passes after a warm-up{agreed}")
 
 
 def check_mesh(stages: int, processes: int) -> int:
