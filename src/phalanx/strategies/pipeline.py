@@ -73,7 +73,7 @@ class Pipeline(Options):
     balance: Balance = option("auto", "how blocks are split: by measured time where a batch is at hand, by "
                                       "parameter count, by time, or blocks per stage like 3,2",
                               parse=parse_balance, show="auto")
-    profile_repeats: int = option(5, "timed passes per block when balancing by time")
+    profile_repeats: int = option(5, "timed passes, each over one step's micro-batches, when balancing by time")
 
     def __post_init__(self) -> None:
         self._set(schedule=str(self.schedule).lower())
