@@ -7,7 +7,7 @@ import pytest
 
 from phalanx.errors import PhalanxError
 from phalanx.pipeline.balance import (
-    bounds, check_counts, ideal_bubble, parse_balance, partition, predicted_bubble, stage_costs,
+    bounds, check_counts, ideal_bubble, parse_balance, partition, predicted_bubble, predicted_step, stage_costs,
 )
 
 
@@ -82,3 +82,49 @@ def test_predicted_bubble():
     assert predicted_bubble([1.0, 3.0], 4) > ideal_bubble(2, 4)
     assert predicted_bubble([1.0, 3.0], 4) == pytest.approx(1 - 4 * 4 / (2 * (4 + 3 * 3)))
     assert predicted_bubble([2.0], 4) == 0.0
+
+
+def brute_force_with_edges(costs, stages, boundary):
+    """The smallest bottleneck when a stage also pays boundary[k] for a cut after block k at either end."""
+    n = len(costs)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        edges = (0, *cuts, n)
+        best = min(best, max(sum(costs[a:b]) + (boundary[a - 1] if a > 0 else 0) + (boundary[b - 1] if b < n else 0)
+                             for a, b in zip(edges, edges[1:])))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_partition_with_boundary_costs_is_optimal_against_brute_force(seed):
+    rng = random.Random(100 + seed)
+    n = rng.randint(1, 9)
+    stages = rng.randint(1, n)
+    costs = [rng.random() * 10 for _ in range(n)]
+    boundary = [rng.random() * 4 for _ in range(n)]
+    counts = partition(costs, stages, boundary)
+    assert len(counts) == stages and sum(counts) == n and min(counts) >= 1
+    got = max(stage_costs(costs, counts, boundary))
+    assert got == pytest.approx(brute_force_with_edges(costs, stages, boundary), rel=1e-12, abs=1e-12)
+
+
+def test_boundary_costs_move_the_cut_to_a_small_message():
+    # Without messages the even cut is after block 1; large activations after blocks 0 and 1 move it after block 2.
+    costs = [1.0, 1.0, 1.0, 1.0]
+    assert partition(costs, 2) == (2, 2)
+    assert partition(costs, 2, boundary=[5.0, 5.0, 0.1, 0.0]) == (3, 1)
+    # The last block's boundary is never a cut: it changes nothing.
+    assert partition(costs, 2, boundary=[0.0, 0.0, 0.0, 99.0]) == (2, 2)
+    assert stage_costs(costs, (3, 1), [5.0, 5.0, 0.1, 0.0]) == pytest.approx([3.1, 1.1])
+    with pytest.raises(ValueError, match="3 given for 4 blocks"):
+        partition(costs, 2, boundary=[0.0, 0.0, 0.0])
+
+
+def test_predicted_step_is_fill_plus_bottleneck_plus_message_latency():
+    # T = sum c + (M - 1) max c + 2 sum h
+    assert predicted_step([1.0, 3.0], 4) == pytest.approx(4 + 3 * 3)
+    assert predicted_step([1.0, 3.0], 4, latency=[0.5]) == pytest.approx(4 + 3 * 3 + 1.0)
+    assert predicted_step([2.0], 8) == pytest.approx(16.0)  # one stage: no bubble
+    assert predicted_step([], 4) == 0.0
+    # The bubble counts the messages' latency as idle time.
+    assert predicted_bubble([1.0, 1.0], 4, latency=[0.5]) == pytest.approx(1 - 4 * 2 / (2 * (2 + 3 + 1)))

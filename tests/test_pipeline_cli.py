@@ -40,7 +40,10 @@ def test_stacked_lstm_through_the_cli_reaches_090_and_its_checkpoint_is_the_unsp
     # (the partition follows measured times, which depend on the machine's load: one block or several)
     assert re.fullmatch(r"  stage 0 \(rank 0\): blocks 0(\.\.\d)? \(\d\), [\d,]+ parameters, \d+\.\d\d ms per "
                         r"micro-batch \(fwd\+bwd\)", lines[2])
-    assert re.search(r"predicted bubble \d+\.\d%", lines[4])
+    assert re.fullmatch(r"  stage 0 -> 1: \d+ KiB of activations per micro-batch \(and their gradients back\), "
+                        r"\d+\.\d\d ms per message", lines[4])
+    assert re.search(r"predicted step \d+\.\d ms, predicted bubble \d+\.\d%", lines[5])
+    assert lines[6].startswith("  measured in every worker at once: 1 torch thread each on cpu, 4 micro-batches of 8 ")
     assert accuracy(out.stdout) >= 0.90
     # One checkpoint of the whole model: it loads into the unsplit LSTM, which scores the same.
     state = torch.load(tmp_path / "checkpoints" / "step-00000300.pt", weights_only=True)

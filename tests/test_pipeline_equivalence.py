@@ -7,6 +7,7 @@ the unsplit model's (and its optimizer's), it resumes under another partition, e
 agrees with the plain model on every rank, and one stage runs in-process with no engine.
 """
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,7 +76,9 @@ def run_pipeline(ctx: WorkerContext, strategy: Pipeline, steps: int = K, resume:
     for part in gather(ctx, grads):
         merged.update(part)
     state = runtime.state_dict()
-    return {"losses": losses, "grads": merged, "state": state, "counts": runtime.plan.counts}
+    plan = runtime.plan
+    plans = gather(ctx, (plan.counts, plan.seconds, plan.message, plan.output_bytes, plan.lines()))
+    return {"losses": losses, "grads": merged, "state": state, "counts": plan.counts, "plans": plans}
 
 
 def assert_same(got: dict, want: dict, label: str) -> None:
@@ -110,13 +113,33 @@ def _three_stage_worker(ctx: WorkerContext) -> dict:
     return {
         ("gpipe", 4): run_pipeline(ctx, Pipeline(chunks=4, schedule="gpipe", balance=(1, 2, 1))),
         ("1f1b", 4): run_pipeline(ctx, Pipeline(chunks=4, schedule="1f1b", balance=(2, 1, 1))),
+        ("gpipe", 2, "time"): run_pipeline(ctx, Pipeline(chunks=2, schedule="gpipe", balance="time")),
     }
 
 
-def test_three_stages_equal_the_unsplit_model():
+@pytest.fixture(scope="module")
+def three_stages() -> dict:
+    return run_workers(_three_stage_worker, 3)
+
+
+def test_three_stages_equal_the_unsplit_model(three_stages):
     want = reference()
-    for (schedule, chunks), got in run_workers(_three_stage_worker, 3).items():
-        assert_same(got, want, f"3 stages {schedule} M={chunks}")
+    for config, got in three_stages.items():
+        assert_same(got, want, f"3 stages {config}")
+
+
+def test_every_rank_measures_and_all_hold_one_plan(three_stages):
+    """Balanced by time on 3 ranks: each timed every block and the two cuts' messages; they agreed."""
+    got = three_stages[("gpipe", 2, "time")]
+    assert len(got["plans"]) == 3 and all(p == got["plans"][0] for p in got["plans"])
+    counts, seconds, message, output_bytes, lines = got["plans"][0]
+    assert counts == got["counts"] and len(counts) == 3 and sum(counts) == 4
+    assert len(seconds) == 4 and len(message) == 4
+    # one micro-batch is 8 of the 16 examples: 3 RowLSTMs of 8 rows x 12 hidden, then 10 logits (float32)
+    assert output_bytes == [8 * 8 * 12 * 4] * 3 + [8 * 10 * 4]
+    assert lines[0].startswith("pipeline plan: 4 blocks in 3 stages, balanced by measured time; 2 micro-batches")
+    assert sum(line.startswith("  stage 0 -> 1: 3 KiB of activations") for line in lines) == 1
+    assert lines[-1].startswith("  measured in every worker at once: ")
 
 
 def from_rank0(value):

@@ -3,10 +3,13 @@
 The :class:`~phalanx.strategies.pipeline.Pipeline` strategy builds on these; none of them knows
 about strategies (``torch.distributed.pipelining`` runs the schedule).
 
-- ``balance.py``: the exact partition of per-block costs into contiguous stages; predicted bubble;
+- ``balance.py``: the exact partition of per-block costs (and per-cut message costs) into
+  contiguous stages; the predicted step and bubble;
 - ``split.py``: a model's blocks (``nn.Sequential`` or ``pipeline_blocks()``), one stage's module;
-- ``profile.py``: forward+backward time per block, measured on the device;
-- ``plan.py``: the chosen plan as printed;
+- ``profile.py``: forward+backward time per block, measured in the workers as their stages run;
+- ``messages.py``: one-way time of a boundary's message between neighbouring stages;
+- ``plan.py``: the chosen plan as printed, and what it (or any other partition) predicts;
+- ``schedule.py``: GPipe with its receives posted ahead (torch's ``ScheduleGPipe`` otherwise);
 - ``state.py``: one whole-model checkpoint from the stages' pieces, and back.
 """
 

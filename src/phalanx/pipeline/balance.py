@@ -6,17 +6,24 @@ dynamic programming over (stages used, blocks covered): O(P·n²) for P stages a
 instant for any model with a few hundred blocks. Costs are whatever the caller measured per
 block: parameter counts (memory) or forward+backward seconds per micro-batch (speed).
 
-The predicted bubble of a fill-drain schedule (GPipe; 1F1B has the same bubble and holds fewer
-activations) with per-micro-batch stage costs c_1..c_P and M micro-batches: one step takes
-T = Σ c_s + (M − 1)·max c_s (the first micro-batch crosses every stage, the rest follow at the
-bottleneck's pace), stage s is busy M·c_s of it, so the idle share is 1 − M·Σ c_s / (P·T).
-For equal stages it is the textbook (P − 1)/(M + P − 1).
+A stage also pays for its boundaries: per micro-batch it receives (and sends) the activations
+at the cut before it and the gradients at the cut after it. ``boundary[k]``, when given, is that
+cost per micro-batch and adjacent stage for a cut after block k (it depends on the size of block
+k's output); it is added to both stages beside the cut, so the partition weighs compute against
+where the messages are small. Every rank that gives the same costs gets the same partition.
+
+The predicted step of a fill-drain schedule (GPipe; 1F1B has the same bubble and holds fewer
+activations) with per-micro-batch stage costs c_1..c_P and M micro-batches:
+T = Σ c_s + (M − 1)·max c_s + 2·Σ h_b (the first micro-batch crosses every stage, and every
+boundary b once each way with latency h_b; the rest follow at the bottleneck's pace). Stage s is
+busy M·c_s of it, so the idle share (the bubble) is 1 − M·Σ c_s / (P·T). For equal stages and
+free messages it is the textbook (P − 1)/(M + P − 1).
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 from ..errors import PhalanxError
 
@@ -66,14 +73,17 @@ def check_stages(blocks: int, stages: int) -> None:
                            f"block; use --stages {blocks} or fewer, or split the model into more blocks")
 
 
-def partition(costs: Sequence[float], stages: int) -> tuple[int, ...]:
+def partition(costs: Sequence[float], stages: int, boundary: Optional[Sequence[float]] = None) -> tuple[int, ...]:
     """Blocks per stage for the contiguous partition whose most expensive stage is cheapest.
 
-    Exact (dynamic programming). Among optimal partitions it returns the one whose cuts come
-    earliest, so every rank given the same costs computes the same plan.
+    Exact (dynamic programming). A stage's cost is its blocks' costs plus, with ``boundary``
+    (one figure per block: the cost of a cut after it), the cuts at either end of the stage.
+    Among optimal partitions it returns the one whose cuts come earliest, so every rank given the
+    same costs computes the same plan.
     """
     n = len(costs)
     check_stages(n, stages)
+    edge = _edges(boundary, n)
     prefix = [0.0] + list(itertools.accumulate(float(c) for c in costs))
     inf = float("inf")
     # best[k][j]: the smallest bottleneck covering blocks [0, j) with k stages; cut[k][j]: where stage k starts
@@ -83,7 +93,7 @@ def partition(costs: Sequence[float], stages: int) -> tuple[int, ...]:
     for k in range(1, stages + 1):
         for j in range(k, n - (stages - k) + 1):
             for i in range(k - 1, j):
-                value = max(best[k - 1][i], prefix[j] - prefix[i])
+                value = max(best[k - 1][i], prefix[j] - prefix[i] + edge[i] + edge[j])
                 if value < best[k][j]:
                     best[k][j], cut[k][j] = value, i
     counts, j = [], n
@@ -94,13 +104,21 @@ def partition(costs: Sequence[float], stages: int) -> tuple[int, ...]:
     return tuple(reversed(counts))
 
 
-def stage_costs(costs: Sequence[float], counts: Sequence[int]) -> list[float]:
-    """The summed cost of each stage under ``counts`` blocks per stage."""
-    out, start = [], 0
-    for c in counts:
-        out.append(float(sum(costs[start:start + c])))
-        start += c
-    return out
+def _edges(boundary: Optional[Sequence[float]], blocks: int) -> list[float]:
+    """edge[j]: the cost a stage pays for a cut before block j (0 at either end of the model)."""
+    if boundary is None:
+        return [0.0] * (blocks + 1)
+    if len(boundary) != blocks:
+        raise ValueError(f"boundary costs: {len(boundary)} given for {blocks} blocks")
+    return [0.0] + [float(b) for b in boundary[:-1]] + [0.0]
+
+
+def stage_costs(costs: Sequence[float], counts: Sequence[int],
+                boundary: Optional[Sequence[float]] = None) -> list[float]:
+    """The cost of each stage under ``counts`` blocks per stage: its blocks, and with ``boundary``
+    the cuts at its ends (as in :func:`partition`)."""
+    edge = _edges(boundary, len(costs))
+    return [float(sum(costs[lo:hi])) + edge[lo] + edge[hi] for lo, hi in bounds(counts)]
 
 
 def bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
@@ -109,12 +127,19 @@ def bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
     return list(zip(starts[:-1], starts[1:]))
 
 
-def predicted_bubble(per_stage: Sequence[float], micro_batches: int) -> float:
+def predicted_step(per_stage: Sequence[float], micro_batches: int, latency: Sequence[float] = ()) -> float:
+    """Seconds of one fill-drain step: Σ c_s + (M − 1)·max c_s + 2·Σ h_b (see the module docstring)."""
+    if not per_stage:
+        return 0.0
+    return sum(per_stage) + (micro_batches - 1) * max(per_stage) + 2 * sum(latency)
+
+
+def predicted_bubble(per_stage: Sequence[float], micro_batches: int, latency: Sequence[float] = ()) -> float:
     """The idle share of a fill-drain step (see the module docstring); 0 for one stage."""
     stages = len(per_stage)
     if stages <= 1 or sum(per_stage) <= 0:
         return 0.0 if stages <= 1 else ideal_bubble(stages, micro_batches)
-    step = sum(per_stage) + (micro_batches - 1) * max(per_stage)
+    step = predicted_step(per_stage, micro_batches, latency)
     return 1.0 - micro_batches * sum(per_stage) / (stages * step)
 
 

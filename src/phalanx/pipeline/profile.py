@@ -1,26 +1,47 @@
-"""Measure what each block costs: forward + backward seconds on one micro-batch, on this device.
+"""Measure what each block costs where its stage will run: forward + backward seconds per micro-batch.
 
-The blocks run in sequence as a stage would run them: every forward in order, then every
-backward in reverse, each block timed on its own (its input is a fresh leaf, so its backward
-stops there and the gradient is handed on by hand). Timing blocks one after another, rather
-than each in a tight loop of its own, keeps the caches as cold as in training: a block timed
-alone over and over finds its weights in cache and looks cheaper than it is.
+Who runs it: every rank of a pipeline, inside its own worker process, before the partition
+exists (so every rank times every block; :func:`agree` then gives all ranks the same figures).
+The conditions are the stage's:
 
-Private copies of the blocks are timed (so the parameters' gradients and buffers such as
-BatchNorm statistics stay untouched), under a forked random state (so profiling draws nothing
-from the training run's random streams). One warm-up pass, then ``repeats`` timed passes; the
-median is each block's cost.
+- the worker's own torch threads and device (the process it trains in, not the parent);
+- micro-batches of the size the schedule feeds (the batch / M), M of them per pass, in the
+  schedule's order on a CPU: GPipe runs every forward, then every backward, so a block's
+  activations of all M micro-batches are alive and fall out of the caches before its backward
+  reads them; 1F1B runs each micro-batch's forward and backward close together (see
+  :func:`profile_order` for accelerators);
+- every rank timing at the same moment (``barrier`` before each pass): in training all stages
+  compute at once and share the node's cores, memory bandwidth and caches;
+- warm (``warmup`` untimed passes first: allocator, kernels, caches), and gradients
+  accumulating across micro-batches as in a step (cleared once per pass, as ``zero_grad`` does);
+  a fresh gradient per micro-batch would charge a large layer the first touch of its gradient
+  every time.
+
+Each block is timed on its own inside the pass (its input is a fresh leaf, so its backward stops
+there and the gradient is handed on by hand). Private copies of the blocks are timed (the
+parameters' gradients and buffers such as BatchNorm statistics stay untouched), under a forked
+random state (profiling draws nothing from the training run's random streams). Every block's
+cost is the median over ``repeats`` passes.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 import time
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTimes:
+    """One rank's measurement: per block, forward+backward seconds per micro-batch, and output size."""
+
+    seconds: list[float]  #: median over the timed passes, per micro-batch
+    output_bytes: list[int]  #: bytes of each block's output for one micro-batch (what a cut after it sends)
 
 
 def _now(device: torch.device) -> float:
@@ -29,32 +50,94 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _one_pass(blocks: Sequence[nn.Module], x: torch.Tensor, device: torch.device) -> list[float]:
-    inputs, outputs, seconds = [], [], []
-    for block in blocks:
+def _forward(blocks: Sequence[nn.Module], x: torch.Tensor, device: torch.device, seconds: list[float]):
+    """One micro-batch through every block; returns each block's (input leaf, output)."""
+    pairs = []
+    for i, block in enumerate(blocks):
         inp = x.detach().requires_grad_(x.is_floating_point())
         start = _now(device)
         x = block(inp)
-        seconds.append(_now(device) - start)
-        inputs.append(inp)
-        outputs.append(x)
-    grad = torch.ones_like(x)
-    for i in reversed(range(len(blocks))):
-        start = _now(device)
-        if outputs[i].requires_grad:
-            outputs[i].backward(grad)
         seconds[i] += _now(device) - start
-        grad = inputs[i].grad if inputs[i].grad is not None else torch.ones_like(inputs[i], dtype=torch.float)
-        blocks[i].zero_grad(set_to_none=True)
-    return seconds
+        pairs.append((inp, x))
+    return pairs
 
 
-def time_blocks(blocks: Sequence[nn.Module], example: torch.Tensor, device: torch.device,
-                repeats: int = 5) -> list[float]:
-    """Median forward+backward seconds of every block on ``example`` (one micro-batch)."""
+def _backward(blocks: Sequence[nn.Module], pairs, device: torch.device, seconds: list[float]) -> None:
+    """The micro-batch's backward, last block first, each block's input gradient handed on by hand."""
+    grad = torch.ones_like(pairs[-1][1])
+    for i in reversed(range(len(blocks))):
+        inp, out = pairs[i]
+        start = _now(device)
+        if out.requires_grad:
+            out.backward(grad)
+        seconds[i] += _now(device) - start
+        grad = inp.grad if inp.grad is not None else torch.ones_like(inp, dtype=torch.float)
+
+
+def _one_pass(blocks: Sequence[nn.Module], micro: Sequence[torch.Tensor], device: torch.device,
+              schedule: str) -> list[float]:
+    """Seconds per micro-batch of every block, over the micro-batches in ``schedule``'s order."""
+    seconds = [0.0] * len(blocks)
+    if schedule == "gpipe":
+        alive = [_forward(blocks, x, device, seconds) for x in micro]
+        for pairs in alive:
+            _backward(blocks, pairs, device, seconds)
+    else:
+        for x in micro:
+            _backward(blocks, _forward(blocks, x, device, seconds), device, seconds)
+    for block in blocks:
+        block.zero_grad(set_to_none=True)
+    return [s / len(micro) for s in seconds]
+
+
+def time_blocks(blocks: Sequence[nn.Module], micro: Sequence[torch.Tensor], device: torch.device,
+                repeats: int = 5, *, schedule: str = "gpipe", warmup: int = 1,
+                barrier: Optional[Callable[[], None]] = None) -> BlockTimes:
+    """This rank's median forward+backward seconds of every block per micro-batch (see the module docstring).
+
+    ``micro``: one step's micro-batches, as the schedule cuts them; ``barrier``: called before
+    every pass so that all ranks time at once (None in one process).
+    """
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        copies = [copy.deepcopy(block).train() for block in blocks]
-        x = example.to(device)
-        passes = [_one_pass(copies, x, device) for _ in range(repeats + 1)][1:]  # the first is the warm-up
-    return [statistics.median(p[i] for p in passes) for i in range(len(blocks))]
+        copies = [copy.deepcopy(block).to(device).train() for block in blocks]
+        xs = [x.to(device) for x in micro]
+        with torch.no_grad():
+            outputs = [out for _, out in _forward(copies, xs[0], device, [0.0] * len(copies))]
+        sizes = [out.nelement() * out.element_size() for out in outputs]
+        passes = []
+        for _ in range(warmup + repeats):
+            if barrier is not None:
+                barrier()
+            passes.append(_one_pass(copies, xs, device, schedule))
+    timed = passes[warmup:]
+    return BlockTimes([statistics.median(p[i] for p in timed) for i in range(len(blocks))], sizes)
+
+
+def agree(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Every rank's figure per block: the median over the ranks' measurements (a rank disturbed by
+    something else on its node moves it least). Pure: ranks that all-gathered the same rows compute
+    the same numbers, hence the same partition."""
+    blocks = {len(row) for row in per_rank}
+    if len(blocks) != 1:
+        raise ValueError(f"ranks measured different numbers of blocks: {sorted(blocks)}")
+    return [float(statistics.median(row[i] for row in per_rank)) for i in range(blocks.pop())]
+
+
+def profile_order(schedule: str, device: torch.device) -> str:
+    """The order blocks are timed in: the schedule's on a CPU, where GPipe's M live micro-batches push
+    activations out of the caches; micro-batch by micro-batch on an accelerator, where activations
+    stay in device memory either way and M micro-batches of the *whole* model's activations (every
+    rank times every block) could outgrow the one device the stage will run on."""
+    return schedule if device.type == "cpu" else "1f1b"
+
+
+def describe(device: torch.device, micro: Sequence[torch.Tensor], schedule: str, repeats: int, ranks: int,
+             distributed: bool) -> str:
+    """How the block times were measured, as the plan prints it."""
+    where = "in every worker at once" if distributed else "in this process"
+    threads = torch.get_num_threads()
+    on = f"{threads} torch thread{'s' if threads > 1 else ''} each on cpu" if device.type == "cpu" else str(device)
+    agreed = f"; median over {ranks} ranks" if ranks > 1 else ""
+    return (f"{where}: {on}, {len(micro)} micro-batches of {len(micro[0])} per pass in "
+            f"{profile_order(schedule, device)} order, median of {repeats} passes after a warm-up{agreed}")

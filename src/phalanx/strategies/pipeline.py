@@ -42,7 +42,8 @@ from ..options import option
 from ..pipeline import state as opt_state
 from ..pipeline.balance import Balance, bounds, check_counts, check_stages, parse_balance, partition
 from ..pipeline.plan import StagePlan
-from ..pipeline.profile import time_blocks
+from ..pipeline.messages import interpolate, time_messages
+from ..pipeline.profile import agree, describe, profile_order, time_blocks
 from ..pipeline.split import StageModule, model_blocks, parameter_counts
 from .base import Batch, Build, Job, Layout, Options, RankPlan, Report, Runtime, require_positive
 
@@ -50,9 +51,11 @@ SCHEDULES = ("gpipe", "1f1b")
 
 
 def _schedule_class(name: str):
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import Schedule1F1B
 
-    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+    from ..pipeline.schedule import GPipeAhead
+
+    return {"gpipe": GPipeAhead, "1f1b": Schedule1F1B}[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +73,7 @@ class Pipeline(Options):
     balance: Balance = option("auto", "how blocks are split: by measured time where a batch is at hand, by "
                                       "parameter count, by time, or blocks per stage like 3,2",
                               parse=parse_balance, show="auto")
-    profile_repeats: int = option(5, "timed passes per block when balancing by time")
+    profile_repeats: int = option(5, "timed passes, each over one step's micro-batches, when balancing by time")
 
     def __post_init__(self) -> None:
         self._set(schedule=str(self.schedule).lower())
@@ -180,22 +183,42 @@ class PipelineRuntime(Runtime):
         if how == "explicit":
             check_counts(options.balance, len(blocks), self.stages)  # before measuring: a bad plan fails at once
         params = parameter_counts(blocks)
-        seconds = self._measure(blocks, example) if example is not None else None
-        counts = tuple(options.balance) if how == "explicit" else \
-            partition(seconds if how == "time" else params, self.stages)
-        return StagePlan(counts, [n for n, _ in named], params, seconds, how, options.chunks, options.schedule,
+        plan = StagePlan((), [n for n, _ in named], params, None, how, options.chunks, options.schedule,
                          self.replicas)
+        if example is not None:
+            self._measure(blocks, example, plan)
+        if how == "explicit":
+            plan.counts = tuple(options.balance)
+        else:
+            plan.counts = partition(plan.seconds, self.stages, plan.boundary()) if how == "time" else \
+                partition(params, self.stages)
+        return plan
 
-    def _measure(self, blocks: list[nn.Module], example: torch.Tensor) -> list[float]:
-        """Per-block seconds, averaged over ranks so that every rank computes the same partition."""
-        micro = example[: max(1, len(example) // self.options.chunks)]
-        seconds = torch.tensor(time_blocks(blocks, micro, self.ctx.device, self.options.profile_repeats),
-                               dtype=torch.float64)
+    def _measure(self, blocks: list[nn.Module], example: torch.Tensor, plan: StagePlan) -> None:
+        """Every block's time and every cut's message, measured as the stages will run, agreed by all ranks.
+
+        Every rank times every block at once (see ``pipeline/profile.py``) on one step's
+        micro-batches; the ranks all-gather their figures and take the median per block. Then
+        neighbouring stages time the messages a cut could send (``pipeline/messages.py``).
+        """
+        micro = self.options.chunks * self.build.accumulate
+        size = max(1, len(example) // micro)
+        parts = list(example[: size * micro].split(size)) if len(example) >= micro else [example]
+        barrier = dist.barrier if self.ctx.distributed else None
+        mine = time_blocks(blocks, parts, self.ctx.device, self.options.profile_repeats,
+                           schedule=profile_order(self.options.schedule, self.ctx.device), barrier=barrier)
+        rows = [mine.seconds]
         if self.ctx.distributed:
-            seconds = seconds.to(self.ctx.device)
-            dist.all_reduce(seconds)
-            seconds = seconds.cpu() / self.ctx.world_size
-        return seconds.tolist()
+            rows = [None] * self.ctx.world_size
+            dist.all_gather_object(rows, mine.seconds)
+        plan.seconds, plan.output_bytes = agree(rows), mine.output_bytes
+        plan.conditions = describe(self.ctx.device, parts, self.options.schedule, self.options.profile_repeats,
+                                   len(rows), self.ctx.distributed)
+        if self.stages > 1:
+            pipeline = [stage * self.replicas + self.replica for stage in range(self.stages)]
+            sizes, seconds = time_messages(mine.output_bytes[:-1], pipeline, self.stage_index, self.ctx.device,
+                                           self.pipe_group)
+            plan.message = [interpolate(sizes, seconds, n) for n in mine.output_bytes]
 
     @property
     def is_first(self) -> bool:
@@ -342,6 +365,9 @@ class PipelineRuntime(Runtime):
         fields = {"stages": self.plan.stages, "replicas": self.replicas, "chunks": self.options.chunks,
                   "schedule": self.options.schedule, "balance": list(self.plan.counts),
                   "predicted_bubble": round(self.plan.bubble(), 4)}
+        step = self.plan.step_seconds()
+        if step is not None:  # the schedule alone: forwards, backwards and messages, from the measured times
+            fields["predicted_step_seconds"] = round(step, 6)
         return Report(fields)
 
     def close(self) -> None:
