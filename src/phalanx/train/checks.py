@@ -113,7 +113,8 @@ def check_precision(cfg: TrainConfig, layout: Layout) -> None:
         return
     if any(d.type != "cuda" for d in layout.devices):
         raise PhalanxError("--precision fp16 runs on CUDA devices only (its gradient scaler is a GPU feature); "
-                           "use --precision bf16 on the CPU: the same speed-up, fp32's range, no scaler")
+                           "use --precision bf16 on the CPU (fp32's range, no scaler; faster than fp32 only on CPUs "
+                           "with AMX or AVX-512 BF16), or fp32")
     if cfg.strategy.name != "sync":
         raise PhalanxError(f"--precision fp16 works with --strategy sync only (a gradient scaler that skips a step "
                            f"must skip it on every replica alike); use --precision bf16 with {cfg.strategy.name}")
