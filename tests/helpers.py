@@ -53,8 +53,9 @@ def python_script(path: Path, *args: str, cwd: Path, timeout: float = 300) -> su
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-def spawned_children(pid: int) -> list[int]:
-    """The worker processes a phalanx command started, oldest first (rank order)."""
+def spawned_children(pid: int, marker: str = "spawn_main") -> list[int]:
+    """The worker processes a phalanx command started, oldest first (rank order); ``marker``: what
+    their command line holds (``"phalanx"`` for the workers of a torchrun agent)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -64,7 +65,7 @@ def spawned_children(pid: int) -> list[int]:
             cmdline = open(f"/proc/{entry}/cmdline").read()
         except OSError:
             continue
-        if int(stat[1]) == pid and "spawn_main" in cmdline:
+        if int(stat[1]) == pid and marker in cmdline:
             found.append((int(stat[19]), int(entry)))  # start time, pid
     return [p for _, p in sorted(found)]
 

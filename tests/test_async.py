@@ -2,15 +2,13 @@
 exactly-once, faults."""
 
 import json
-import os
 import re
 import signal
-import subprocess
 
 import pytest
 import torch
 
-from helpers import phalanx_cmd, run_cli, run_workers
+from helpers import run_and_signal, run_cli, run_workers
 from phalanx import TrainConfig, Trainer
 from phalanx.errors import PhalanxError
 from phalanx.data import load_data
@@ -155,41 +153,12 @@ def test_a_worker_that_joins_after_the_end_computes_nothing_and_leaves():
     assert report["gradients_pushed"] == {"1": 0, "2": 0} and report["gradients_applied_total"] == 0
 
 
-def _spawned_children(pid):
-    """The worker processes a phalanx command started, oldest first (rank order)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-            cmdline = open(f"/proc/{entry}/cmdline").read()
-        except OSError:
-            continue
-        if int(stat[1]) == pid and "spawn_main" in cmdline:
-            found.append((int(stat[19]), int(entry)))  # start time, pid
-    return [p for _, p in sorted(found)]
-
-
-def _run_and_kill(tmp_path, args, kill_after_line, rank):
-    proc = subprocess.Popen(phalanx_cmd() + args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, stdin=subprocess.DEVNULL)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith(kill_after_line):
-            os.kill(_spawned_children(proc.pid)[rank], signal.SIGKILL)
-            break
-    rest, err = proc.communicate(timeout=300)  # a hang fails here instead of stalling the suite
-    return proc.returncode, "".join(lines) + rest, err
-
-
 @pytest.mark.parametrize("strategy", [["ps"], ["backup", "--backup-workers", "0"]], ids=["ps", "backup0"])
 def test_ps_survives_a_killed_worker(tmp_path, strategy):
     """backup:0 is the hard case: the survivor's round waits for the dead worker's gradient."""
-    code, out, err = _run_and_kill(
-        tmp_path, ["train", "--strategy", *strategy, "--workers", "2", "--steps", "300", "--log-every", "20",
-                   "--checkpoint-every", "50", "--straggler", "1:2"], "step 60,", rank=2)
+    code, out, err = run_and_signal(
+        ["train", "--strategy", *strategy, "--workers", "2", "--steps", "300", "--log-every", "20",
+         "--checkpoint-every", "50", "--straggler", "1:2"], tmp_path, "step 60,", signal.SIGKILL, rank=2)
     assert code == 0, err[-3000:]
     assert re.search(r"worker 2 lost at step \d+; continuing with 1 workers", out)
     state = load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))
@@ -199,8 +168,9 @@ def test_ps_survives_a_killed_worker(tmp_path, strategy):
 
 
 def test_sync_fails_fast_naming_the_killed_rank_then_resumes(tmp_path):
-    code, out, err = _run_and_kill(
-        tmp_path, ["train", "--steps", "4000", "--log-every", "20", "--checkpoint-every", "20"], "step 60,", rank=1)
+    code, out, err = run_and_signal(
+        ["train", "--steps", "4000", "--log-every", "20", "--checkpoint-every", "20"], tmp_path, "step 60,",
+        signal.SIGKILL, rank=1)
     assert code == 1
     assert re.search(r"error: worker 1 failed:\s+process \d+ was killed by SIGKILL", err)
     assert re.search(r"last checkpoint: checkpoints/step-\d+\.pt; continue with --resume checkpoints/step-", err)
@@ -228,9 +198,9 @@ def test_hogwild_refuses_cuda():
 
 
 def test_a_dead_server_ends_the_job_and_the_last_checkpoint_loads(tmp_path):
-    code, out, err = _run_and_kill(
-        tmp_path, ["train", "--strategy", "ps", "--steps", "4000", "--log-every", "20", "--checkpoint-every", "20"],
-        "step 60,", rank=0)
+    code, out, err = run_and_signal(
+        ["train", "--strategy", "ps", "--steps", "4000", "--log-every", "20", "--checkpoint-every", "20"], tmp_path,
+        "step 60,", signal.SIGKILL, rank=0)
     assert code == 1
     assert re.search(r"error: the parameter server \(rank 0\) failed:\s+process \d+ was killed by SIGKILL", err)
     state = load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))

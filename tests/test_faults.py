@@ -158,20 +158,6 @@ def test_a_killed_sync_worker_is_replaced_and_the_run_ends_as_if_nothing_happene
     _same_parameters(uninterrupted["model"], load_checkpoint(tmp_path / "checkpoints" / "step-00000060.pt")["model"])
 
 
-def _torchrun_workers(pid):
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-                cmdline = open(f"/proc/{entry}/cmdline").read()
-            except OSError:
-                continue
-            if int(stat[1]) == pid and "phalanx" in cmdline:
-                found.append(int(entry))
-    return sorted(found)
-
-
 @pytest.mark.slow
 def test_under_torchrun_max_restarts_phalanx_resumes_from_its_newest_checkpoint(uninterrupted, tmp_path):
     # (two restarts allowed: on a loaded machine torch's gloo rendezvous of a restarted group can itself fail once)
@@ -182,7 +168,7 @@ def test_under_torchrun_max_restarts_phalanx_resumes_from_its_newest_checkpoint(
                             stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     for line in proc.stdout:
         if line.startswith("step 30,"):  # torchrun's agent runs in its own process: the workers are its children
-            os.kill(_torchrun_workers(proc.pid)[-1], signal.SIGKILL)
+            os.kill(spawned_children(proc.pid, "phalanx")[-1], signal.SIGKILL)
             break
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]

@@ -112,6 +112,17 @@ RECIPES: dict[str, Recipe] = {
 USER_RECIPE = Recipe("sgd", 0.05, 300)
 
 
+def model_blocks_by_default(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the model's blocks when none are named: the modules of its
+    ``pipeline_blocks()`` if it has one, else its top-level children; only those holding parameters."""
+    if hasattr(model, "pipeline_blocks"):
+        by_id = {id(m): n for n, m in model.named_modules() if n}
+        units = [(by_id[id(b)], b) for b in model.pipeline_blocks() if id(b) in by_id]
+    else:
+        units = list(model.named_children())
+    return [(n, m) for n, m in units if any(True for _ in m.parameters())]
+
+
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """Build a built-in model by name for data of ``input_shape`` (C, H, W)."""
     if name not in MODELS:

@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .models import model_blocks_by_default
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -60,10 +62,9 @@ class Precision:
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
-    """The units compiled one by one: the model's top-level children (the built-in models are
-    sequences of blocks), or the model itself if it has none."""
-    children = [c for c in model.children() if any(True for _ in c.parameters())]
-    return children or [model]
+    """The units compiled one by one: the model's blocks as fsdp finds them by default (its
+    ``pipeline_blocks()``, else its top-level children), or the model itself if it has none."""
+    return [m for _, m in model_blocks_by_default(model)] or [model]
 
 
 def compile_blocks(model: nn.Module) -> int:

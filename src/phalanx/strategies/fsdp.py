@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import PhalanxError
+from ..models import model_blocks_by_default
 from ..options import option
 from .base import Batch, Build, Job, Layout, Options, Report, Runtime, count_correct, data_parallel
 from .replicas import verify_replicas
@@ -69,12 +70,9 @@ def shard_units(model: nn.Module, names: Optional[tuple[str, ...]] = None) -> li
                 raise PhalanxError(f"--blocks names {name!r}, which is not a submodule of {type(model).__name__} "
                                    f"(its children: {children}); name submodules as model.named_modules() "
                                    "does") from None
-    elif hasattr(model, "pipeline_blocks"):
-        by_id = {id(m): n for n, m in model.named_modules() if n}
-        units = [(by_id[id(b)], b) for b in model.pipeline_blocks() if id(b) in by_id]
+        units = [(n, m) for n, m in units if any(True for _ in m.parameters())]
     else:
-        units = list(model.named_children())
-    units = [(n, m) for n, m in units if any(True for _ in m.parameters())]
+        units = model_blocks_by_default(model)
     if not units:
         raise PhalanxError(
             f"{type(model).__name__} has no blocks to shard: fsdp shards each block (a submodule holding parameters) "
