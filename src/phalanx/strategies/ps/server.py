@@ -100,7 +100,7 @@ class Server:
                     return
                 self.inbox.put(message)
         except Exception as e:  # the connection closed: the worker died (or finished)
-            self.inbox.put(Message(worker, -1, error=str(e).splitlines()[0][:200] if str(e) else type(e).__name__))
+            self._connection_lost(worker, e)
 
     def _send(self, worker: int) -> None:
         """Send this worker its replies, in order; a send that fails makes it lost, like any other."""
@@ -111,8 +111,12 @@ class Server:
             try:
                 protocol.send_reply(worker, *item, self.device)
             except Exception as e:  # it died after its last push reached us
-                self.inbox.put(Message(worker, -1, error=str(e).splitlines()[0][:200] if str(e) else type(e).__name__))
+                self._connection_lost(worker, e)
                 return
+
+    def _connection_lost(self, worker: int, e: Exception) -> None:
+        """Tell the loop (by a message, from a receiving or sending thread) that ``worker`` is gone."""
+        self.inbox.put(Message(worker, -1, error=str(e).splitlines()[0][:200] if str(e) else type(e).__name__))
 
     # ---- the loop ----
     def global_step(self) -> int:
