@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,22 +34,34 @@ def machine_info() -> dict:
     return info
 
 
-def result_path(name: str) -> Path:
-    """benchmarks/results/<name>-<cpu|gpu model>.json: one file per benchmark and kind of machine."""
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's argument parser, with ``--save``: only a run asked to replaces the figures the README quotes."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--save", action="store_true",
+                   help="write the result under benchmarks/results/ (replacing the one the README and docs quote); "
+                        "without it the result goes to a scratch file in the system's temporary directory")
+    return p
+
+
+def result_path(name: str, save: bool) -> Path:
+    """benchmarks/results/<name>-<cpu|gpu model>.json (one file per benchmark and kind of machine) when
+    ``save``; else the same name in a scratch folder, so a trial run never overwrites a quoted result."""
     kind = torch.cuda.get_device_name(0).replace(" ", "_") if torch.cuda.is_available() else f"cpu{os.cpu_count()}"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    return RESULTS / f"{name}-{kind}.json"
+    folder = RESULTS if save else Path(tempfile.gettempdir()) / "phalanx-benchmarks"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"{name}-{kind}.json"
 
 
 def spread(values: list[float]) -> tuple[float, float]:
     return min(values), max(values)
 
 
-def save_result(name: str, **payload) -> Path:
-    """Write benchmarks/results/<name>-<machine>.json with the machine and versions; say where."""
-    out = result_path(name)
-    out.write_text(json.dumps({"benchmark": name, "machine": machine_info(), **payload}, indent=2) + "\n")
-    print(f"\nsaved {out}")
+def save_result(name: str, args: argparse.Namespace, **payload) -> Path:
+    """Write the result with the machine and versions (see :func:`result_path` for where); say where."""
+    out = result_path(name, args.save)
+    out.write_text(json.dumps({"benchmark": name, "machine": machine_info(), "args": vars(args), **payload},
+                              indent=2) + "\n")
+    print(f"\nsaved {out}" + ("" if args.save else " (a scratch copy: --save writes it under benchmarks/results/)"))
     return out
 
 

@@ -16,7 +16,6 @@ step: the goal is every error within ±15%.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -30,7 +29,7 @@ from phalanx.estimate.run import run as run_estimate
 from phalanx.estimate.setup import prepare
 from phalanx.strategies import strategy_class
 
-from _common import save_result
+from _common import parser, save_result
 
 STRATEGIES = ("sync", "ps", "local-sgd", "pipeline")
 GOAL = 0.15
@@ -68,7 +67,7 @@ def measure(case: str, strategy: str, workers: int, steps: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workers", default=None, help="worker counts, e.g. 2,4 (default: 2, and 4 with >= 4 cores)")
     p.add_argument("--cases", default="cnn,mlp")
@@ -113,7 +112,7 @@ def main() -> None:
         rows.append({"case": case, "workers": n, "strategy": strategy, "predicted_s": pred, "measured_s": meas,
                      "predicted_runs_s": predicted[(case, n, strategy)], "measured_runs_s": runs, "error": error})
     print(f"largest error {worst:.1%} (goal ±{GOAL:.0%}): {'met' if worst <= GOAL else 'not met'}")
-    save_result("estimate", args=vars(args), workers=workers, goal=GOAL, largest_error=worst, results=rows,
+    save_result("estimate", args, workers=workers, goal=GOAL, largest_error=worst, results=rows,
                 estimates=estimates)
 
 

@@ -13,7 +13,6 @@ are interleaved, each repeat times a fixed number of steps after a warm-up.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 import phalanx
 from phalanx.models import build_model
 
-from _common import print_medians, save_result
+from _common import parser, print_medians, save_result
 
 
 def steps_per_second(model, params, batch: int, steps: int) -> float:
@@ -41,7 +40,7 @@ def steps_per_second(model, params, batch: int, steps: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=64)
@@ -70,7 +69,7 @@ def main() -> None:
     print(f"  ratio wrapper/bare on one device: {one:.3f} (median of paired ratios; "
           f"{min(paired_one):.3f}-{max(paired_one):.3f})")
     print(f"  speedup of 2 CPU towers over the bare module: {two:.3f} ({min(paired_two):.3f}-{max(paired_two):.3f})")
-    save_result("make_parallel_overhead", args=vars(args), examples_per_sec=runs, median=med, ratio_one_device=one,
+    save_result("make_parallel_overhead", args, examples_per_sec=runs, median=med, ratio_one_device=one,
                 paired_ratios_one_device=paired_one, paired_speedups_two_towers=paired_two,
                 speedup_two_cpu_towers=two)
 

@@ -28,7 +28,6 @@ figures mean something only where that is about 0 cores).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -48,7 +47,7 @@ from phalanx.strategies import runtime_for
 from phalanx.launch import launch
 from phalanx.pipeline.balance import ideal_bubble
 
-from _common import machine_info, result_path, spread
+from _common import parser, machine_info, result_path, spread
 
 STAGES = 2
 MICRO = (1, 2, 4, 8)
@@ -227,7 +226,7 @@ def summarise(values: list[float]) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant and repeat")
     p.add_argument("--forward-ms", type=float, default=40.0, help="sleep per micro-batch and stage, forward")
@@ -277,7 +276,7 @@ def main() -> None:
             continue
         print(title + ":")
         result[key] = report_balance(raw[key], goal=key == "balance mlp")
-    save(result)
+    save(result, args.save)
 
 
 def report_balance(raw: dict, goal: bool) -> dict:
@@ -316,8 +315,8 @@ def report_balance(raw: dict, goal: bool) -> dict:
     return out
 
 
-def save(result: dict) -> None:
-    out = result_path("pipeline")
+def save(result: dict, to_results: bool) -> None:
+    out = result_path("pipeline", to_results)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {out} ({result['seconds']} s)")
 

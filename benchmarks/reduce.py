@@ -15,7 +15,6 @@ tensor per bucket per step); "phalanx bf16" is phalanx's hook (the buffer kept b
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -25,7 +24,7 @@ import torch.distributed as dist
 from phalanx.launch import launch
 from phalanx.reduce import HierarchicalState, WireBuffers, degenerate
 
-from _common import save_result
+from _common import parser, save_result
 
 
 def islands_for(n: int) -> list[list[int]]:
@@ -87,7 +86,7 @@ def goal(name: str, n: int, mb: int) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--sizes", default="1,10,100", help="MB, comma-separated")
     p.add_argument("--workers", default="2,4", help="worker counts, comma-separated")
@@ -108,7 +107,7 @@ def main() -> None:
                                                       "ratio_to_plain": med / plain}
                 print(f"  {mb:>4}MB  {name:<22} {med * 1e3:9.2f} {min(ts) * 1e3:7.2f}-{max(ts) * 1e3:<7.2f} "
                       f"{busbw:10.2f} {med / plain:8.2f}  {goal(name, n, mb)}")
-    save_result("reduce", args=vars(args), results=report)
+    save_result("reduce", args, results=report)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ per worker: it needs 2 GPUs, since NCCL cannot put two ranks on one device), ``a
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import resource
@@ -53,7 +52,7 @@ from phalanx.memory import Held, held, size
 from phalanx.models import cifar10
 from phalanx.strategies import runtime_for
 
-from _common import save_result, spread
+from _common import parser, save_result, spread
 
 SHAPE = (3, 24, 24)
 WORKERS = 2
@@ -178,7 +177,7 @@ def report(model: str, runs: dict, devices: list) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--batch", type=int, default=64, help="images per worker per step")
     p.add_argument("--warmup", type=int, default=3)
@@ -209,7 +208,7 @@ def main() -> None:
                       f"examples/sec  held {size(result['held'].total)}  peak {size(result['peak'])}", flush=True)
 
     saved = {model: report(model, runs[model], devices) for model in models}
-    save_result("sharded", args=vars(args), devices=[str(d) for d in devices], workers=WORKERS, results=saved,
+    save_result("sharded", args, devices=[str(d) for d in devices], workers=WORKERS, results=saved,
                 malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"),
                 goal="fsdp holds about 1/W of sync's parameters + gradients + optimizer state per rank; on CPU it "
                      "costs throughput (the figure to report), on GPUs (NCCL) the cost should be small")

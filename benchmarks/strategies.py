@@ -11,7 +11,6 @@ For ps/ssp, rank 1 is the first worker (rank 0 is the server).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -20,7 +19,7 @@ from pathlib import Path
 from phalanx import TrainConfig, Trainer
 from phalanx.strategies import SSP, Hogwild, LocalSGD, ParameterServer, Sync
 
-from _common import save_result
+from _common import parser, save_result
 
 VARIANTS = {
     "sync": Sync, "ps": ParameterServer, "ssp(1)": lambda: SSP(staleness=1), "ssp(4)": lambda: SSP(staleness=4),
@@ -40,7 +39,7 @@ def run(strategy, args, straggler) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--model", default="cnn")
@@ -72,7 +71,7 @@ def main() -> None:
                   f"accuracy {statistics.median(x['accuracy'] for x in runs):.3f}{stale}")
             report.setdefault(straggler, {})[name] = {"runs": runs, "median_examples_per_sec": med,
                                                      "ratio_to_sync": med / sync}
-    save_result("strategies", args=vars(args), results=report)
+    save_result("strategies", args, results=report)
 
 
 if __name__ == "__main__":

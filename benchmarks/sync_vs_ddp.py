@@ -13,7 +13,6 @@ with the machine and versions under benchmarks/results/.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -29,7 +28,7 @@ from phalanx.data import load_synthetic
 from phalanx.launch import launch
 from phalanx.models import build_model
 
-from _common import print_medians, save_result
+from _common import parser, print_medians, save_result
 
 SHAPE = (3, 24, 24)
 
@@ -68,16 +67,17 @@ def phalanx_sync(workers: int, batch: int, warmup: int, steps: int, threads: int
                           data="synthetic", synthetic_shape=SHAPE, batch_size=batch, steps=warmup + steps,
                           log_every=warmup, lr=0.01, progress="none", checkpoint_dir=tmp,
                           checkpoint_every=0)
-        assert steps % warmup == 0, "--steps must be a multiple of --warmup (one log interval each)"
         Trainer(cfg).fit()
         events = [json.loads(line) for line in Path(cfg.metrics).read_text().splitlines()]
-    timed = [e for e in events if e["event"] == "step"][1:]  # the first interval is the warm-up
-    seconds = sum(e["sec_per_batch"] for e in timed) * warmup
+    logged = [e for e in events if e["event"] == "step"]  # every --warmup steps, and at the last step
+    # The first interval is the warm-up; each later one lasted (its step - the previous one's) steps,
+    # the last one shorter where --steps is not a multiple of --warmup.
+    seconds = sum(e["sec_per_batch"] * (e["step"] - before["step"]) for before, e in zip(logged, logged[1:]))
     return batch * workers * steps / seconds
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--batch", type=int, default=128, help="images per worker per step")
     p.add_argument("--warmup", type=int, default=4)
@@ -112,7 +112,7 @@ def main() -> None:
           f"(goal: within 0.01)")
     print("  goals: " + "; ".join(f"{name} {'met' if ok else 'NOT met'}" for name, ok in goals.items()))
 
-    save_result("sync_vs_ddp", args=vars(args), examples_per_sec=runs, median=med, ratio_phalanx_over_ddp=ratio,
+    save_result("sync_vs_ddp", args, examples_per_sec=runs, median=med, ratio_phalanx_over_ddp=ratio,
                 paired_ratios=paired, weak_scaling_efficiency={"phalanx": eff_phalanx, "ddp": eff_ddp},
                 goals_met=goals)
 
