@@ -99,6 +99,11 @@ def run_main(argv, capsys):
     (["--target", "1.5"], "--target must be a test accuracy in (0, 1]"),
     (["--max-steps", "10", "--eval-every", "20"], "--eval-every 20 is more than --max-steps 10"),
     (["--momentum", "0.5", "--optimizer", "adam"], "--momentum applies to --optimizer sgd"),
+    (["--strategies", ""], "--strategies '' has an empty entry"),  # not "the default strategies"
+    (["--strategies", "sync,,ps"], "--strategies 'sync,,ps' has an empty entry"),
+    (["--scenarios", ""], "--scenarios '' has an empty entry"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--max-steps", "-5"], "--max-steps must be at least 1"),
 ])
 def test_bad_input_is_one_line_before_any_run(flags, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -107,6 +112,13 @@ def test_bad_input_is_one_line_before_any_run(flags, message, capsys, tmp_path, 
     lines = out.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.err
     assert not os.listdir(tmp_path)  # no report directory, nothing trained
+
+
+def test_an_empty_out_folder_is_refused_not_ignored(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out = run_main(["compare", "--out", ""], capsys)
+    assert code == 2 and out.err.strip().splitlines() == [out.err.strip()] and "--out '' names no folder" in out.err
+    assert not os.listdir(tmp_path)
 
 
 # ---- one small comparison through the installed command ----
