@@ -6,10 +6,12 @@ import json
 import math
 import os
 import re
+import signal
+import subprocess
 
 import pytest
 
-from helpers import run_cli
+from helpers import phalanx_cmd, run_cli
 from phalanx import SSP, Backup, LocalSGD, PhalanxError, TrainConfig
 from phalanx.cli import main
 from phalanx.compare.cli import CompareOptions, setup_from
@@ -213,3 +215,30 @@ def test_a_run_that_cannot_reach_its_target_is_reported_as_not_reached(tmp_path)
     assert "no strategy reached 1 in 10 steps" in out.stdout
     assert re.search(r"run 1/1: sync under none, repeat 1: not reached \(best 0\.\d{3}\)", out.stderr)
     assert not os.listdir(tmp_path)  # without --out nothing is left behind
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_comparison_writes_a_partial_report_marked_incomplete(tmp_path, sig):
+    """The signal reaches the compare process once run 1 of 2 has finished (while run 2 starts or trains)."""
+    proc = subprocess.Popen(phalanx_cmd() + ["compare", "--strategies", "sync,ps", "--scenarios", "none", "--repeats",
+                                             "1", "--workers", "2", "--max-steps", "20", "--eval-every", "5",
+                                             "--target", "0.999", "--out", "report"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    for line in proc.stderr:  # the progress lines go to stderr when it is not a terminal
+        if line.startswith("run 1/2: sync under none"):
+            proc.send_signal(sig)
+            break
+    out, err = proc.communicate(timeout=300)
+    name = signal.Signals(sig).name
+    assert proc.returncode == 128 + sig, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: compare stopped by {name} during run 2/2 (ps under none, repeat 1); the partial "
+                           "report of the 1 finished run(s), marked incomplete: report/report.md"), err[-3000:]
+    assert "before the first step" not in err
+    data = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert data["incomplete"] == {"stopped_by": name, "interrupted_run": 2, "interrupted_label": "ps under none, repeat 1",
+                                  "runs_finished": 1, "runs_planned": 2}
+    assert [r["strategy"] for r in data["runs"]] == ["sync"]
+    assert "**Incomplete**: stopped by" in (tmp_path / "report" / "report.md").read_text()

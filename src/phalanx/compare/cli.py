@@ -12,18 +12,21 @@ progress) are its own options or are fixed, so they are not offered.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import shlex
+import signal
+import threading
 import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
 
-from ..errors import PhalanxError
+from ..errors import PhalanxError, Stopped
 from ..options import add_flags, declared, given, option
 from ..train import TrainConfig
 from . import plots, report
-from .runner import Run, Setup, check, run_all, schedule
+from .runner import Interrupted, Run, Setup, check, run_all, schedule
 from .results import RunResult
 from .tokens import parse_scenarios, parse_strategies
 
@@ -150,16 +153,53 @@ def compare(options: CompareOptions, train: TrainConfig, command: Optional[str] 
     out = Path(options.out) if options.out is not None else None
     if out is not None:
         _writable(out)
-    with tempfile.TemporaryDirectory(prefix="phalanx-compare-") as tmp:
-        runs = run_all(setup, checked, out or Path(tmp), _progress(total))
+    interrupted: Optional[Interrupted] = None
+    with tempfile.TemporaryDirectory(prefix="phalanx-compare-") as tmp, _stop_between_runs():
+        try:
+            runs = run_all(setup, checked, out or Path(tmp), _progress(total))
+        except Interrupted as e:  # what finished is still worth a report, marked incomplete
+            interrupted, runs = e, e.finished
     table = report.tables(setup, runs)
     print("\n" + report.terminal(setup, checked, table) + "\n")
     print(report.answer(setup, checked, table).replace("**", ""))
+    written: list[Path] = []
     if out is not None:
         drawn = plots.draw(setup, table, runs, out)
-        written = report.write(out, setup, checked, table, runs, drawn, command)
+        incomplete = _incomplete(interrupted)
+        written = report.write(out, setup, checked, table, runs, drawn, command, incomplete)
         print(f"\nreport {written[0]}, {written[1].name}; plots " + ", ".join(p["file"] for p in drawn))
+    if interrupted is not None:
+        where = (f"the partial report of the {len(runs)} finished run(s), marked incomplete: {written[0]}"
+                 if written else "no --out, so no report was written; the tables above hold the finished runs")
+        raise Stopped(f"compare {interrupted.describe()}; {where}", interrupted.signame)
     return {"runs": runs, "table": table}
+
+
+def _incomplete(interrupted: Optional[Interrupted]) -> Optional[dict]:
+    if interrupted is None:
+        return None
+    return {"stopped_by": interrupted.signame, "interrupted_run": interrupted.index + 1,
+            "interrupted_label": interrupted.run.label, "runs_finished": len(interrupted.finished),
+            "runs_planned": interrupted.total}
+
+
+@contextlib.contextmanager
+def _stop_between_runs():
+    """SIGINT/SIGTERM between runs (checking, reporting) stop the comparison as one inside a run does;
+    inside a run the launcher takes them (it stops the workers at a step) and restores these after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Stopped(f"stopped by {signal.Signals(signum).name}", signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _writable(out: Path) -> None:
