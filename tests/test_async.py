@@ -10,7 +10,7 @@ import torch
 
 from helpers import run_and_signal, run_cli, run_workers
 from phalanx import TrainConfig, Trainer
-from phalanx.errors import PhalanxError
+from phalanx.errors import PhalanxError, TrainingDiverged, WorkerFailed
 from phalanx.data import load_data
 from phalanx.strategies import SSP, Backup, Hogwild, Job, LocalSGD, ParameterServer, runtime_for
 from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -205,3 +205,62 @@ def test_a_dead_server_ends_the_job_and_the_last_checkpoint_loads(tmp_path):
     assert re.search(r"error: the parameter server \(rank 0\) failed:\s+process \d+ was killed by SIGKILL", err)
     state = load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))
     assert state["step"] >= 40 and state["meta"]["strategy"] == "ps"
+
+
+@pytest.mark.parametrize("strategy", [["ps"], ["ssp", "--staleness", "1"]], ids=["ps", "ssp"])
+def test_ps_divergence_stops_at_once_naming_its_step_and_a_checkpoint_that_exists(tmp_path, strategy):
+    """lr 1e6: step 1 is finite and checkpointed, a later loss is NaN. The server stops at the first NaN
+    push (no 60 s wait for workers it never told to stop, so --hang-timeout does not call it a hang)."""
+    out = run_cli("train", "--strategy", *strategy, "--lr", "1e6", "--steps", "40", "--checkpoint-every", "1",
+                  "--hang-timeout", "10", cwd=tmp_path)
+    assert out.returncode == 1, out.stderr[-3000:]
+    found = re.search(r"error: model diverged with loss = nan at step (\d+); last good checkpoint: (\S+) ", out.stderr)
+    assert found, out.stderr[-3000:]
+    events = [json.loads(line) for line in (tmp_path / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "diverged"] == [int(found.group(1))]
+    assert (tmp_path / found.group(2)).is_file()  # the checkpoint it names was written
+    assert load_checkpoint(tmp_path / found.group(2))["step"] < int(found.group(1))
+    assert "made no progress" not in out.stderr
+
+
+def _digits_with_nan_inputs():
+    digits = load_data("digits")
+    x = digits.train.x.clone().float()
+    x[::10] = float("nan")  # one example in ten: a batch of 8 holds one within a few steps
+    return {"train_data": (x, digits.train.y), "test_data": (digits.test.x, digits.test.y)}
+
+
+@pytest.mark.parametrize("strategy", ["ps", "sync"])
+def test_nan_in_the_inputs_is_named_as_the_inputs_not_the_learning_rate(tmp_path, strategy):
+    cfg = TrainConfig(strategy=strategy, workers=2, devices="cpu", steps=30, batch_size=8, log_every=30,
+                      progress="none", checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=0)
+    with pytest.raises(TrainingDiverged, match=r"^the inputs of step \d+ contain NaN \((worker \d|data shard \d)"
+                                               r"[^)]*\), so its loss is nan: the data, not the learning rate"):
+        Trainer(cfg, model=torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10)),
+                **_digits_with_nan_inputs()).fit()
+
+
+class RaisesOnRank1(torch.nn.Module):
+    """User code with a bug that shows on one worker only: its fourth forward pass on rank 1 raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1 and self.calls >= 4:
+            raise RuntimeError("a bug in the user's forward")
+        return self.body(x)
+
+
+def test_a_ps_worker_that_raises_ends_the_job_with_its_traceback(tmp_path):
+    """A killed worker is a lost machine (the job goes on: test_ps_survives_a_killed_worker); one that
+    raises is a bug, and hiding it behind 'continuing with 1 workers' and exit 0 would lose it."""
+    cfg = TrainConfig(strategy="ps", workers=2, devices="cpu", steps=40, batch_size=8, progress="none",
+                      checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=0)
+    with pytest.raises(WorkerFailed) as failed:
+        Trainer(cfg, **_with(RaisesOnRank1())).fit()
+    assert failed.value.rank == 1
+    assert "Traceback" in failed.value.detail and "RuntimeError: a bug in the user's forward" in failed.value.detail

@@ -6,10 +6,12 @@ import json
 import math
 import os
 import re
+import signal
+import subprocess
 
 import pytest
 
-from helpers import run_cli
+from helpers import phalanx_cmd, run_cli
 from phalanx import SSP, Backup, LocalSGD, PhalanxError, TrainConfig
 from phalanx.cli import main
 from phalanx.compare.cli import CompareOptions, setup_from
@@ -99,6 +101,11 @@ def run_main(argv, capsys):
     (["--target", "1.5"], "--target must be a test accuracy in (0, 1]"),
     (["--max-steps", "10", "--eval-every", "20"], "--eval-every 20 is more than --max-steps 10"),
     (["--momentum", "0.5", "--optimizer", "adam"], "--momentum applies to --optimizer sgd"),
+    (["--strategies", ""], "--strategies '' has an empty entry"),  # not "the default strategies"
+    (["--strategies", "sync,,ps"], "--strategies 'sync,,ps' has an empty entry"),
+    (["--scenarios", ""], "--scenarios '' has an empty entry"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--max-steps", "-5"], "--max-steps must be at least 1"),
 ])
 def test_bad_input_is_one_line_before_any_run(flags, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -107,6 +114,13 @@ def test_bad_input_is_one_line_before_any_run(flags, message, capsys, tmp_path, 
     lines = out.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.err
     assert not os.listdir(tmp_path)  # no report directory, nothing trained
+
+
+def test_an_empty_out_folder_is_refused_not_ignored(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out = run_main(["compare", "--out", ""], capsys)
+    assert code == 2 and out.err.strip().splitlines() == [out.err.strip()] and "--out '' names no folder" in out.err
+    assert not os.listdir(tmp_path)
 
 
 # ---- one small comparison through the installed command ----
@@ -201,3 +215,30 @@ def test_a_run_that_cannot_reach_its_target_is_reported_as_not_reached(tmp_path)
     assert "no strategy reached 1 in 10 steps" in out.stdout
     assert re.search(r"run 1/1: sync under none, repeat 1: not reached \(best 0\.\d{3}\)", out.stderr)
     assert not os.listdir(tmp_path)  # without --out nothing is left behind
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_comparison_writes_a_partial_report_marked_incomplete(tmp_path, sig):
+    """The signal reaches the compare process once run 1 of 2 has finished (while run 2 starts or trains)."""
+    proc = subprocess.Popen(phalanx_cmd() + ["compare", "--strategies", "sync,ps", "--scenarios", "none", "--repeats",
+                                             "1", "--workers", "2", "--max-steps", "20", "--eval-every", "5",
+                                             "--target", "0.999", "--out", "report"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    for line in proc.stderr:  # the progress lines go to stderr when it is not a terminal
+        if line.startswith("run 1/2: sync under none"):
+            proc.send_signal(sig)
+            break
+    out, err = proc.communicate(timeout=300)
+    name = signal.Signals(sig).name
+    assert proc.returncode == 128 + sig, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: compare stopped by {name} during run 2/2 (ps under none, repeat 1); the partial "
+                           "report of the 1 finished run(s), marked incomplete: report/report.md"), err[-3000:]
+    assert "before the first step" not in err
+    data = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert data["incomplete"] == {"stopped_by": name, "interrupted_run": 2, "interrupted_label": "ps under none, repeat 1",
+                                  "runs_finished": 1, "runs_planned": 2}
+    assert [r["strategy"] for r in data["runs"]] == ["sync"]
+    assert "**Incomplete**: stopped by" in (tmp_path / "report" / "report.md").read_text()

@@ -7,6 +7,7 @@ and every bad input is one line and exit status 2 before anything is measured.
 
 import dataclasses
 import json
+import resource
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ from phalanx.cli import main
 from phalanx.errors import PhalanxError
 from phalanx.estimate import Compute, Link, ModelFacts, Network, fit_ring
 from phalanx.estimate.costs import (Op, allreduce, gather_or_scatter, predict_fsdp, predict_local_sgd,
-                                    predict_pipeline, predict_ps, predict_sync, schedule, simulate)
+                                    predict_pipeline, predict_ps, predict_sync, schedule, simulate,
+                                    steady_state)
 from phalanx.estimate.facts import ddp_buckets, model_facts
 from phalanx.estimate.link import gpu_link, ring_terms
 from phalanx.estimate.profile import Conditions, summarise
@@ -206,6 +208,24 @@ def test_ps_simulation_is_server_bound_when_updates_outlast_compute():
     assert simulate(4, [1.0] * 4, [1.0] * 4, [1.0] * 4, 3.0, 0.0) == pytest.approx(16.0)
 
 
+@pytest.mark.parametrize("compute_s", [1.0, 0.05, 1e-3], ids=["compute-bound", "between", "server-bound"])
+@pytest.mark.parametrize("workers", [64, 1024])
+def test_ps_steady_state_in_closed_form_matches_the_event_simulation(workers, compute_s):
+    """Past 1,024 workers predict_ps takes the closed form (the simulation grows with W: 10^8 workers
+    would need tens of GB); here both can run, and they agree."""
+    near, far, local = 1e-4, 3e-4, 4
+    pushes = [near] * local + [far] * (workers - local)
+    simulated = simulate(workers, [compute_s] * workers, pushes, pushes, 2e-5, 1e-5, 1e-4)
+    closed = steady_state([(local, compute_s, near, near), (workers - local, compute_s, far, far)], 2e-5, 1e-5, 1e-4)
+    assert closed == pytest.approx(simulated, rel=0.01)
+
+
+def test_ps_prediction_for_a_million_workers_is_closed_form():
+    c = compute(forward=1 * MS, backward=2 * MS, loop=0.0, pack=0.0, unpack=0.0, apply=0.1 * MS)
+    p = predict_ps(c, facts(), Network(link(10, 5e-6), link(1, 1e-5), per_node=8), 1_000_000)
+    assert p.step > 0 and "steady state (closed form) of 1000000 workers" in p.notes[0]
+
+
 def test_ps_server_link_carries_w_gradients_in_and_w_copies_out():
     net = Network(link(1, 0.0), link(1, 0.0), per_node=64)
     c = compute(forward=0.0, backward=0.0, loop=0.0, pack=0.0, unpack=0.0, apply=0.0)
@@ -364,12 +384,28 @@ def test_estimate_table_with_a_measured_link(tmp_path):
     assert float(row.split()[-3]) == pytest.approx(1.0)  # one worker: speedup 1
 
 
+@pytest.mark.slow
+def test_a_million_ps_workers_is_answered_in_closed_form_with_little_memory(tmp_path):
+    """It took 123 s (and 10^8 workers 23 GB) while the event simulation played out every update."""
+    out = run_cli("estimate", "--strategy", "ps", "--workers", "1000000", "--link-bandwidth", "10GB/s",
+                  "--link-latency", "5us", "--measure-steps", "3", "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(out.stdout)["predictions"]
+    assert [r["workers"] for r in rows] == [1_000_000] and rows[0]["step_s"] > 0
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 4 * 2 ** 20  # KiB: every process so far
+
+
 @pytest.mark.parametrize("args, message", [
     (["--link-bandwidth", "25GB"], "not a bandwidth like 25GB/s"),
     (["--link-latency", "10"], "not a duration with a unit"),
     (["--link-bandwidth", "25GB/s"], "--link-bandwidth needs --link-latency too"),
     (["--workers", "0,2"], "every worker count must be 1 or more"),
     (["--workers", "two"], "not a list of worker counts"),
+    (["--workers", "2,,4"], "--workers '2,,4' has an empty entry"),
+    (["--workers", ""], "has an empty entry"),
+    (["--workers", "2,"], "has an empty entry"),
+    (["--workers", "-4"], "every worker count must be 1 or more"),
+    (["--workers", "100000000"], "--workers 100000000 is more than phalanx estimate predicts (1,000,000)"),
     (["--strategy", "hogwild"], "unknown --strategy 'hogwild'"),
     (["--strategy", "sync", "--sync-every", "4"], "--sync-every is an option of local-sgd"),
     (["--strategy", "pipeline", "--chunks", "5"], "does not split into --chunks 5"),

@@ -108,3 +108,23 @@ def test_cli_from_a_saved_file(tmp_path):
     assert out.returncode == 0 and "islands (devices that all reach each other directly): [0]" in out.stdout
     missing = run_cli("topology", "--from-file", "nope.txt", cwd=tmp_path)
     assert missing.returncode == 2 and "error: cannot read nope.txt" in missing.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--probe", "--probe-mb", "-1"], "--probe-mb must be at least 1 MiB, got -1"),
+    (["--probe", "--probe-mb", "0"], "--probe-mb must be at least 1 MiB, got 0"),
+    (["--probe", "--probe-mb", ""], "--probe-mb takes a whole number of MiB"),
+    (["--probe-mb", "64"], "--probe-mb 64 sizes the buffer of --probe: add --probe"),
+    (["--from-file", ""], "--from-file '' names no file"),
+    (["--p2p-file", "p2p.txt"], "--p2p-file goes with --from-file"),
+])
+def test_bad_flags_are_refused_in_one_line_before_anything_runs(flags, message, capsys):
+    from phalanx.cli import main
+
+    try:
+        code = main(["topology", *flags])
+    except SystemExit as e:  # argparse's own usage errors exit directly
+        code = e.code
+    out = capsys.readouterr()
+    assert code == 2 and out.out == "", out
+    assert len(out.err.strip().splitlines()) == 1 and message in out.err, out.err

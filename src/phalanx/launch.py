@@ -324,6 +324,11 @@ def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], b
                 how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
                 raise _failure(received, (rank, f"process {processes[rank].pid} {how}"), killed=code < 0,
                                last_step=watcher.last_step(rank))
+            raised = _expendable_that_raised(processes, alive, received, tolerate) if done_at is None else None
+            if raised is not None:  # a bug (the user's model, say), not a lost machine: end the job with it
+                _terminate([processes[r] for r in alive])
+                raise _failure(received + _drain(results), (raised, "raised an exception"), killed=False,
+                               last_step=watcher.last_step(raised))
             if done_at is not None and time.monotonic() - done_at > LEAVE_GRACE_S:
                 break  # the result is home; whoever has not left by now is frozen
             if done_at is None and watcher.hung():
@@ -331,6 +336,24 @@ def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], b
                 _terminate([processes[r] for r in alive])
                 raise JobHung(f"the job made no progress for {watcher.timeout:g} s (--hang-timeout): {report}")
     return received + _drain(results)
+
+
+def _expendable_that_raised(processes: list, alive: set, reports: list[tuple],
+                            tolerate: Optional[Callable[[int], bool]]) -> Optional[int]:
+    """A rank the job may lose that reported an exception of its own (it may still be alive, stuck in
+    its teardown): a killed rank reports nothing, so one that raised has a bug that must end the job.
+    Not when a rank the job needs just died (a server killed makes its workers' receives fail): its
+    death is the cause, and the exit check names it."""
+    if tolerate is None:
+        return None
+    raised = [r for kind, r, _ in reports if kind in ("crash", "error") and tolerate(r)]
+    if not raised:
+        return None
+    needed = [processes[r] for r in alive if not tolerate(r)]
+    # A dying server's sentinel closes with its sockets, a moment before it can be reaped: join it.
+    for sentinel in mp_connection.wait([p.sentinel for p in needed], timeout=1.0):
+        next(p for p in needed if p.sentinel == sentinel).join(5.0)
+    return None if any(p.exitcode not in (None, 0) for p in needed) else raised[0]
 
 
 #: How long ranks may take to leave once rank 0 delivered its result.

@@ -12,18 +12,21 @@ progress) are its own options or are fixed, so they are not offered.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import shlex
+import signal
+import threading
 import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
 
-from ..errors import PhalanxError
+from ..errors import PhalanxError, Stopped
 from ..options import add_flags, declared, given, option
 from ..train import TrainConfig
 from . import plots, report
-from .runner import Run, Setup, check, run_all, schedule
+from .runner import Interrupted, Run, Setup, check, run_all, schedule
 from .results import RunResult
 from .tokens import parse_scenarios, parse_strategies
 
@@ -39,7 +42,7 @@ class CompareOptions:
     """What to compare, how long to try, and where the report goes."""
 
     strategies: Optional[str] = option(None, "strategies to compare, each with its main option after a colon "
-                                             "(ssp:K, local-sgd:H, backup:B)",
+                                             "(ssp:K, local-sgd:H, backup:B)", parse=lambda text: _checked(text),
                                        show=f"{DEFAULT_STRATEGIES}; on GPUs without hogwild, which needs the CPU")
     target: float = option(0.95, "the test accuracy each run trains to")
     scenarios: str = option("none,slow:1:2,pauses:0.1:4",
@@ -51,15 +54,32 @@ class CompareOptions:
                                       show="2 x the model's recipe steps")
     eval_every: Optional[int] = option(None, "evaluate every N steps (time to target is measured this finely)",
                                        show="about 20 evaluations over --max-steps")
-    out: Optional[str] = option(None, "write report.md, report.json, the plots and every run's metrics file here")
+    out: Optional[str] = option(None, "write report.md, report.json, the plots and every run's metrics file here",
+                                parse=lambda text: _named_folder(text))
 
     def __post_init__(self) -> None:
+        if self.strategies is not None:  # '' is not "the default": it names no strategy
+            _checked(self.strategies)
+        if self.out is not None:
+            _named_folder(self.out)
         if not (isinstance(self.target, (int, float)) and 0 < self.target <= 1):
             raise PhalanxError(f"--target must be a test accuracy in (0, 1], e.g. 0.95, got {self.target}")
         for name in ("repeats", "max_steps", "eval_every"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise PhalanxError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def _checked(strategies: str) -> str:
+    """The --strategies text, once every entry in it parses (at parse time, before anything runs)."""
+    parse_strategies(strategies)
+    return strategies
+
+
+def _named_folder(out: str) -> str:
+    if not str(out).strip():
+        raise PhalanxError("--out '' names no folder: give a folder for the report, e.g. --out compare-digits")
+    return out
 
 
 def shared_fields() -> list[str]:
@@ -91,7 +111,7 @@ def setup_from(options: CompareOptions, train: TrainConfig) -> Setup:
     if eval_every > max_steps:
         raise PhalanxError(f"--eval-every {eval_every} is more than --max-steps {max_steps}: no evaluation would "
                            "happen before the end; lower --eval-every")
-    strategies = parse_strategies(options.strategies or default_strategies(train))
+    strategies = parse_strategies(options.strategies if options.strategies is not None else default_strategies(train))
     return Setup(train, tuple(strategies), tuple(parse_scenarios(options.scenarios)), float(options.target),
                  options.repeats, max_steps, eval_every)
 
@@ -130,19 +150,56 @@ def compare(options: CompareOptions, train: TrainConfig, command: Optional[str] 
           f"{setup.repeats} repeats = {total} runs, each to {setup.target:g} test accuracy or {setup.max_steps} "
           f"steps (evaluated every {setup.eval_every}); {checked.workers} workers, {train.model} on {train.data}",
           flush=True)
-    out = Path(options.out) if options.out else None
+    out = Path(options.out) if options.out is not None else None
     if out is not None:
         _writable(out)
-    with tempfile.TemporaryDirectory(prefix="phalanx-compare-") as tmp:
-        runs = run_all(setup, checked, out or Path(tmp), _progress(total))
+    interrupted: Optional[Interrupted] = None
+    with tempfile.TemporaryDirectory(prefix="phalanx-compare-") as tmp, _stop_between_runs():
+        try:
+            runs = run_all(setup, checked, out or Path(tmp), _progress(total))
+        except Interrupted as e:  # what finished is still worth a report, marked incomplete
+            interrupted, runs = e, e.finished
     table = report.tables(setup, runs)
     print("\n" + report.terminal(setup, checked, table) + "\n")
     print(report.answer(setup, checked, table).replace("**", ""))
+    written: list[Path] = []
     if out is not None:
         drawn = plots.draw(setup, table, runs, out)
-        written = report.write(out, setup, checked, table, runs, drawn, command)
+        incomplete = _incomplete(interrupted)
+        written = report.write(out, setup, checked, table, runs, drawn, command, incomplete)
         print(f"\nreport {written[0]}, {written[1].name}; plots " + ", ".join(p["file"] for p in drawn))
+    if interrupted is not None:
+        where = (f"the partial report of the {len(runs)} finished run(s), marked incomplete: {written[0]}"
+                 if written else "no --out, so no report was written; the tables above hold the finished runs")
+        raise Stopped(f"compare {interrupted.describe()}; {where}", interrupted.signame)
     return {"runs": runs, "table": table}
+
+
+def _incomplete(interrupted: Optional[Interrupted]) -> Optional[dict]:
+    if interrupted is None:
+        return None
+    return {"stopped_by": interrupted.signame, "interrupted_run": interrupted.index + 1,
+            "interrupted_label": interrupted.run.label, "runs_finished": len(interrupted.finished),
+            "runs_planned": interrupted.total}
+
+
+@contextlib.contextmanager
+def _stop_between_runs():
+    """SIGINT/SIGTERM between runs (checking, reporting) stop the comparison as one inside a run does;
+    inside a run the launcher takes them (it stops the workers at a step) and restores these after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Stopped(f"stopped by {signal.Signals(signum).name}", signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _writable(out: Path) -> None:

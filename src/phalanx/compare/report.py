@@ -216,13 +216,21 @@ def markdown(setup: Setup, checked: Checked, table: dict[str, list[Figures]], ru
 
 
 def write(out: Path, setup: Setup, checked: Checked, table: dict[str, list[Figures]], runs: list[RunResult],
-          plots: list[dict[str, Any]], command: Optional[str]) -> list[Path]:
-    """report.md and report.json in ``out``; returns their paths."""
+          plots: list[dict[str, Any]], command: Optional[str], incomplete: Optional[dict] = None) -> list[Path]:
+    """report.md and report.json in ``out``; returns their paths. ``incomplete``: the comparison was
+    stopped (by whom, during which run); the report says so first, and holds the runs that finished."""
     info = machine()
-    data = {"setup": setup_dict(setup, checked, command), "machine": info, "answer": answer(setup, checked, table),
+    data = {**({"incomplete": incomplete} if incomplete else {}),
+            "setup": setup_dict(setup, checked, command), "machine": info, "answer": answer(setup, checked, table),
             "baseline": baseline(setup),
             "figures": {s: [f.to_dict() for f in rows] for s, rows in table.items()},
             "plots": plots, "runs": [r.to_dict() for r in runs]}
     (out / "report.json").write_text(json.dumps(data, indent=1) + "\n")
-    (out / "report.md").write_text(markdown(setup, checked, table, runs, plots, info, command))
+    text = markdown(setup, checked, table, runs, plots, info, command)
+    if incomplete:
+        first, rest = text.split("\n", 1)
+        text = (f"{first}\n\n**Incomplete**: stopped by {incomplete['stopped_by']} during run "
+                f"{incomplete['interrupted_run']} of {incomplete['runs_planned']} ({incomplete['interrupted_label']}); "
+                f"the figures below are from the {incomplete['runs_finished']} run(s) that finished.\n{rest}")
+    (out / "report.md").write_text(text)
     return [out / "report.md", out / "report.json"]

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..errors import PhalanxError, TrainingDiverged
+from ..errors import PhalanxError, Stopped, TrainingDiverged
 from ..train import TrainConfig, Trainer
 from .results import RunResult, from_events, read_events
 from .tokens import Scenario, StrategyToken
@@ -125,12 +125,30 @@ def run_one(setup: Setup, checked: Checked, run: Run, out: Path) -> RunResult:
                        metrics=str(run.directory / "metrics.jsonl"), diverged=diverged)
 
 
+class Interrupted(Exception):
+    """SIGINT or SIGTERM during run ``index`` (0-based) of ``total``: ``finished`` holds the runs before it."""
+
+    def __init__(self, finished: list[RunResult], index: int, total: int, run: Run, signame: str):
+        super().__init__(f"{signame} during run {index + 1}/{total}")
+        self.finished, self.index, self.total, self.run, self.signame = finished, index, total, run, signame
+
+    def describe(self) -> str:
+        return f"stopped by {self.signame} during run {self.index + 1}/{self.total} ({self.run.label})"
+
+
 def run_all(setup: Setup, checked: Checked, out: Path,
             progress: Callable[[int, Run, Optional[RunResult]], None] = lambda i, run, result: None) -> list[RunResult]:
-    """Every run in :func:`schedule` order; ``progress(i, run, result)`` before (None) and after each."""
-    results = []
-    for i, run in enumerate(schedule(setup)):
-        progress(i, run, None)
-        results.append(run_one(setup, checked, run, out))
-        progress(i, run, results[-1])
+    """Every run in :func:`schedule` order; ``progress(i, run, result)`` before (None) and after each.
+
+    A stop request (the run's workers stopped, or the signal came between runs) raises
+    :class:`Interrupted` carrying the runs that finished, so a partial report can be written."""
+    results: list[RunResult] = []
+    runs = schedule(setup)
+    for i, run in enumerate(runs):
+        try:
+            progress(i, run, None)
+            results.append(run_one(setup, checked, run, out))
+            progress(i, run, results[-1])
+        except Stopped as e:
+            raise Interrupted(results, i, len(runs), run, e.signame) from None
     return results

@@ -47,14 +47,28 @@ def parse_duration(text: str) -> float:
     return _number(match.group(1), "--link-latency", "10us") * _SECONDS[match.group(2)]
 
 
+#: The most workers an estimate predicts. Its network is one α–β link within a machine and one
+#: between machines, checked against real runs of a few workers; at a million workers (ten times
+#: the largest training jobs) a prediction would describe no network that exists.
+MAX_WORKERS = 1_000_000
+
+
 def parse_workers(text: str) -> tuple[int, ...]:
-    """``1,2,4,64`` -> (1, 2, 4, 64): positive whole numbers, sorted, each once."""
+    """``1,2,4,64`` -> (1, 2, 4, 64): positive whole numbers up to :data:`MAX_WORKERS`, sorted, each once."""
+    parts = [part.strip() for part in str(text).split(",")]
+    if not all(parts):
+        raise PhalanxError(f"--workers {text!r} has an empty entry: give worker counts separated by single commas, "
+                           "like 1,2,4,8")
     try:
-        counts = [int(part) for part in str(text).split(",") if part.strip()]
+        counts = [int(part) for part in parts]
     except ValueError:
         raise PhalanxError(f"--workers {text!r} is not a list of worker counts like 1,2,4,8,64") from None
-    if not counts or any(c < 1 for c in counts):
+    if any(c < 1 for c in counts):
         raise PhalanxError(f"--workers {text!r}: every worker count must be 1 or more, e.g. 1,2,4,8")
+    if max(counts) > MAX_WORKERS:
+        raise PhalanxError(f"--workers {max(counts)} is more than phalanx estimate predicts ({MAX_WORKERS:,}): its "
+                           "network model (one α–β link per tier) describes no network of that size; ask for "
+                           f"{MAX_WORKERS:,} or fewer")
     return tuple(sorted(set(counts)))
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import PhalanxError
-from .base import Build, Job, Layout, Options, RankPlan, Report, Runtime, runtime_for
+from .base import Build, Job, Layout, Options, RankPlan, Report, Runtime, nonfinite_values, runtime_for
 from .fsdp import FSDP
 from .hogwild import Hogwild
 from .local_sgd import LocalSGD

@@ -237,6 +237,12 @@ class Runtime:
         dist.all_reduce(out)
         return out / self.ctx.world_size
 
+    def nonfinite_inputs(self, step: int) -> Optional[str]:
+        """Where a runtime heard that the inputs of ``step`` held NaN or infinity (asked only once that
+        step's loss was found non-finite), e.g. ``NaN (worker 2's batch)``; None: not known here (the
+        loop then reads the batches of the step again itself where the ranks read them in step)."""
+        return None
+
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch]) -> tuple[int, int]:
         """(correct, total) over every rank's part of the test set (a collective)."""
@@ -289,6 +295,14 @@ def runtime_for(options: Options, ctx: WorkerContext, model: nn.Module, make_opt
     build = Build(ctx, options.layout(job), model, make_optimizer, loss_fn or F.cross_entropy, steps, accumulate,
                   example)
     return options.runtime(build)
+
+
+def nonfinite_values(x: Optional[torch.Tensor]) -> str:
+    """"NaN" or "infinity" when the batch ``x`` holds them, else "" (a host read: for after a non-finite loss,
+    never an ordinary step)."""
+    if x is None or not torch.is_floating_point(x) or bool(torch.isfinite(x).all()):
+        return ""
+    return "NaN" if bool(torch.isnan(x).any()) else "infinity"
 
 
 @torch.no_grad()

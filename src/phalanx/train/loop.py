@@ -24,7 +24,7 @@ from ..launch import WorkerContext
 from ..memory import Held, describe, held, largest
 from ..models import build_model
 from ..precision import Precision, compile_blocks
-from ..strategies import Build
+from ..strategies import Build, nonfinite_values
 from . import checkpoint as ckpt
 from .losses import LossWindow, first_non_finite
 from .report import Reporter, step_line
@@ -181,12 +181,36 @@ class WorkerRun:
         return losses[-1]
 
     def _diverged(self, loss: float, step: int) -> None:
+        if self.me.expendable:
+            # A rank the job can lose (a parameter server's worker) holds the server's parameters and
+            # writes no checkpoint: the server sees every loss and stops the job at the first bad one.
+            return
         last = self.last_checkpoint or "none (no checkpoint was written before this step)"
-        self.reporter.record("diverged", step=step, loss=str(loss))
+        inputs = self.runtime.nonfinite_inputs(step) or self._nonfinite_inputs(step)
+        self.reporter.record("diverged", step=step, loss=str(loss), **({"inputs": inputs} if inputs else {}))
+        if inputs:
+            raise TrainingDiverged(
+                f"the inputs of step {step} contain {inputs}, so its loss is {loss}: the data, not the learning "
+                f"rate, is the cause; clean or drop those examples (last good checkpoint: {last})"
+            )
         raise TrainingDiverged(
             f"model diverged with loss = {loss} at step {step}; last good checkpoint: {last} "
             "(lower --lr or add --warmup-steps, then --resume from it)"
         )
+
+    def _nonfinite_inputs(self, step: int) -> Optional[str]:
+        """Whether the batches of ``step`` held NaN or infinity, read again from the data: only once a loss
+        was found non-finite, so an ordinary step never pays for it. Ranks in step read every shard, so
+        they all name the same one without a collective; the others, their own."""
+        layout = self.plan.layout
+        if self.batches is None or step < 1:
+            return None
+        for shard in range(layout.shards) if layout.lockstep else (self.me.shard,):
+            reader = ShardedBatches(self.data.train, self.cfg.batch_size, shard, layout.shards, self.cfg.seed)
+            what = nonfinite_values(next(reader(step - 1))[0])
+            if what:
+                return f"{what} (data shard {shard})"
+        return None
 
     def _log(self, loss: float, steps: int, seconds: float) -> None:
         rate = steps * self.global_batch / max(seconds, 1e-9)

@@ -13,10 +13,10 @@ from .inputs import Compute, ModelFacts, Network, allreduce, gather_or_scatter
 from .local_sgd import predict_local_sgd
 from .pipeline import predict_pipeline, stage_plan
 from .prediction import Prediction
-from .ps import predict_ps, simulate
+from .ps import predict_ps, simulate, steady_state
 from .sync import predict_sync
 from .timeline import Op, finish, schedule
 
 __all__ = ["Compute", "ModelFacts", "Network", "Op", "Prediction", "allreduce", "finish", "gather_or_scatter",
            "predict_fsdp", "predict_local_sgd", "predict_pipeline", "predict_ps", "predict_sync", "schedule",
-           "simulate", "stage_plan"]
+           "simulate", "stage_plan", "steady_state"]

@@ -9,6 +9,11 @@ Pushes arrive on the server's receiving threads while its main thread works, one
 its inbound link; the main thread serves them in arrival order. :func:`simulate` plays this out,
 event by event, for the given durations; the step is the steady-state time per W updates.
 
+Past :data:`SIMULATED_UP_TO` workers the event simulation (40 updates per worker, every one an
+event) would cost time and memory in proportion to W, so the steady state is taken in closed form
+instead (:func:`steady_state`): the workers' cycles, the server's inbound link and its main thread
+are three resources, and the slowest one sets the rate; tests check it against the simulation.
+
 A CPU node also bounds the step from below: its cores must supply every process's CPU-seconds
 (the workers' compute, the server's updates, and the copying of every byte through the loopback).
 """
@@ -21,6 +26,7 @@ from .inputs import Compute, ModelFacts, Network, cpu_bound
 from .prediction import Prediction
 
 SIMULATED_UPDATES = 40  #: updates per worker played out (the first quarter is the warm-up)
+SIMULATED_UP_TO = 1024  #: workers played out event by event; more are taken in closed form
 
 
 def simulate(workers: int, compute: list[float], push: list[float], reply: list[float], apply: float,
@@ -52,16 +58,38 @@ def simulate(workers: int, compute: list[float], push: list[float], reply: list[
     return (ends[-1] - ends[warm - 1]) / steps if warm >= 1 else ends[-1] / (total / workers)
 
 
+def steady_state(groups: list[tuple[int, float, float, float]], apply: float, unpack: float,
+                 server_loop: float = 0.0) -> float:
+    """Seconds per global step in steady state, in closed form: ``groups`` are (workers, compute, push,
+    reply) for workers alike (those on the server's machine, those on others).
+
+    Updates per second are bounded by the workers' cycles (each computes, pushes, waits for its update
+    and reply, unpacks: sum of count / cycle), by the inbound link (one push at a time) and by the
+    server's main thread (an update and a reply each, and its loop once per W updates); W updates
+    make a global step.
+    """
+    workers = sum(n for n, _, _, _ in groups)
+    cycles = sum(n / (c + p + apply + r + unpack) for n, c, p, r in groups)
+    inbound = sum(n * p for n, _, p, _ in groups) / workers
+    server = apply + sum(n * r for n, _, _, r in groups) / workers + server_loop / workers
+    rate = min(cycles, 1.0 / max(inbound, 1e-30), 1.0 / max(server, 1e-30))
+    return workers / rate
+
+
 def predict_ps(compute: Compute, facts: ModelFacts, net: Network, workers: int) -> Prediction:
     """W workers and one server on node 0 (the server shares node 0 with the first workers)."""
     nbytes = facts.param_bytes
-    node_of = [w // net.per_node for w in range(workers)]
-    links = [net.intra if node == 0 else net.inter for node in node_of]
+    local = min(workers, net.per_node)  # workers on node 0, with the server; the rest reach it over inter
     work = compute.forward + compute.backward + compute.loop + compute.pack
     # Each way, a header message and the vector, received into a newly allocated buffer.
-    messages = [link.alpha + link.message(nbytes) + compute.fresh for link in links]
-    timeline = simulate(workers, [work] * workers, messages, messages, compute.apply, compute.unpack, compute.loop)
-    local = min(workers, net.per_node)
+    near, far = (link.alpha + link.message(nbytes) + compute.fresh for link in (net.intra, net.inter))
+    slowest = far if workers > local else near
+    if workers <= SIMULATED_UP_TO:
+        messages = [near] * local + [far] * (workers - local)
+        timeline = simulate(workers, [work] * workers, messages, messages, compute.apply, compute.unpack, compute.loop)
+    else:
+        timeline = steady_state([(local, work, near, near), (workers - local, work, far, far)], compute.apply,
+                                compute.unpack, compute.loop)
     # CPU-seconds on node 0 per global step: its workers, the server's updates, and moving every
     # message (a header and a vector each way per update) at both of its ends on node 0.
     exchange = 2 * net.intra.cpu(2, nbytes)  # one update's messages, at one end
@@ -70,12 +98,13 @@ def predict_ps(compute: Compute, facts: ModelFacts, net: Network, workers: int) 
     floor = cpu_bound(node0, compute.cores)
     step = max(timeline, floor)
     nodes = max(net.nodes(workers), 1)
-    notes = [f"event simulation of {workers} workers and one server: "
-             f"{'the server is the bottleneck' if workers * (compute.apply + messages[-1]) >= work else 'workers compute most of the time'}"]
+    how = "event simulation" if workers <= SIMULATED_UP_TO else "steady state (closed form)"
+    notes = [f"{how} of {workers} workers and one server: "
+             f"{'the server is the bottleneck' if workers * (compute.apply + slowest) >= work else 'workers compute most of the time'}"]
     if floor > timeline:
         notes.append(f"CPU-bound: node 0 needs {node0 * 1e3:.1f} CPU-ms per step on {compute.cores} cores "
                      f"({local} workers + the server)")
     return Prediction("ps", workers, nodes, step, workers * facts.batch_size, work, work,
                       notes=tuple(notes),
-                      parts={"worker_compute": work, "push_or_reply": max(messages), "server_apply": compute.apply,
+                      parts={"worker_compute": work, "push_or_reply": slowest, "server_apply": compute.apply,
                              "timeline": timeline, "cpu_floor": floor})

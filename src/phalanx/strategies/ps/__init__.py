@@ -147,12 +147,26 @@ class ServerRuntime(Runtime):
         workers = self.ctx.world_size - 1
         self.server = Server(self.model, self.optimizer, self.ctx.world_size, self.ctx.device, options.bound,
                              options.aggregation(workers), build.steps, build.hang_timeout_s)
+        self.told_diverged = False
 
     def train_step(self, x, y) -> torch.Tensor:
         return self.server.serve_one_step()
 
     def next_step(self, step: int) -> Optional[int]:
-        return self.server.global_step()
+        # After a non-finite loss: first the step it belongs to (the loop holds its loss and looks),
+        # then stop, so the loop's NaN guard names that step and the last checkpoint.
+        if self.server.diverged is None:
+            return self.server.global_step()
+        if self.told_diverged:
+            return None
+        self.told_diverged = True
+        return self.server.diverged_step
+
+    def nonfinite_inputs(self, step: int) -> Optional[str]:
+        bad = self.server.diverged
+        if bad is None or not bad.inputs or step != self.server.diverged_step:
+            return None
+        return f"{bad.inputs} (worker {bad.worker}'s batch)"
 
     def global_losses(self, losses: torch.Tensor) -> torch.Tensor:
         return losses  # the server heard every worker's loss: it alone guards against divergence

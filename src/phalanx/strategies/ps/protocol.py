@@ -2,11 +2,13 @@
 
     worker -> server   HELLO                                              (once)
     server -> worker   REPLY [version, stop, step] + parameters (+ buffers)
-    worker -> server   PUSH [version used, loss] + gradient (+ buffers)   (every step)
+    worker -> server   PUSH [version used, loss, inputs] + gradient (+ buffers)   (every step)
     server -> worker   REPLY [version, stop, step] + parameters (+ buffers)  (the reply is the next pull)
     worker -> server   BYE [gradients pushed]                             (after a reply that says stop)
 
-Every header is three float64 numbers; parameters and gradients travel as one flat vector in
+A worker's header is four float64 numbers, a reply's three (a PUSH's fourth says whether the
+worker's inputs held NaN or infinity: looked at only when its loss was not finite, never on an
+ordinary step); parameters and gradients travel as one flat vector in
 the order of ``model.parameters()``. A model with buffers (BatchNorm's running statistics and
 step count) also sends every buffer, as one float64 vector in the order of ``model.buffers()``
 (exact for float32 values and for counts), after the gradient and after the parameters: the
@@ -26,6 +28,8 @@ from torch import nn
 
 HELLO, PUSH, BYE = 0, 1, 2
 SERVER = 0
+HEADER = 4  #: float64 numbers in a worker's header: kind and up to three values
+INPUTS = ("", "NaN", "infinity")  #: what a PUSH's fourth number says about the worker's inputs
 
 
 @dataclasses.dataclass
@@ -36,6 +40,7 @@ class Message:
     kind: int
     version: int = 0  #: PUSH: the parameter version the gradient was computed on
     loss: float = 0.0  #: PUSH: the worker's loss on that batch
+    inputs: str = ""  #: PUSH with a non-finite loss: "NaN" or "infinity" when the worker's batch held them
     pushed: int = 0  #: BYE: gradients this worker pushed in all
     grad: Optional[torch.Tensor] = None
     buffers: Optional[torch.Tensor] = None  #: PUSH: the worker's buffers after its forward pass
@@ -81,16 +86,16 @@ class WorkerChannel:
         self.size, self.buffers, self.device = size, buffers, device
 
     def hello(self) -> None:
-        dist.send(_header([HELLO, 0.0, 0.0], self.device), dst=SERVER)
+        dist.send(_header([HELLO, 0.0, 0.0, 0.0], self.device), dst=SERVER)
 
-    def push(self, version: int, loss: float, grad: torch.Tensor, buffers: torch.Tensor) -> None:
-        dist.send(_header([PUSH, float(version), loss], self.device), dst=SERVER)
+    def push(self, version: int, loss: float, grad: torch.Tensor, buffers: torch.Tensor, inputs: str = "") -> None:
+        dist.send(_header([PUSH, float(version), loss, float(INPUTS.index(inputs))], self.device), dst=SERVER)
         dist.send(grad.contiguous(), dst=SERVER)
         if self.buffers:
             dist.send(buffers.contiguous(), dst=SERVER)
 
     def bye(self, pushed: int) -> None:
-        dist.send(_header([BYE, float(pushed), 0.0], self.device), dst=SERVER)
+        dist.send(_header([BYE, float(pushed), 0.0, 0.0], self.device), dst=SERVER)
 
     def reply(self) -> tuple[Reply, torch.Tensor, Optional[torch.Tensor]]:
         header = torch.zeros(3, dtype=torch.float64, device=self.device)
@@ -113,15 +118,16 @@ def _receive_buffers(count: int, src: int, device: torch.device) -> Optional[tor
 
 def receive(worker: int, size: int, buffers: int, device: torch.device) -> Message:
     """The next message from ``worker`` (blocks; raises when the connection closes)."""
-    header = torch.zeros(3, dtype=torch.float64, device=device)
+    header = torch.zeros(HEADER, dtype=torch.float64, device=device)
     dist.recv(header, src=worker)
-    kind, a, b = int(header[0].item()), header[1].item(), header[2].item()
+    kind, a, b, c = (v.item() for v in header)
+    kind = int(kind)
     if kind == BYE:
         return Message(worker, BYE, pushed=int(a))
     if kind == PUSH:
         grad = torch.empty(size, device=device)
         dist.recv(grad, src=worker)
-        return Message(worker, PUSH, version=int(a), loss=float(b), grad=grad,
+        return Message(worker, PUSH, version=int(a), loss=float(b), inputs=INPUTS[int(c)], grad=grad,
                        buffers=_receive_buffers(buffers, worker, device))
     return Message(worker, HELLO)
 

@@ -19,6 +19,10 @@ of the lowest-numbered worker in it (for ``ps``, its one gradient's), and every 
 server's. That is DDP's rule (rank 0's buffers are broadcast before every forward), so ``ssp:0``
 and ``backup:0`` equal ``sync``, buffers included; checkpoints and evaluation use the server's.
 
+A pushed loss that is not finite stops the server at once: it applies nothing more and answers
+no one (the job is ending), and the loop names that step (see ``ServerRuntime.next_step``); the
+worker's push says whether its inputs held NaN, so the data, not the learning rate, can be named.
+
 A worker whose connection drops is reported lost and no longer counted (in the gate, in quorums),
 and so is one that stays silent for the hang timeout while the server expects its gradient (it is
 stopped, frozen or stuck): the others go on. The server never blocks on one worker: each worker's
@@ -29,6 +33,7 @@ its own sender.
 from __future__ import annotations
 
 import collections
+import math
 import queue
 import threading
 import time
@@ -66,6 +71,8 @@ class Server:
         self.waiting: set[int] = set()  # workers whose reply is held back
         self.stopped: set[int] = set()  # workers told to stop
         self.step_losses: list[float] = []
+        self.diverged: Optional[Message] = None  # the first push whose loss was not finite: serving ends there
+        self.diverged_step = 0  # the global step that push belongs to
         self.max_lead = 0  # the largest lead over the slowest worker at any step start
         self.lost: list[tuple[int, int]] = []  # (worker, global step)
         self.pushed: dict[int, int] = {}  # gradients each worker says it pushed (from its BYE)
@@ -126,8 +133,10 @@ class Server:
         """Serve messages until one more global step has been applied; the mean loss of its pushes."""
         target = self.global_step() + 1
         self.step_losses = []
-        while self.global_step() < target:
+        while self.global_step() < target and self.diverged is None:
             self._handle(self._next_message())
+        if self.diverged is not None:
+            return torch.tensor(self.diverged.loss)
         return torch.tensor(sum(self.step_losses) / max(len(self.step_losses), 1))
 
     def _next_message(self) -> Message:
@@ -158,6 +167,10 @@ class Server:
 
     def _handle(self, message: Message) -> None:
         worker = message.worker
+        if message.kind == PUSH and not math.isfinite(message.loss):
+            # Stop here: applying it would spread NaN, and replying would let the workers compute on.
+            self.diverged, self.diverged_step = message, self.global_step() + 1
+            return
         if message.kind == PUSH:
             self.gate.tick(worker)
             self._take(message)
@@ -309,6 +322,8 @@ class Server:
         # A thread still blocked in recv when the process exits aborts it: wait for every BYE. A lost
         # worker's threads are left: either its connection closed (they ended) or it is frozen (they
         # never will; they are daemons, and the process leaves without waiting for them).
+        if not self.draining:  # the run failed (diverged, or raised): no worker was told to stop, no BYE comes
+            return
         lost = {w for w, _ in self.lost}
         for worker, thread in self.receivers.items():
             if worker not in lost:

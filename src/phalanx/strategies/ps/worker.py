@@ -10,12 +10,13 @@ the number of gradients it pushed (the server checks that each was applied or co
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 from torch.nn.utils import vector_to_parameters
 
-from ..base import Build, Runtime
+from ..base import Build, Runtime, nonfinite_values
 from .protocol import WorkerChannel, buffer_count, buffers_to_vector, vector_to_buffers
 
 
@@ -37,7 +38,10 @@ class WorkerRuntime(Runtime):
                 return torch.zeros((), device=self.ctx.device)
         loss = self.forward_backward(x, y)
         grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in self.params])
-        self.channel.push(self.version, float(loss), grad, buffers_to_vector(self.model))
+        value = float(loss)  # the push needs it on the host anyway
+        # Only a non-finite loss makes us look at the batch, so the server can say the data is the cause.
+        inputs = nonfinite_values(x) if not math.isfinite(value) else ""
+        self.channel.push(self.version, value, grad, buffers_to_vector(self.model), inputs)
         self.pushes += 1
         self.model.zero_grad(set_to_none=True)
         self._pull()
