@@ -45,6 +45,7 @@ def main() -> None:
             strategy=strategy, model="lstm", data="digits", workers=args.stages, devices="cpu",
             steps=args.steps, batch_size=args.batch_size, optimizer="adam", lr=args.lr, log_every=50,
             checkpoint_dir=args.checkpoint_dir, checkpoint_every=0, progress="lines",
+            overwrite=True,  # each run of the example starts over in its own directory
         )
         summary = phalanx.Trainer(config, model=model).fit()
     except phalanx.PhalanxError as e:

@@ -76,7 +76,8 @@ def config_for(setup: Setup, run: Run, checkpoint_dir: str, metrics: Optional[st
         setup.train, strategy=run.strategy.options, straggler=run.scenario.slowness, seed=run.seed,
         steps=setup.max_steps, eval_every=setup.eval_every, stop_at_accuracy=setup.target,
         log_every=setup.eval_every, checkpoint_dir=checkpoint_dir, checkpoint_every=0, keep_checkpoints=1,
-        metrics=metrics or f"{checkpoint_dir}/metrics.jsonl", progress="none", resume=None)
+        metrics=metrics or f"{checkpoint_dir}/metrics.jsonl", progress="none", resume=None,
+        overwrite=True)  # a compare run replaces the same run of an earlier compare in the same --out
 
 
 @dataclasses.dataclass(frozen=True)

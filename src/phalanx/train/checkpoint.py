@@ -21,12 +21,13 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import json
 import os
 import re
 import socket
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -34,6 +35,7 @@ from ..errors import PhalanxError, StorageError
 
 FORMAT = "phalanx-checkpoint-1"
 LOCK_NAME = ".phalanx.lock"
+RUN_NAME = ".phalanx-run.json"
 _NAME = re.compile(r"^step-(\d+)\.pt$")
 
 
@@ -41,13 +43,51 @@ def checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
     return Path(directory) / f"step-{step:08d}.pt"
 
 
-def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """Checkpoints in ``directory``, oldest first."""
+class RunRecord(NamedTuple):
+    """What ``.phalanx-run.json`` says: whose directory this is, and its checkpoints in write order."""
+
+    run_id: str
+    launcher: str  #: the torchrun job that last wrote here ("" when phalanx started the workers)
+    checkpoints: tuple[str, ...]  #: file names, oldest written first (some may since be gone)
+
+
+def read_run(directory: str | os.PathLike) -> Optional[RunRecord]:
+    """The directory's run record; None when it has none (new, or written before records existed)."""
+    path = Path(directory) / RUN_NAME
+    try:
+        data = json.loads(path.read_text())
+        return RunRecord(str(data["run_id"]), str(data.get("launcher", "")), tuple(map(str, data["checkpoints"])))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PhalanxError(f"{path} is unreadable ({type(e).__name__}); it names the run this directory belongs "
+                           "to: remove it together with the step-*.pt files, or choose another --checkpoint-dir") from None
+
+
+def write_run(directory: str | os.PathLike, record: RunRecord) -> None:
+    """Atomically (temporary file, rename), so a reader sees the old record or the new one."""
+    root = Path(directory)
+    tmp = root / f".{RUN_NAME}.tmp"
+    tmp.write_text(json.dumps(record._asdict()) + "\n")
+    os.replace(tmp, root / RUN_NAME)
+
+
+def step_entries(directory: str | os.PathLike) -> list[Path]:
+    """Everything in ``directory`` named like a checkpoint (files or not), in step order."""
     root = Path(directory)
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name))]
     return [p for _, p in sorted(found)]
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """The directory's checkpoint files, oldest written first (by step where it has no run record)."""
+    root = Path(directory)
+    record = read_run(root) if root.is_dir() else None
+    if record is None:
+        return [p for p in step_entries(root) if p.is_file()]
+    return [root / name for name in record.checkpoints if (root / name).is_file()]
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -106,21 +146,27 @@ def payload_digest(state: dict[str, Any]) -> str:
 def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
     """Delete half-written checkpoints that a killed run left behind (never a finished one)."""
     root = Path(directory)
-    stale = [p for p in root.glob(".step-*.pt.*.tmp")] if root.is_dir() else []
+    stale = [*root.glob(".step-*.pt.*.tmp"), *root.glob(f".{RUN_NAME}.tmp")] if root.is_dir() else []
     for p in stale:
         p.unlink(missing_ok=True)
     return stale
 
 
 def save_checkpoint(state: dict[str, Any], directory: str | os.PathLike, step: int, keep: int) -> Path:
-    """Write ``state`` (plus its checksum) atomically as the checkpoint of ``step``; keep the newest ``keep``."""
+    """Write ``state`` (plus its checksum) atomically as the checkpoint of ``step``; keep the ``keep``
+    written last. The run record names the file before it exists (a name without a file is skipped
+    by every reader), so a kill between the two never leaves a checkpoint the record does not know."""
     root = Path(directory)
     final = checkpoint_path(root, step)
     previous = latest_checkpoint(root)
     payload = to_cpu(state)
     payload["checksum"] = payload_digest(payload)
     tmp = None
+    record = read_run(root)
     try:
+        order = [p.name for p in list_checkpoints(root) if p.name != final.name] + [final.name]
+        mine = record or RunRecord(str(state.get("run_id") or ""), "", ())
+        write_run(root, mine._replace(checkpoints=tuple(order)))
         fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=root)
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
@@ -130,13 +176,33 @@ def save_checkpoint(state: dict[str, Any], directory: str | os.PathLike, step: i
     except BaseException as e:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+        _restore_record(root, record)  # an overwritten step did not become the newest
         cause = _os_error(e)
         if cause is not None:
             raise _storage_error(cause, final, previous) from None
         raise
-    for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
-        old.unlink(missing_ok=True)
+    _keep_newest(root, keep)
     return final
+
+
+def _restore_record(root: Path, record: Optional[RunRecord]) -> None:
+    try:
+        if record is not None:
+            write_run(root, record)
+    except OSError:
+        pass  # the disk that refused the checkpoint may refuse this too; a missing name is skipped anyway
+
+
+def _keep_newest(root: Path, keep: int) -> None:
+    """Remove all but the ``keep`` checkpoints written last; the record first drops their names."""
+    written = list_checkpoints(root)
+    if keep <= 0 or len(written) <= keep:
+        return
+    record = read_run(root)
+    if record is not None:
+        write_run(root, record._replace(checkpoints=tuple(p.name for p in written[-keep:])))
+    for old in written[:-keep]:
+        old.unlink(missing_ok=True)
 
 
 def _os_error(e: BaseException) -> Optional[OSError]:
@@ -159,6 +225,9 @@ def _storage_error(e: OSError, target: Path, previous: Optional[Path]) -> Storag
     else:
         kept = f"nothing was lost: the previous checkpoint {previous} is intact"
         then = f"then continue with --resume {previous}"
+    if e.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST) and target.is_dir():
+        return StorageError(f"cannot write checkpoint {target}: a directory of that name is in the way (not a "
+                            f"checkpoint); {kept}; move it out of --checkpoint-dir, {then}")
     fix = "free some space" if e.errno == errno.ENOSPC else "fix the directory's permissions"
     return StorageError(f"cannot write checkpoint {target}: {why}; {kept}; {fix} or choose another "
                         f"--checkpoint-dir, {then}")

@@ -26,6 +26,7 @@ from ..data.datasets import CIFAR_CROP, cifar10_sizes, check_cifar10_files
 from ..errors import PhalanxError
 from ..strategies import Layout
 from . import checkpoint as ckpt
+from . import rundir
 from .config import TrainConfig
 
 
@@ -288,12 +289,19 @@ def check_checkpoint_dir(cfg: TrainConfig) -> None:
                            "--checkpoint-dir")
     if not os.access(probe, os.W_OK):
         raise PhalanxError(f"cannot write checkpoints to {root}: permission denied; choose another --checkpoint-dir")
+    for entry in ckpt.step_entries(root):
+        if not entry.is_file():  # phalanx writes (and reads) checkpoints by these names
+            what = "a directory" if entry.is_dir() else "not a regular file"
+            raise PhalanxError(f"{entry} is {what}, not a checkpoint, but phalanx names its checkpoints so; move it "
+                               "out of --checkpoint-dir, or choose another --checkpoint-dir")
 
 
-def check_resume(cfg: TrainConfig, layout: Layout) -> tuple[Optional[str], int]:
-    """The checkpoint to resume from and its step (None, 0 without --resume); refuses a foreign one."""
+def check_resume(cfg: TrainConfig, layout: Layout,
+                 restarted: bool = False) -> tuple[Optional[str], int, Optional[str]]:
+    """The checkpoint to resume from, its step and its run (None, 0, None without --resume); refuses a
+    foreign one. ``restarted``: a restarted attempt, for which a run already at --steps is complete."""
     if cfg.resume is None:
-        return None, 0
+        return None, 0, None
     state = ckpt.load_checkpoint(cfg.resume)
     for path, why in state.get("skipped", []):
         warnings.warn(f"skipped {path}, newer than {Path(state['path']).name}: {why.split('; resume from')[0]}")
@@ -309,9 +317,12 @@ def check_resume(cfg: TrainConfig, layout: Layout) -> tuple[Optional[str], int]:
                 f"checkpoint {state['path']} was written with {key} = {meta[key]!r} but this run has "
                 f"{value!r}; resume with the same settings ({fixes[key]})"
             )
+    run_id = rundir.resumed_run(cfg, state)  # the run it continues, which the directory must hold (or none)
+    if state["step"] >= cfg.steps and restarted:
+        raise rundir.RunComplete(int(state["step"]), state["path"])
     if state["step"] >= cfg.steps:
         raise PhalanxError(
             f"checkpoint {state['path']} is already at step {state['step']} and --steps is {cfg.steps}; "
             "raise --steps to train further"
         )
-    return state["path"], int(state["step"])
+    return state["path"], int(state["step"]), run_id

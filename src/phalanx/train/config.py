@@ -92,11 +92,13 @@ class TrainConfig:
     stop_at_accuracy: Optional[float] = option(None, "stop once an evaluation (every --eval-every steps) reaches "
                                                      "this test accuracy, e.g. 0.95")
     metrics: Optional[str] = option(None, "JSON-lines metrics file", show="CHECKPOINT_DIR/metrics.jsonl")
-    checkpoint_dir: str = option("checkpoints", "where step-*.pt checkpoints go")
+    checkpoint_dir: str = option("checkpoints", "where step-*.pt checkpoints go: one run per directory")
     checkpoint_every: int = option(100, "save every N steps (0: only at the end)")
-    keep_checkpoints: int = option(3, "keep the newest K checkpoints")
+    keep_checkpoints: int = option(3, "keep the K checkpoints written last")
     resume: Optional[str] = option(None, "continue from a checkpoint file, or (alone) the newest in "
                                          "--checkpoint-dir", argparse_extra={"nargs": "?", "const": ""})
+    overwrite: bool = option(False, "start a new run in a --checkpoint-dir that holds another run: remove its "
+                                    "checkpoints and metrics file first (phalanx's own files only)")
     progress: str = option("auto", "auto draws a bar on a terminal", choices=PROGRESS)
     prefetch: int = option(2, "batches prepared ahead of the towers")
     master_addr: str = option("127.0.0.1", "address the workers rendezvous on (one machine)")
@@ -110,6 +112,7 @@ class TrainConfig:
     _resolved: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_paths()
         self._check_counts()
         self._check_choices()
         self._check_numbers()
@@ -123,6 +126,17 @@ class TrainConfig:
                                f"phalanx.Sync(), got {type(self.strategy).__name__}")
         if self.metrics is None:
             self.metrics = f"{self.checkpoint_dir}/metrics.jsonl"
+
+    def _check_paths(self) -> None:
+        """An empty path would mean the current directory (or nothing): never what was meant."""
+        for name in ("checkpoint_dir", "metrics", "data_dir", "resume"):
+            value = getattr(self, name)
+            if name == "checkpoint_dir" or value is not None:
+                if not isinstance(value, str) or not value.strip():
+                    raise PhalanxError(f"{_flag(name)} is empty ({value!r}); give a path, e.g. "
+                                       f"{_PATH_EXAMPLES[name]}")
+        if self.overwrite and self.resume is not None:
+            raise PhalanxError("--overwrite starts a new run and --resume continues one: give one of them")
 
     def _check_counts(self) -> None:
         for name in ("batch_size", "accumulate", "log_every", "keep_checkpoints", "prefetch"):
@@ -219,6 +233,10 @@ class TrainConfig:
 
 def recipe_name(cfg: TrainConfig, user_model: bool) -> str:
     return "recipe for a model of your own" if user_model else f"{cfg.model} recipe"
+
+
+_PATH_EXAMPLES = {"checkpoint_dir": "--checkpoint-dir checkpoints", "metrics": "--metrics metrics.jsonl",
+                  "data_dir": "--data-dir cifar-10-batches-bin", "resume": "--resume checkpoints/step-00000100.pt"}
 
 
 def _flag(name: str) -> str:

@@ -79,7 +79,7 @@ class WorkerRun:
         self.straggle.begin(self.step)
         self.eval_seconds = 0.0  # evaluation time, kept out of the training time
         self.reporter = Reporter(ctx.is_main, cfg.progress, cfg.metrics, cfg.steps, self.step,
-                                 resumed_from=plan.resume_path)
+                                 resumed_from=plan.resume_path, run_id=plan.run_id)
         self.prefetcher: Optional[Prefetcher] = None
 
     def _build_model(self) -> nn.Module:
@@ -251,7 +251,7 @@ class WorkerRun:
         path = str(ckpt.checkpoint_path(self.cfg.checkpoint_dir, self.step))
         if self.ctx.is_main and state is not None:
             ckpt.save_checkpoint(
-                {"format": ckpt.FORMAT, "step": self.step, **state,
+                {"format": ckpt.FORMAT, "step": self.step, "run_id": self.plan.run_id, **state,
                  "scheduler": self.scheduler.state_dict(), "rng": rng, "meta": self._meta(),
                  "data_position": {"epoch": self.step // self.steps_per_epoch,
                                    "batch_in_epoch": self.step % self.steps_per_epoch}},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -10,6 +11,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from tqdm import tqdm
+
+from ..errors import StorageError
 
 
 def step_line(step: int, loss: float, examples_per_sec: float, sec_per_batch: float) -> str:
@@ -40,19 +43,15 @@ class Reporter:
     """Prints on rank 0 only; every other rank gets a silent one."""
 
     def __init__(self, enabled: bool, progress: str, metrics_path: Optional[str], total_steps: int,
-                 start_step: int, resumed_from: Optional[str] = None):
+                 start_step: int, resumed_from: Optional[str] = None, run_id: Optional[str] = None):
         self.enabled = enabled
         self.metrics = None
+        self.metrics_path = metrics_path
         self.bar = None
         if not enabled:
             return
         if metrics_path:
-            Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
-            if resumed_from is not None:
-                keep_until(metrics_path, start_step)
-            self.metrics = open(metrics_path, "a" if resumed_from is not None else "w", buffering=1)
-            if resumed_from is not None:
-                self.record("resume", step=start_step, checkpoint=resumed_from)
+            self._open_metrics(metrics_path, start_step, resumed_from, run_id)
         use_bar = progress == "bar" or (progress == "auto" and sys.stdout.isatty())
         self.quiet = progress == "none"
         if use_bar:
@@ -66,9 +65,36 @@ class Reporter:
         else:
             print(line, flush=True)
 
+    def _open_metrics(self, path: str, start_step: int, resumed_from: Optional[str], run_id: Optional[str]) -> None:
+        """A continued run appends to its metrics (the parent checked the file is this run's or new);
+        a new run's first line names its run, so that no other run's takes it for its own."""
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            if resumed_from is not None:
+                keep_until(path, start_step)
+            self.metrics = open(path, "a" if resumed_from is not None else "w", buffering=1)
+        except OSError as e:
+            raise metrics_error(path, e) from None
+        if resumed_from is not None:
+            self.record("resume", step=start_step, checkpoint=resumed_from, run_id=run_id)
+        else:
+            self.record("run", run_id=run_id)
+
     def record(self, event: str, **fields: Any) -> None:
-        if self.metrics is not None:
+        if self.metrics is None:
+            return
+        try:
             self.metrics.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
+        except OSError as e:  # line-buffered: a full disk shows here, at the line that did not fit
+            self._drop_metrics()
+            raise metrics_error(self.metrics_path, e) from None
+
+    def _drop_metrics(self) -> None:
+        try:
+            self.metrics.close()  # closes the file even when its last flush fails again
+        except OSError:
+            pass
+        self.metrics = None
 
     def advance(self) -> None:
         if self.bar is not None:
@@ -83,5 +109,19 @@ class Reporter:
             self.bar.close()
             self.bar = None
         if self.metrics is not None:
-            self.metrics.close()
+            try:
+                self.metrics.close()
+            except OSError as e:
+                self.metrics = None
+                raise metrics_error(self.metrics_path, e) from None
             self.metrics = None
+
+
+def metrics_error(path: Optional[str], e: OSError) -> StorageError:
+    """``cannot write metrics file m.jsonl: No space left on device (ENOSPC); free some space ...``"""
+    code = errno.errorcode.get(e.errno, "") if e.errno else ""
+    why = f"{e.strerror or e}{f' ({code})' if code else ''}"
+    fix = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space",
+           errno.EIO: "check the disk"}.get(e.errno, "fix the permissions")
+    return StorageError(f"cannot write metrics file {path}: {why}; {fix} or choose another --metrics, then continue "
+                        "with --resume (the checkpoints are not affected)")

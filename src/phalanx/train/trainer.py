@@ -10,7 +10,6 @@ then launches one process per rank of the layout, each running :func:`~phalanx.t
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from ..launch import in_torchrun, launch, launcher_rank, launcher_world_size
 from ..models import build_model
 from ..strategies import Job, Layout
 from . import checkpoint as ckpt
-from . import checks
+from . import checks, rundir
 from .config import TrainConfig
 
 
@@ -43,6 +42,8 @@ class Plan:
     resume_path: Optional[str]
     recipe: str  #: the recipe line of the header
     workers: int  #: the workers the user asked for (a parameter server adds one process)
+    run_id: str = ""  #: the run this job is (written in every checkpoint and the metrics file)
+    remove: tuple = ()  #: --overwrite: another run's files, removed once the directory is locked
 
 
 class Trainer:
@@ -88,16 +89,22 @@ class Trainer:
             checks.check_address(cfg.master_addr)
         checks.check_checkpoint_dir(cfg)
         checks.check_metrics_path(cfg)
-        if cfg.resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 \
-                and ckpt.list_checkpoints(cfg.checkpoint_dir):
-            # torchrun --max-restarts started this process again: continue from the newest checkpoint.
-            cfg = dataclasses.replace(cfg, resume=cfg.checkpoint_dir)
-        resume_path, _ = checks.check_resume(cfg, layout)
+        claim = rundir.claim(cfg)  # a new run, a --resume, or torchrun's restarted attempt of this run
+        if claim.resume != cfg.resume:  # a restarted attempt continues its run, whatever its flags say
+            cfg = dataclasses.replace(cfg, resume=claim.resume, overwrite=False)
+        resume_path, _, resumed = checks.check_resume(cfg, layout, restarted=claim.restarted)
+        run_id = resumed or claim.run_id
+        remove = claim.remove + rundir.check_metrics(cfg, run_id, new=cfg.resume is None and not claim.restarted)
         return Plan(cfg, layout, self.model, facts.bundle, self.loss_fn, resume_path,
-                    self.config.recipe_line(user_model), len(devices))
+                    self.config.recipe_line(user_model), len(devices), run_id, remove)
 
     def fit(self) -> dict[str, Any]:
-        plan = self.plan()
+        try:
+            plan = self.plan()
+        except rundir.RunComplete as done:  # a restarted attempt after the run's last checkpoint
+            if launcher_rank() == 0:
+                print(done, flush=True)
+            return {"steps": done.step, "checkpoint": done.path, "already_complete": True}
         cfg = plan.config
         created = not Path(cfg.checkpoint_dir).exists()
         ckpt.ensure_writable(cfg.checkpoint_dir)
@@ -106,6 +113,7 @@ class Trainer:
         try:
             if lock is not None:
                 lock.acquire()
+                rundir.take(cfg.checkpoint_dir, plan.run_id, plan.remove)  # only the checkpoint writer
             ckpt.remove_stale_temporaries(cfg.checkpoint_dir)
             summary = self._run_restarting(plan)
         except PhalanxError:
@@ -139,20 +147,25 @@ class Trainer:
                         raise
                     hint = f"\nlast checkpoint: {newest}; continue with --resume {newest}" if newest else ""
                     raise WorkerFailed(e.rank, e.detail + hint, plan.layout.label(e.rank)) from None
+                point = self._restart_point(cfg, plan.run_id)
+                if point is not None and point["step"] >= cfg.steps:  # it died after the last checkpoint
+                    print(f"{_what_failed(e, plan.layout)}; {rundir.RunComplete(point['step'], point['path'])}",
+                          flush=True)
+                    return {"steps": point["step"], "checkpoint": point["path"], "already_complete": True}
                 restarts += 1
-                plan = dataclasses.replace(plan, resume_path=self._restart_point(cfg))
-                where = f"checkpoint step {ckpt.load_checkpoint(plan.resume_path)['step']}" if plan.resume_path \
-                    else "the start (no checkpoint yet)"
+                plan = dataclasses.replace(plan, resume_path=point["path"] if point else None)
+                where = f"checkpoint step {point['step']}" if point else "the start (no checkpoint yet)"
                 print(f"{_what_failed(e, plan.layout)}; restart {restarts} of {cfg.max_restarts} from {where}",
                       file=sys.stderr, flush=True)
 
     @staticmethod
-    def _restart_point(cfg: TrainConfig) -> Optional[str]:
-        """The newest checkpoint that verifies (None: none yet, start again from step 0)."""
-        if not ckpt.list_checkpoints(cfg.checkpoint_dir):
+    def _restart_point(cfg: TrainConfig, run_id: str) -> Optional[dict[str, Any]]:
+        """This run's newest checkpoint that verifies (None: none yet, start again from step 0). Only
+        this run's: the directory was claimed for it before the first launch, and is locked."""
+        record = ckpt.read_run(cfg.checkpoint_dir)
+        if record is None or record.run_id != run_id or not ckpt.list_checkpoints(cfg.checkpoint_dir):
             return None
-        state = ckpt.load_checkpoint(cfg.checkpoint_dir)
-        return state["path"]
+        return ckpt.load_checkpoint(cfg.checkpoint_dir)
 
 
 def _what_failed(e: PhalanxError, layout: Layout) -> str:
@@ -167,9 +180,11 @@ def _what_failed(e: PhalanxError, layout: Layout) -> str:
 
 
 def _remove_if_empty(root: Path) -> None:
-    """Remove a checkpoint directory this run created, if nothing but its lock file is in it."""
-    if root.is_dir() and all(p.name == ckpt.LOCK_NAME for p in root.iterdir()):
-        (root / ckpt.LOCK_NAME).unlink(missing_ok=True)
+    """Remove a checkpoint directory this run created, if nothing but its lock and run record is in it."""
+    ours = (ckpt.LOCK_NAME, ckpt.RUN_NAME)
+    if root.is_dir() and all(p.name in ours for p in root.iterdir()):
+        for name in ours:
+            (root / name).unlink(missing_ok=True)
         root.rmdir()
 
 

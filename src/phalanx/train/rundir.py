@@ -1,0 +1,192 @@
+"""Which run a checkpoint directory belongs to: decided in the parent, before anything is written.
+
+A *run* is one training job's life, continued by ``--resume`` and by restarts. Its id is written
+in every checkpoint (``run_id``), in the directory's record (``.phalanx-run.json``, see
+``checkpoint.py``) and in the first line of its metrics file. The rules:
+
+- **A new run** (no ``--resume``) is refused in a directory that holds another run's checkpoints,
+  or next to another run's metrics file; ``--overwrite`` removes them first (phalanx's own files
+  only: ``step-*.pt``, the record, a metrics file phalanx wrote).
+- **--resume** continues the run of the checkpoint it names; the directory must hold that run, or
+  no checkpoints at all.
+- **A restarted attempt** continues the current run only. phalanx's own ``--max-restarts`` knows
+  its run (the parent holds it). Under ``torchrun --max-restarts`` every attempt is a new process
+  with the same command line: attempt N > 0 (``TORCHELASTIC_RESTART_COUNT``) continues the run
+  the record says *this torchrun job* wrote (``TORCHELASTIC_RUN_ID``, or the agent process when
+  the id is torchrun's default ``none``), whatever its flags say, ``--overwrite`` included. An
+  earlier attempt that never claimed the directory left nothing to continue: the attempt is then
+  judged as a new run, so it can never take another run's checkpoints.
+
+Only the process that writes checkpoints (launcher rank 0) refuses or removes anything; under
+torchrun the other ranks read the same directory and follow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import uuid
+from pathlib import Path
+from typing import Mapping, Optional
+
+from ..errors import PhalanxError
+from ..launch import launcher_rank
+from . import checkpoint as ckpt
+from .config import TrainConfig
+
+
+class RunComplete(PhalanxError):
+    """A restarted attempt found its run already at --steps: nothing to do, and that is success."""
+
+    exit_code = 0
+
+    def __init__(self, step: int, path: str):
+        super().__init__(f"already complete at step {step}: checkpoint {path}")
+        self.step, self.path = step, path
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """What the parent decided about the checkpoint directory."""
+
+    run_id: str  #: a new run's id (a continued run takes its checkpoint's: see :func:`resumed_run`)
+    resume: Optional[str]  #: what to resume from: the user's --resume, or the directory a restart continues
+    restarted: bool  #: a torchrun attempt continuing its own run (finding it complete is success)
+    remove: tuple[Path, ...] = ()  #: --overwrite: another run's files, removed once the directory is locked
+
+
+def restart_attempt(env: Optional[Mapping[str, str]] = None) -> int:
+    """torchrun's attempt number (0: the first, or not under torchrun)."""
+    env = os.environ if env is None else env
+    try:
+        return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def launcher_identity(env: Optional[Mapping[str, str]] = None) -> str:
+    """The torchrun job this process belongs to, the same in each of its attempts ('' outside torchrun)."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RESTART_COUNT" not in env:
+        return ""
+    job = env.get("TORCHELASTIC_RUN_ID", "")
+    if job and job != "none":  # --standalone makes a fresh uuid per torchrun; multi-node jobs pass --rdzv-id
+        return f"torchrun job {job}"
+    agent = os.getppid()  # the agent starts every attempt's workers itself
+    return f"torchrun agent pid {agent} on {socket.gethostname()} started {_start_time(agent)}"
+
+
+def _start_time(pid: int) -> str:
+    """A process's start time in clock ticks since boot: with the pid, unique even when pids are reused."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "?"
+
+
+def new_run_id(launcher: str) -> str:
+    """Under torchrun every rank derives the same id from the job; otherwise a random one."""
+    return uuid.uuid5(uuid.NAMESPACE_URL, launcher).hex[:16] if launcher else uuid.uuid4().hex[:16]
+
+
+def claim(cfg: TrainConfig) -> Claim:
+    """The run this job is: a torchrun attempt continuing its own, a --resume, or a new run."""
+    root = Path(cfg.checkpoint_dir)
+    record = ckpt.read_run(root) if root.is_dir() else None
+    launcher = launcher_identity()
+    if restart_attempt() > 0 and launcher and record is not None and record.launcher == launcher:
+        resume = str(root) if ckpt.list_checkpoints(root) else cfg.resume
+        return Claim(record.run_id, resume, restarted=True)
+    if cfg.resume is not None:
+        return Claim(new_run_id(launcher), cfg.resume, restarted=False)
+    return Claim(new_run_id(launcher), None, restarted=False, remove=_new_run(cfg, root, record))
+
+
+def _new_run(cfg: TrainConfig, root: Path, record: Optional[ckpt.RunRecord]) -> tuple[Path, ...]:
+    """A new run needs a directory without checkpoints; --overwrite names the ones to remove."""
+    found = [p for p in ckpt.step_entries(root) if p.is_file()]
+    if not found:
+        return ()
+    if not cfg.overwrite:
+        if launcher_rank() == 0:
+            newest = (ckpt.list_checkpoints(root) or found)[-1]
+            raise PhalanxError(f"--checkpoint-dir {root} holds the checkpoints of another run (newest {newest}); "
+                               f"continue that run with --resume, start over with --overwrite (removes them), or "
+                               f"choose another --checkpoint-dir")
+        return ()
+    return tuple(found) + ((root / ckpt.RUN_NAME,) if record is not None else ())
+
+
+def resumed_run(cfg: TrainConfig, state: dict) -> str:
+    """The run a resume continues (its checkpoint's); refused when the directory holds another run."""
+    root = Path(cfg.checkpoint_dir)
+    record = ckpt.read_run(root) if root.is_dir() else None
+    here = Path(state["path"]).resolve().parent == root.resolve()
+    theirs = record.run_id if record is not None and record.run_id else None
+    run_id = state.get("run_id") or (theirs if here else None) or new_run_id(launcher_identity())
+    held = [p for p in ckpt.step_entries(root) if p.is_file()]
+    other = theirs != run_id if theirs is not None else not here
+    if held and other and launcher_rank() == 0:
+        newest = (ckpt.list_checkpoints(root) or held)[-1]
+        raise PhalanxError(f"--resume {state['path']} continues another run than the one whose checkpoints "
+                           f"--checkpoint-dir {root} holds (newest {newest}); write this run to another "
+                           f"--checkpoint-dir, or continue that one with --resume {root}")
+    return run_id
+
+
+# --------------------------------------------------------------------------- the metrics file
+
+
+def metrics_owner(path: Path) -> tuple[bool, Optional[str]]:
+    """(whether phalanx wrote the file, the run it belongs to where it says): from its first line."""
+    try:
+        with open(path) as f:
+            first = json.loads(f.readline())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False, None
+    if not isinstance(first, dict) or "event" not in first:
+        return False, None
+    return True, first.get("run_id")
+
+
+def check_metrics(cfg: TrainConfig, run_id: str, new: bool) -> tuple[Path, ...]:
+    """A metrics file is never silently overwritten: a continued run appends to its own; a new run
+    is refused next to another run's (--overwrite: removed, if phalanx wrote it). Returns what to remove."""
+    path = Path(cfg.metrics)
+    if launcher_rank() != 0 or not path.is_file() or path.stat().st_size == 0:
+        return ()
+    ours, owner = metrics_owner(path)
+    if owner == run_id:
+        return ()
+    if not new:
+        if owner is None:
+            return ()  # written before runs had ids: appended to, as before
+        raise PhalanxError(f"--metrics {path} holds another run's metrics; this run continues a different one: "
+                           "choose another --metrics")
+    if not cfg.overwrite:
+        raise PhalanxError(f"--metrics {path} holds another run's metrics; start over with --overwrite (replaces "
+                           "it), or choose another --metrics")
+    if not ours:
+        raise PhalanxError(f"--metrics {path} is not a phalanx metrics file, and --overwrite removes only "
+                           "phalanx's own files; choose another --metrics")
+    return (path,)
+
+
+# --------------------------------------------------------------------------- once the directory is locked
+
+
+def take(directory: str, run_id: str, remove: tuple[Path, ...]) -> None:
+    """Remove what --overwrite named, then write the record: this directory now holds run ``run_id``
+    (a directory of an older phalanx is adopted with its checkpoints in step order)."""
+    for path in remove:
+        path.unlink(missing_ok=True)
+    root = Path(directory)
+    record = ckpt.read_run(root)
+    launcher = launcher_identity()
+    if record is None or record.run_id != run_id:
+        names = tuple(p.name for p in ckpt.list_checkpoints(root))  # the record's order, else by step
+        ckpt.write_run(root, ckpt.RunRecord(run_id, launcher, names))
+    elif record.launcher != launcher:
+        ckpt.write_run(root, record._replace(launcher=launcher))
