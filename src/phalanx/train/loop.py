@@ -29,7 +29,7 @@ from ..strategies import Build
 from . import checkpoint as ckpt
 from .losses import LossWindow, first_non_finite
 from .report import Reporter, step_line
-from .resume import check_fits, data_position, restore_settings, resume_config, settings_of
+from .resume import check_fits, data_position, restore_settings, resume_config, settings_line, settings_of
 from .schedules import Schedule, scaled_lr
 from .straggle import Straggle
 from .trainer import Plan
@@ -261,6 +261,8 @@ class WorkerRun:
     def _restore(self, state: dict[str, Any]) -> None:
         """Parameters, optimizer state (unless the optimizer changed), step, data position and RNG of a
         checkpoint written by any strategy on any worker count; the hyperparameters stay this run's."""
+        for group in self.runtime.optimizer.param_groups:  # as a scheduled optimizer's, like the saved ones
+            group.setdefault("initial_lr", group["lr"])  # (fsdp's loader wants the same keys in both)
         settings = [{k: v for k, v in group.items() if k != "params"} for group in self.runtime.optimizer.param_groups]
         if self.resumed.fresh_optimizer:
             state = {k: v for k, v in state.items() if k != "optimizer"}
@@ -287,7 +289,7 @@ class WorkerRun:
         resumed = self.resumed.lines if self.resumed else []
         for line in resumed + self.runtime.notes + self.straggle.lines() + self._precision_lines():
             self.reporter.say(line)
-        self.reporter.say(self.plan.recipe)
+        self.reporter.say(settings_line(self.cfg) if self.resumed else self.plan.recipe)
         if self.straggle.fields():
             self.reporter.record("straggle", **self.straggle.fields())
 

@@ -108,8 +108,9 @@ def batch_for(cfg: TrainConfig, state: dict[str, Any], shards: int) -> tuple[int
     if not cfg.keep_global_batch or old_global == cfg.batch_size * shards:
         return cfg.batch_size, cfg.accumulate
     if old_global % shards:
-        fits = [n for n in range(max(1, shards - 3), shards + 4) if old_global % n == 0 and n != shards]
-        hint = f" (it splits over {' or '.join(map(str, fits))})" if fits else ""
+        below = [n for n in range(1, shards) if old_global % n == 0][-1:]
+        above = [n for n in range(shards + 1, old_global + 1) if old_global % n == 0][:1]
+        hint = f" (it splits over {' or '.join(map(str, below + above))})"
         raise PhalanxError(f"global batch {old_global} cannot be kept on {shards} workers: {old_global} / {shards} "
                            f"is not whole; resume on another worker count{hint}, or without --keep-global-batch "
                            f"(global batch {cfg.batch_size * shards})")
@@ -125,11 +126,12 @@ def _batch_line(run: TrainConfig, state: dict[str, Any], shards: int) -> Optiona
     old_global, old_batch, old_accumulate = recorded_batch(state)
     new_global = run.batch_size * shards
     head = f"resuming at step {state['step']} with global batch {new_global}"
-    micro = f", {run.accumulate} micro-batches" if run.accumulate != old_accumulate else ""
+    micro = f", --accumulate {run.accumulate} (was {old_accumulate})" if run.accumulate != old_accumulate else ""
     if new_global == old_global:
         if run.batch_size == old_batch:
             return None
-        return f"{head} as before (--keep-global-batch): {run.batch_size} per worker x {shards} (was {old_batch} per worker){micro}"
+        return (f"{head} as before (--keep-global-batch): {run.batch_size} per worker x {shards} (was {old_batch} "
+                f"per worker){micro}")
     stays = f"the per-worker batch stays {run.batch_size}" if run.batch_size == old_batch else (
         f"{run.batch_size} per worker (the checkpoint's {old_batch}: --batch-size {old_batch} keeps it)")
     return f"{head} (was {old_global}): {stays}; {_lr_rule(run, old_global, new_global)}; " \
@@ -138,13 +140,22 @@ def _batch_line(run: TrainConfig, state: dict[str, Any], shards: int) -> Optiona
 
 def _lr_rule(run: TrainConfig, old_global: int, new_global: int) -> str:
     if run.lr_base_batch is None:
-        return f"lr {run.lr:g} as before (--lr-base-batch would scale it with the global batch)"
+        return f"lr {run.lr:g}, not scaled (--lr-base-batch would scale it with the global batch)"
     now = scaled_lr(run.lr, new_global, run.lr_base_batch)
     was = scaled_lr(run.lr, old_global, run.lr_base_batch)
     return f"lr {run.lr:g} x {new_global} / {run.lr_base_batch} = {now:g} (--lr-base-batch; was {was:g})"
 
 
+def settings_line(run: TrainConfig) -> str:
+    """The header's recipe line on a resume: ``settings: sgd, lr 0.01, 300 steps (the checkpoint's; ...)``."""
+    given = [name for name in ("optimizer", "lr") if name in run._given]
+    told = f"; set by flags: {', '.join(given)}" if given else "; any flag overrides"
+    return f"settings: {run.optimizer}, lr {run.lr:g}, {run.steps} steps (the checkpoint's{told})"
+
+
 def _show(value: Any) -> str:
+    if value is None:
+        return "none"
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
