@@ -62,7 +62,8 @@ def test_a_global_batch_that_does_not_split_is_refused_with_the_arithmetic(strai
                   str(straight / "step-00000020.pt"), "--checkpoint-dir", "resumed", cwd=tmp_path)
     assert out.returncode == 2, out.stderr
     assert "error: global batch 96 cannot be kept on 5 workers: 96 / 5 is not whole" in out.stderr
-    assert "resume on another worker count (it splits over 4 or 6), or without --keep-global-batch (global batch 160)" in out.stderr and "Traceback" not in out.stderr
+    assert "resume on another worker count (it splits over 4 or 6), or without --keep-global-batch (global batch " \
+           "160)" in out.stderr and "Traceback" not in out.stderr
 
 
 # ---- flags on resume ----
