@@ -130,8 +130,8 @@ def _batch_line(run: TrainConfig, state: dict[str, Any], shards: int) -> Optiona
     if new_global == old_global:
         if run.batch_size == old_batch:
             return None
-        return (f"{head} as before (--keep-global-batch): {run.batch_size} per worker x {shards} (was {old_batch} "
-                f"per worker){micro}")
+        kept = " (--keep-global-batch)" if run.keep_global_batch else ""
+        return f"{head} as before{kept}: {run.batch_size} per worker x {shards} (was {old_batch} per worker){micro}"
     stays = f"the per-worker batch stays {run.batch_size}" if run.batch_size == old_batch else (
         f"{run.batch_size} per worker (the checkpoint's {old_batch}: --batch-size {old_batch} keeps it)")
     return f"{head} (was {old_global}): {stays}; {_lr_rule(run, old_global, new_global)}; " \
