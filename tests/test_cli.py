@@ -95,7 +95,7 @@ def test_corrupt_checkpoint_on_resume(trained, tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--model", "mlp"], "written with model = 'cnn' but this run has 'mlp'"),
-    (["--workers", "1"], "written with world_size = 2 but this run has 1"),
+    (["--data", "synthetic"], "written with data = 'digits' but this run has 'synthetic'"),
     (["--steps", "20"], "already at step 20 and --steps is 20"),
 ])
 def test_mismatched_checkpoint_on_resume(trained, flags, message):

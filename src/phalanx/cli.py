@@ -32,7 +32,8 @@ SECTIONS = {
         "steps", "batch_size", "accumulate", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
         "lr_decay_every", "lr_decay_factor", "staircase", "warmup_steps", "lr_base_batch", "seed", "straggler"),
     "observation and checkpoints": ("log_every", "eval_every", "stop_at_accuracy", "metrics", "checkpoint_dir",
-                                    "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "progress", "prefetch"),
+                                    "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "keep_global_batch",
+                                    "progress", "prefetch"),
 }
 
 

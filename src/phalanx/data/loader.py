@@ -1,13 +1,16 @@
 """Deterministic sharding of batches across workers, and a bounded prefetch queue.
 
-Every global step ``s`` of epoch ``e`` takes the slice ``[s·G, (s+1)·G)`` of that epoch's
-shuffle (G = batch per worker × workers); worker ``r`` takes the ``r``-th piece of it. So every
-worker sees a different part, the union over workers is exactly what one process with batch G
-would see (this is what makes Sync equal to one large batch), and the position in the data is
-a pure function of the global step: resuming at step s needs nothing but s.
+Each epoch has its own shuffle of the training set. The position in the data is a
+:class:`Position`: the epoch and how many examples of its shuffle were consumed. A global step
+at position (e, o) takes the slice ``[o, o + G)`` of epoch e's shuffle (G = batch per worker ×
+workers); worker ``r`` takes the ``r``-th piece of it. So every worker sees a different part, the
+union over workers is exactly what one process with batch G would see (this is what makes Sync
+equal to one large batch), and resuming needs nothing but the position.
 
-The last ``len(data) mod G`` examples of each epoch's shuffle are left out (a different few
-each epoch): every worker then takes the same number of equal-sized steps, so the collectives
+The position counts examples, not steps, so a run that resumes with another global batch (another
+worker count) continues with the very next example of the epoch: nothing seen twice, nothing
+skipped. When fewer than G examples are left in an epoch's shuffle they are left out (a different
+few each epoch): every worker then takes the same number of equal-sized steps, so the collectives
 stay in lockstep and no ``Join`` is needed.
 """
 
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional, Union
 
 import torch
 
@@ -28,8 +31,32 @@ def epoch_generator(seed: int, epoch: int, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed(((seed * 1_000_003 + epoch) * 7 + stream) % (2**63))
 
 
+class Position(NamedTuple):
+    """Where a run is in its data: the epoch, and the examples of that epoch's shuffle consumed."""
+
+    epoch: int
+    offset: int
+
+
+def advance(start: Position, steps: int, size: int, global_batch: int) -> Position:
+    """The position ``steps`` global steps of ``global_batch`` examples after ``start`` (pure).
+
+    An epoch's tail shorter than a global batch is skipped, so the result always has room for
+    one more step: it is exactly where the next batch begins.
+    """
+    epoch, offset = start
+    if offset + global_batch > size:  # the tail of this epoch is dropped: the next step opens a new one
+        epoch, offset = epoch + 1, 0
+    left = (size - offset) // global_batch  # steps that still fit in this epoch
+    if steps < left:
+        return Position(epoch, offset + steps * global_batch)
+    per_epoch = size // global_batch
+    steps -= left
+    return Position(epoch + 1 + steps // per_epoch, steps % per_epoch * global_batch)
+
+
 class ShardedBatches:
-    """This worker's batches, global step by global step, from any starting step."""
+    """This worker's batches, global step by global step, from any starting position."""
 
     def __init__(self, data: ArrayDataset, batch_size: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, shuffle: bool = True, augment: bool = True):
@@ -53,23 +80,30 @@ class ShardedBatches:
             params = self.data.augment_params(n, epoch_generator(self.seed, epoch, 1))
         return perm, params
 
-    def indices(self, step: int, perm: torch.Tensor) -> torch.Tensor:
-        start = (step % self.steps_per_epoch) * self.global_batch + self.rank * self.batch_size
+    def position(self, step: int) -> Position:
+        """Where ``step`` global steps of this batch from the very beginning lead."""
+        return advance(Position(0, 0), step, len(self.data), self.global_batch)
+
+    def indices(self, offset: int, perm: torch.Tensor) -> torch.Tensor:
+        """This worker's piece of the global batch that begins at ``offset`` of the epoch's shuffle."""
+        start = offset + self.rank * self.batch_size
         return perm[start:start + self.batch_size]
 
     def batch(self, idx: torch.Tensor, params: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.data.transform(self.data.x[idx], None if params is None else params[idx])
         return x, self.data.y[idx]
 
-    def __call__(self, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        step, epoch, plan = start_step, None, None
+    def __call__(self, start: Union[int, Position] = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches from ``start``: a :class:`Position`, or a step counted from the very beginning."""
+        here = start if isinstance(start, Position) else self.position(start)
+        planned, plan = None, None
         while True:
-            if step // self.steps_per_epoch != epoch:
-                epoch = step // self.steps_per_epoch
-                plan = self._epoch_plan(epoch)
+            here = advance(here, 0, len(self.data), self.global_batch)  # past a tail too short for a batch
+            if here.epoch != planned:
+                planned, plan = here.epoch, self._epoch_plan(here.epoch)
             perm, params = plan
-            yield self.batch(self.indices(step, perm), params)
-            step += 1
+            yield self.batch(self.indices(here.offset, perm), params)
+            here = Position(here.epoch, here.offset + self.global_batch)
 
 
 def eval_batches(data: ArrayDataset, batch_size: int, rank: int = 0, world_size: int = 1

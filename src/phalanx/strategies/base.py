@@ -258,9 +258,11 @@ class Runtime:
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), **scaler}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (on every rank)."""
+        """Restore what :meth:`state_dict` returned by any strategy (on every rank). Without an
+        ``"optimizer"`` entry the optimizer keeps its fresh state (the run changed optimizers)."""
         load_model_state(self.module, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
 

@@ -200,14 +200,18 @@ class FSDPRuntime(Runtime):
         """Every rank takes its shard of a full checkpoint (written by fsdp, sync, a pipeline or a plain model)."""
         if not self.sharded:
             return super().load_state_dict(state)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
+        options = StateDictOptions(full_state_dict=True, strict=True)
         try:
             # Copies of the containers: set_state_dict writes this rank's DTensor shards into the
             # dicts it is given, and the caller's checkpoint must stay a plain one.
+            if "optimizer" not in state:  # the run changed optimizers: this one starts fresh
+                set_model_state_dict(self.model, _containers(state["model"]), options=options)
+                return
             set_state_dict(self.model, self.optimizer, model_state_dict=_containers(state["model"]),
                            optim_state_dict=_containers(by_name(state["optimizer"], self._names())),
-                           options=StateDictOptions(full_state_dict=True, strict=True))
+                           options=options)
         except (RuntimeError, KeyError, ValueError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
             raise PhalanxError(f"checkpoint does not fit this model ({first}); resume with the --model and data "

@@ -124,6 +124,13 @@ class HogwildRuntime(Runtime):
         self.staleness.record(int(others - seen))
         return loss
 
+    def load_state_dict(self, state):
+        """Every rank writes the checkpoint's (same) parameters into the shared buffer, then waits for the
+        others: a late rank's copy would otherwise undo the updates an early one already made."""
+        super().load_state_dict(state)
+        if self.ctx.distributed:
+            dist.barrier()
+
     def global_losses(self, losses):
         return losses  # no collective: workers never wait for each other
 

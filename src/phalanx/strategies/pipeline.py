@@ -359,7 +359,8 @@ class PipelineRuntime(Runtime):
         if self._stage is None:
             return super().load_state_dict(state)
         self.stage_module.load_full_state_dict(state["model"])
-        self.optimizer.load_state_dict(opt_state.split(state["optimizer"], self.local_to_global))
+        if "optimizer" in state:  # absent: the run changed optimizers and starts this one fresh
+            self.optimizer.load_state_dict(opt_state.split(state["optimizer"], self.local_to_global))
 
     def report(self, final: bool = False) -> Report:
         fields = {"stages": self.plan.stages, "replicas": self.replicas, "chunks": self.options.chunks,

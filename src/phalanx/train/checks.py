@@ -28,6 +28,7 @@ from ..strategies import Layout
 from . import checkpoint as ckpt
 from . import rundir
 from .config import TrainConfig
+from .resume import batch_for
 
 
 # --------------------------------------------------------------------------- data
@@ -306,16 +307,15 @@ def check_resume(cfg: TrainConfig, layout: Layout,
     for path, why in state.get("skipped", []):
         warnings.warn(f"skipped {path}, newer than {Path(state['path']).name}: {why.split('; resume from')[0]}")
     meta = state.get("meta", {})
-    want = {"world_size": layout.world_size, "batch_size": cfg.batch_size, "model": cfg.model, "data": cfg.data,
-            "strategy": cfg.strategy.name}
-    fixes = {"world_size": f"--workers {meta.get('workers', meta.get('world_size'))}",
-             "batch_size": f"--batch-size {meta.get('batch_size')}", "model": f"--model {meta.get('model')}",
-             "data": f"--data {meta.get('data')}", "strategy": f"--strategy {meta.get('strategy')}"}
+    # Only another model or data set is refused: the worker count, the strategy and the batch may
+    # change (every strategy saves the whole model and a plain optimizer's state; see resume.py).
+    # The parameters' shapes are compared in the workers, which build the model.
+    want = {"model": cfg.model, "data": cfg.data}
     for key, value in want.items():
         if key in meta and meta[key] != value:
             raise PhalanxError(
                 f"checkpoint {state['path']} was written with {key} = {meta[key]!r} but this run has "
-                f"{value!r}; resume with the same settings ({fixes[key]})"
+                f"{value!r}; resume with the same settings (--{key} {meta[key]})"
             )
     run_id = rundir.resumed_run(cfg, state)  # the run it continues, which the directory must hold (or none)
     if state["step"] >= cfg.steps and restarted:
@@ -325,4 +325,5 @@ def check_resume(cfg: TrainConfig, layout: Layout,
             f"checkpoint {state['path']} is already at step {state['step']} and --steps is {cfg.steps}; "
             "raise --steps to train further"
         )
+    batch_for(cfg, state, layout.shards)  # --keep-global-batch: refused here where it cannot split
     return state["path"], int(state["step"]), run_id

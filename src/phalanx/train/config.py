@@ -4,7 +4,9 @@ Fields left at ``None`` mean "not given": the optimizer, learning rate and steps
 the model's recipe (:data:`phalanx.models.RECIPES`), and options that only apply to one setting
 (``momentum`` to SGD, ``lr_decay_*`` to the exponential schedule, ``data_dir`` to CIFAR-10,
 ``synthetic_*`` to synthetic data) take their defaults there, or are refused anywhere else:
-a flag that does nothing is an error, not a surprise. :meth:`TrainConfig.resolved` fills them in.
+a flag that does nothing is an error, not a surprise. :meth:`TrainConfig.resolved` fills them in,
+and remembers which optimisation settings were given: on ``--resume`` those win over the
+checkpoint's, and the others continue as the checkpoint has them (see ``resume.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ from .straggle import Slowness, parse_slowness
 
 OPTIMIZERS = ("sgd", "adam")
 PROGRESS = ("auto", "bar", "lines", "none")
+
+#: The optimisation settings: on --resume each one given wins over the checkpoint's (see resume.py).
+SETTINGS = ("optimizer", "lr", "momentum", "weight_decay", "lr_schedule", "lr_decay_every", "lr_decay_factor",
+            "staircase", "warmup_steps", "lr_base_batch")
+#: Settings whose default is the same for every model (None until resolved, so that giving one is seen).
+PLAIN_DEFAULTS: dict[str, Any] = {"weight_decay": 0.0, "lr_schedule": "constant", "warmup_steps": 0}
 
 #: field -> (the setting it belongs to, the values of that setting it applies to, its default there)
 ONLY_FOR: dict[str, tuple[str, tuple[str, ...], Any]] = {
@@ -69,13 +77,13 @@ class TrainConfig:
     lr: Optional[float] = option(None, "peak learning rate (before the linear scaling rule, if any)",
                                  show="the model's recipe")
     momentum: Optional[float] = option(None, "sgd: momentum, in [0, 1)", show="0.9")
-    weight_decay: float = option(0.0, "L2 penalty")
-    lr_schedule: str = option("constant", "learning-rate schedule", choices=SCHEDULES)
+    weight_decay: Optional[float] = option(None, "L2 penalty", show="0")
+    lr_schedule: Optional[str] = option(None, "learning-rate schedule", choices=SCHEDULES, show="constant")
     lr_decay_every: Optional[int] = option(None, "exponential: steps per decay", show="100")
     lr_decay_factor: Optional[float] = option(None, "exponential: multiplier per --lr-decay-every steps, in (0, 1]",
                                               show="0.5")
     staircase: Optional[bool] = option(None, "exponential: decay in whole steps", show="off")
-    warmup_steps: int = option(0, "linear warmup length in steps")
+    warmup_steps: Optional[int] = option(None, "linear warmup length in steps", show="0")
     lr_base_batch: Optional[int] = option(None, "linear scaling rule: lr x global batch / this")
     seed: int = option(0, "model initialisation and data order")
     precision: str = option("fp32", "autocast each forward pass to bf16 or fp16 (fp16: CUDA and sync only, with a "
@@ -108,8 +116,13 @@ class TrainConfig:
                                           "naming the stuck rank and where it is (0: never)", flag="--hang-timeout")
     max_restarts: int = option(0, "when a worker dies or the job hangs, restart every worker from the newest "
                                   "checkpoint, up to this many times")
+    keep_global_batch: bool = option(False, "on --resume with another worker count: keep the checkpoint's global "
+                                            "batch (the per-worker batch, or --accumulate, adapts) instead of the "
+                                            "per-worker batch")
     #: set by resolved(): the unset fields are filled in (no flag; not for users)
     _resolved: bool = dataclasses.field(default=False, repr=False)
+    #: set by resolved(): the SETTINGS the user gave (on --resume they win over the checkpoint's)
+    _given: tuple = dataclasses.field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         self._check_paths()
@@ -150,6 +163,8 @@ class TrainConfig:
                 raise PhalanxError(f"--{name} must be at least 1, got {value!r}")
         for name in ("eval_every", "checkpoint_every", "warmup_steps", "seed", "max_restarts"):
             value = getattr(self, name)
+            if value is None and name in PLAIN_DEFAULTS:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise PhalanxError(f"{_flag(name)} must be 0 or more, got {value!r}")
         if self.batch_size % self.accumulate:
@@ -176,7 +191,7 @@ class TrainConfig:
             raise PhalanxError(f"--lr must be positive and finite, got {self.lr}")
         if self.momentum is not None and not 0 <= self.momentum < 1:
             raise PhalanxError(f"--momentum must be in [0, 1) (0.9 is usual), got {self.momentum}")
-        if not 0 <= self.weight_decay < math.inf:
+        if self.weight_decay is not None and not 0 <= self.weight_decay < math.inf:
             raise PhalanxError(f"--weight-decay must be 0 or a small positive number (e.g. 5e-4), "
                                f"got {self.weight_decay}")
         if self.lr_decay_factor is not None and not 0 < self.lr_decay_factor <= 1:
@@ -197,6 +212,7 @@ class TrainConfig:
         for name, (setting, applies_to, _) in ONLY_FOR.items():
             value = getattr(self, name)
             chosen = getattr(self, setting)
+            chosen = PLAIN_DEFAULTS.get(setting) if chosen is None else chosen
             if value is None or chosen is None or chosen in applies_to:
                 continue
             raise PhalanxError(f"{_flag(name)} applies to {_flag(setting)} {' or '.join(applies_to)}, and this run "
@@ -220,7 +236,10 @@ class TrainConfig:
         for name, (setting, applies_to, default) in ONLY_FOR.items():
             if getattr(self, name) is None:
                 values[name] = default
-        return dataclasses.replace(self, **values, _resolved=True)
+        values.update({name: default for name, default in PLAIN_DEFAULTS.items() if getattr(self, name) is None})
+        # What the user gave, before the recipe fills the rest in (kept when resolving again).
+        given = self._given if self._resolved else tuple(n for n in SETTINGS if getattr(self, n) is not None)
+        return dataclasses.replace(self, **values, _resolved=True, _given=given)
 
     def recipe_line(self, user_model: bool = False) -> str:
         """``recipe: adam, lr 0.01, 300 steps (lstm default; set by flags: lr)``."""

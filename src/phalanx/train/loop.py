@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..data import Prefetcher, ShardedBatches, eval_batches, load_data
+from ..data.loader import Position, advance
 from ..errors import TrainingDiverged
 from ..launch import WorkerContext
 from ..memory import Held, describe, held, largest
@@ -28,6 +29,7 @@ from ..strategies import Build, nonfinite_values
 from . import checkpoint as ckpt
 from .losses import LossWindow, first_non_finite
 from .report import Reporter, step_line
+from .resume import check_fits, data_position, restore_settings, resume_config, settings_line, settings_of
 from .schedules import Schedule, scaled_lr
 from .straggle import Straggle
 from .trainer import Plan
@@ -48,16 +50,22 @@ class WorkerRun:
     def __init__(self, ctx: WorkerContext, plan: Plan):
         self.ctx, self.plan, self.cfg = ctx, plan, plan.config
         self.me = plan.layout.ranks[ctx.rank]
-        cfg = self.cfg
+        # A checkpoint's settings fill in what no flag gave, before anything is built from the config.
+        resumed = ckpt.load_checkpoint(plan.resume_path) if plan.resume_path else None
+        self.resumed = resume_config(self.cfg, resumed, plan.layout.shards) if resumed else None
+        cfg = self.cfg = self.resumed.config if self.resumed else self.cfg
         self.data = plan.data or load_data(cfg.data, cfg.data_dir, tuple(cfg.synthetic_shape), cfg.synthetic_size,
                                            cfg.seed)
         self.global_batch = cfg.batch_size * plan.layout.shards
         # This rank's share of every global step (None: it reads no data, e.g. a parameter server).
         self.batches = None if self.me.shard is None else ShardedBatches(
             self.data.train, cfg.batch_size, self.me.shard, plan.layout.shards, cfg.seed)
-        self.steps_per_epoch = len(self.data.train) // self.global_batch
+        # Where the data stood at step start_step: positions count examples, so the global batch may change.
+        self.start_step, self.start_position = 0, Position(0, 0)
         example = next(self.batches(0)) if self.batches is not None else None
         model = self._build_model().to(ctx.device)
+        if resumed:  # before any strategy wraps it: the plain model's names are the checkpoint's
+            check_fits(resumed, model, resumed["path"])
         self.compiled = compile_blocks(model) if cfg.compile else 0  # in place: before any strategy wraps it
         # Before the runtime: calibrating shares every rank's compute time (a collective).
         self.straggle = Straggle.start(cfg.straggler, ctx, self.me.shard, model, example, plan.loss_fn,
@@ -67,15 +75,18 @@ class WorkerRun:
         self.runtime = cfg.strategy.runtime(build)
         self.schedule = Schedule(cfg.lr_schedule, cfg.lr_decay_every, cfg.lr_decay_factor, cfg.staircase,
                                  cfg.warmup_steps, cfg.steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.runtime.optimizer, self.schedule)
         # A parameter server's workers never step their own optimizer (the server does): torch
         # would warn on every step that the schedule advances before the optimizer.
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
         self.step = 0
         self.stop_at: Optional[int] = None  # the step every rank stops at, once a stop was requested
         self.last_checkpoint: Optional[str] = None
-        if plan.resume_path:
-            self._restore(plan.resume_path)
+        if resumed:
+            self._restore(resumed)
+        # The schedule is a pure function of the step: the step alone puts it where it was, under the
+        # settings in force now (a checkpoint's scheduler state would bring back its old ones).
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.runtime.optimizer, self.schedule,
+                                                           last_epoch=self.step - 1)
         self.straggle.begin(self.step)
         self.eval_seconds = 0.0  # evaluation time, kept out of the training time
         self.reporter = Reporter(ctx.is_main, cfg.progress, cfg.metrics, cfg.steps, self.step,
@@ -97,7 +108,7 @@ class WorkerRun:
     def _inputs(self) -> Iterator:
         if self.batches is None:
             return itertools.repeat((None, None))
-        self.prefetcher = Prefetcher(self.batches(self.step), self.ctx.device, self.cfg.prefetch)
+        self.prefetcher = Prefetcher(self.batches(self._position()), self.ctx.device, self.cfg.prefetch)
         return self.prefetcher
 
     # ---- the loop ----
@@ -205,9 +216,10 @@ class WorkerRun:
         layout = self.plan.layout
         if self.batches is None or step < 1:
             return None
+        at = advance(self.start_position, step - 1 - self.start_step, len(self.data.train), self.global_batch)
         for shard in range(layout.shards) if layout.lockstep else (self.me.shard,):
             reader = ShardedBatches(self.data.train, self.cfg.batch_size, shard, layout.shards, self.cfg.seed)
-            what = nonfinite_values(next(reader(step - 1))[0])
+            what = nonfinite_values(next(reader(at))[0])
             if what:
                 return f"{what} (data shard {shard})"
         return None
@@ -243,6 +255,7 @@ class WorkerRun:
         if not all(torch.isfinite(p).all() for p in self.runtime.module.parameters()):
             self._diverged(float("nan"), self.step)
         state = self.runtime.state_dict()
+        position = self._position()
         rng = [torch.get_rng_state()]
         if self.ctx.distributed and self.plan.layout.lockstep:
             gathered: list = [None] * self.ctx.world_size
@@ -253,8 +266,7 @@ class WorkerRun:
             ckpt.save_checkpoint(
                 {"format": ckpt.FORMAT, "step": self.step, "run_id": self.plan.run_id, **state,
                  "scheduler": self.scheduler.state_dict(), "rng": rng, "meta": self._meta(),
-                 "data_position": {"epoch": self.step // self.steps_per_epoch,
-                                   "batch_in_epoch": self.step % self.steps_per_epoch}},
+                 "data_position": {"epoch": position.epoch, "examples_in_epoch": position.offset}},
                 self.cfg.checkpoint_dir, self.step, self.cfg.keep_checkpoints,
             )
             self.reporter.record("checkpoint", step=self.step, path=path)
@@ -262,15 +274,27 @@ class WorkerRun:
 
     def _meta(self) -> dict[str, Any]:
         return {"world_size": self.ctx.world_size, "workers": self.plan.workers, "batch_size": self.cfg.batch_size,
+                "accumulate": self.cfg.accumulate, "global_batch": self.global_batch,
                 "model": self.cfg.model, "data": self.cfg.data, "strategy": self.cfg.strategy.name,
                 "seed": self.cfg.seed, "input_shape": list(self.data.input_shape),
-                "num_classes": self.data.num_classes}
+                "num_classes": self.data.num_classes, "settings": settings_of(self.cfg)}
 
-    def _restore(self, path: str) -> None:
-        state = ckpt.load_checkpoint(path)
+    def _position(self) -> Position:
+        """Where the data stands now: the examples consumed since the start position, in global batches."""
+        return advance(self.start_position, self.step - self.start_step, len(self.data.train), self.global_batch)
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """Parameters, optimizer state (unless the optimizer changed), step, data position and RNG of a
+        checkpoint written by any strategy on any worker count; the hyperparameters stay this run's."""
+        for group in self.runtime.optimizer.param_groups:  # as a scheduled optimizer's, like the saved ones
+            group.setdefault("initial_lr", group["lr"])  # (fsdp's loader wants the same keys in both)
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.runtime.optimizer.param_groups]
+        if self.resumed.fresh_optimizer:
+            state = {k: v for k, v in state.items() if k != "optimizer"}
         self.runtime.load_state_dict(state)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = int(state["step"])
+        restore_settings(self.runtime.optimizer, settings)
+        self.step = self.start_step = int(state["step"])
+        self.start_position = data_position(state, len(self.data.train))
         rng = state.get("rng") or []
         if self.ctx.rank < len(rng):
             torch.set_rng_state(rng[self.ctx.rank])
@@ -287,9 +311,10 @@ class WorkerRun:
             f"{', '.join(devs)}, backend {backend}, global batch {self.global_batch} "
             f"({self._batch_split()}), {model} on {self.data.name}{resumed}"
         )
-        for line in self.runtime.notes + self.straggle.lines() + self._precision_lines():
+        resumed = self.resumed.lines if self.resumed else []
+        for line in resumed + self.runtime.notes + self.straggle.lines() + self._precision_lines():
             self.reporter.say(line)
-        self.reporter.say(self.plan.recipe)
+        self.reporter.say(settings_line(self.cfg) if self.resumed else self.plan.recipe)
         if self.straggle.fields():
             self.reporter.record("straggle", **self.straggle.fields())
 
