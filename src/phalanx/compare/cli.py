@@ -34,7 +34,8 @@ DEFAULT_STRATEGIES = "sync,ps,ssp:2,local-sgd:8,hogwild,backup:1"
 
 #: TrainConfig fields a comparison sets for each run (the rest are the problem's, shared by every run).
 PER_RUN = {"strategy", "straggler", "steps", "eval_every", "stop_at_accuracy", "metrics", "checkpoint_dir",
-           "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "progress", "log_every"}
+           "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "progress", "log_every",
+           "link"}  # a link is a scenario (link:RATE), not a flag shared by every run
 
 
 @dataclasses.dataclass
