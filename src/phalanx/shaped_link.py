@@ -27,6 +27,7 @@ import contextlib
 import ctypes
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -64,12 +65,11 @@ class LinkRate:
             raise PhalanxError(f"--link {self.text}: a link's rate must be at least 1kbit, e.g. 50mbit")
 
     def describe(self) -> str:
-        """``50 Mbit/s``; a byte form also says what tc reads it as: ``12mbps (96 Mbit/s)``."""
+        """``50 Mbit/s`` (``12mbps``, tc's bytes per second, is ``96 Mbit/s``)."""
         for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
             if self.bits_per_s >= scale:
-                bits = f"{self.bits_per_s / scale:g} {unit}"
-                break
-        return f"{self.text} ({bits}: bytes per second, as tc reads it)" if self.text.endswith("bps") else bits
+                return f"{self.bits_per_s / scale:g} {unit}"
+        return f"{self.bits_per_s:g} bit/s"
 
     @property
     def burst_bytes(self) -> int:
@@ -80,18 +80,24 @@ class LinkRate:
                 "burst", str(self.burst_bytes), "latency", LATENCY]
 
 
-def parse_rate(text: Any) -> LinkRate:
-    """``50mbit`` -> 50e6 bits/s; ``12mbps`` -> 96e6 (tc's byte form). A unit is required."""
+def parse_rate(text: Any, flag: str = "--link ") -> LinkRate:
+    """``50mbit`` -> 50e6 bits/s; ``12mbps`` -> 96e6 (tc's byte form). A unit is required.
+    ``flag`` is how messages name the value: ``--link 50mbit``, or ``link:50mbit`` in a scenario."""
     if isinstance(text, LinkRate):
         return text
     written = str(text).strip().lower()
     match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?([a-z]+)", written)
     if match is None or match.group(2) not in UNITS:
-        raise PhalanxError(f"--link {str(text)!r} is not a rate: give a number and a unit, kbit, mbit or gbit "
-                           "(bits per second) or kbps, mbps, gbps (bytes per second, as tc reads them), e.g. 50mbit")
+        raise PhalanxError(f"{flag}{written or repr(written)} is not a rate: give a number and a unit, kbit, mbit or "
+                           "gbit (bits per second) or kbps, mbps, gbps (bytes per second, as tc reads them), "
+                           f"e.g. {flag}50mbit")
     number = float(written[:-len(match.group(2))])
+    if not math.isfinite(number):
+        raise PhalanxError(f"{flag}{written} is not a finite rate; give e.g. {flag}50mbit")
     if number <= 0:
-        raise PhalanxError(f"--link {written}: a link's rate must be positive, e.g. 50mbit")
+        raise PhalanxError(f"{flag}{written}: a link's rate must be positive, e.g. {flag}50mbit")
+    if number * UNITS[match.group(2)] < MIN_BITS_PER_S:
+        raise PhalanxError(f"{flag}{written}: a link's rate must be at least 1kbit, e.g. {flag}50mbit")
     return LinkRate(written, number * UNITS[match.group(2)])
 
 
@@ -185,8 +191,8 @@ class Link:
             with open(metrics, "a") as f:
                 f.write(json.dumps({"event": "link", "time": round(time.time(), 3), **fields}) + "\n")
         each = f", {_size(per_step)} per step" if per_step is not None else ""
-        print(f"link {self.rate.describe()} (kernel-shaped loopback): {_size(counted)} crossed it{each}",
-              flush=True)
+        print(f"link {self.rate.text} ({self.rate.describe()}, kernel-shaped loopback): {_size(counted)} crossed it"
+              f"{each}", flush=True)
         return {**summary, **fields}
 
 
