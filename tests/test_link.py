@@ -18,6 +18,7 @@ import torch.distributed as dist
 from helpers import phalanx_cmd, run_cli, run_workers
 from phalanx import PhalanxError
 from phalanx.cli import main
+from phalanx.compare.tokens import parse_scenarios
 from phalanx.shaped_link import parse_rate, shaped
 
 SIZE_BYTES = 2 * 1024 * 1024  #: the all-reduced tensor: 2 MiB of float32
@@ -56,6 +57,14 @@ def test_rates_are_tcs_units(text, bits):
 def test_bad_rates_name_the_fix(text, message):
     with pytest.raises(PhalanxError, match=message):
         parse_rate(text)
+
+
+def test_link_scenarios_parse_like_the_flag():
+    none, link = parse_scenarios("none,link:50MBIT")
+    assert (link.token, link.slowness, link.link.bits_per_s) == ("link:50mbit", None, 50e6) and none.link is None
+    assert link.describe() == "a real 50 Mbit/s link shared by every worker"
+    with pytest.raises(PhalanxError, match="--scenarios: link:fast is not a rate"):
+        parse_scenarios("link:fast")
 
 
 def test_the_namespace_is_left_on_the_way_out_even_on_error(shaping_allowed):

@@ -106,7 +106,8 @@ class TrainConfig:
     link: Optional[Union[str, LinkRate]] = option(
         None, "run the job on a real slow link: a private network namespace whose loopback the kernel shapes to "
               "this rate (tc tbf), shared by every worker: 50mbit, 1gbit, or bytes per second as tc reads them "
-              "(12mbps); needs root and iproute2", parse=parse_rate, show="the loopback, unshaped")
+              "(12mbps); needs root and iproute2", parse=parse_rate, show="the loopback, unshaped",
+        argparse_extra={"metavar": "RATE"})
     timeout_s: float = option(300.0, "seconds a collective waits for a peer (at least twice --hang-timeout, so "
                                      "that a hang is diagnosed first)", flag="--timeout")
     hang_timeout_s: float = option(120.0, "end a job in which no rank moved for this many seconds, with a report "
