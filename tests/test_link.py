@@ -131,7 +131,7 @@ def _one_line_refusal(code, stdout, stderr) -> str:
 @pytest.mark.parametrize("flags, message", [
     (["--link", "fast"], "--link fast is not a rate"),
     (["--link", "0mbit"], "--link 0mbit: a link's rate must be positive"),
-    (["--link", "50mbit", "--workers", "1"], "--link 50mbit shapes the traffic between processes, and this job has one"),
+    (["--link", "50mbit", "--workers", "1"], "--link 50mbit shapes the traffic between processes, and this job"),
     (["--link", "50mbit", "--master-addr", "10.1.2.3"], "--master-addr 10.1.2.3 does not exist"),
 ])
 def test_train_refuses_a_link_it_cannot_run_in_one_line(tmp_path, monkeypatch, capsys, flags, message):

@@ -101,7 +101,7 @@ def parse_rate(text: Any, flag: str = "--link ") -> LinkRate:
     return LinkRate(written, number * UNITS[match.group(2)])
 
 
-# ---- refusals that need no namespace ----
+# ---- before anything starts ----
 
 def check(rate: LinkRate, *, devices: list, world_size: int, addr: str, joined: bool) -> None:
     """The job phalanx would start can run on a shaped loopback, and this machine can make one (it is

@@ -49,8 +49,9 @@ class CompareOptions:
     scenarios: str = option("none,slow:1:2,pauses:0.1:4",
                             "scenarios: none, slow:RANK:FACTOR (that rank's compute FACTOR times as long "
                             "every step), pauses:P:FACTOR (every step, each worker FACTOR times as slow with "
-                            "probability P), link:RATE (every run on one real link of RATE, e.g. link:100mbit: the kernel "
-                            "shapes the job's loopback in a private network namespace; needs root and iproute2)")
+                            "probability P), link:RATE (every run on one real link of RATE, e.g. link:100mbit: the "
+                            "kernel shapes the job's loopback in a private network namespace; needs root and "
+                            "iproute2)")
     repeats: int = option(3, "runs of each strategy in each scenario (medians and min-max)")
     max_steps: Optional[int] = option(None, "a run that has not reached the target after this many steps stops there",
                                       show="2 x the model's recipe steps")
