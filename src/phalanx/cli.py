@@ -24,7 +24,7 @@ from .options import add_flags, declared, field_flag, given
 
 #: How ``phalanx train --help`` groups the training flags (every TrainConfig field appears once).
 SECTIONS = {
-    "parallelism": ("strategy", "devices", "strict_devices", "workers", "threads", "master_addr"),
+    "parallelism": ("strategy", "devices", "strict_devices", "workers", "threads", "master_addr", "link"),
     "faults": ("timeout_s", "hang_timeout_s", "max_restarts"),
     "speed": ("precision", "compile"),
     "model and data": ("model", "data", "data_dir", "synthetic_shape", "synthetic_size"),

@@ -34,7 +34,8 @@ DEFAULT_STRATEGIES = "sync,ps,ssp:2,local-sgd:8,hogwild,backup:1"
 
 #: TrainConfig fields a comparison sets for each run (the rest are the problem's, shared by every run).
 PER_RUN = {"strategy", "straggler", "steps", "eval_every", "stop_at_accuracy", "metrics", "checkpoint_dir",
-           "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "progress", "log_every"}
+           "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "progress", "log_every",
+           "link"}  # a link is a scenario (link:RATE), not a flag shared by every run
 
 
 @dataclasses.dataclass
@@ -46,9 +47,11 @@ class CompareOptions:
                                        show=f"{DEFAULT_STRATEGIES}; on GPUs without hogwild, which needs the CPU")
     target: float = option(0.95, "the test accuracy each run trains to")
     scenarios: str = option("none,slow:1:2,pauses:0.1:4",
-                            "straggler scenarios: none, slow:RANK:FACTOR (that rank's compute FACTOR times as long "
+                            "scenarios: none, slow:RANK:FACTOR (that rank's compute FACTOR times as long "
                             "every step), pauses:P:FACTOR (every step, each worker FACTOR times as slow with "
-                            "probability P)")
+                            "probability P), link:RATE (every run on one real link of RATE, e.g. link:100mbit: the "
+                            "kernel shapes the job's loopback in a private network namespace; needs root and "
+                            "iproute2)")
     repeats: int = option(3, "runs of each strategy in each scenario (medians and min-max)")
     max_steps: Optional[int] = option(None, "a run that has not reached the target after this many steps stops there",
                                       show="2 x the model's recipe steps")

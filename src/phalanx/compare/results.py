@@ -7,7 +7,8 @@ report can always be checked against the files:
   excluded) and, for the parameter-server family, the gradients applied so far;
 - the *summary* event: steps, final accuracy, training and evaluation seconds, throughput,
   staleness, gradients applied and dropped;
-- the *straggle* event: each rank's calibrated compute time.
+- the *straggle* event: each rank's calibrated compute time;
+- the *link* event (``link:RATE`` scenarios): the bytes that crossed the shaped link, per step.
 
 Time to target is the training time at the first evaluation whose accuracy reached the target
 (evaluations every ``--eval-every`` steps: the time is that coarse). Examples to target count the
@@ -50,6 +51,8 @@ class RunResult:
     calibrated_compute_s: dict[str, float]  #: rank -> seconds (where a straggler scenario calibrated)
     curve: list[dict[str, float]]  #: every evaluation: step, seconds (training time), accuracy
     metrics: str  #: the metrics file it was read from
+    link_bytes: Optional[int] = None  #: link:RATE: what crossed the shaped loopback (its kernel counters)
+    link_bytes_per_step: Optional[float] = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -66,6 +69,7 @@ def from_events(events: list[dict[str, Any]], *, strategy: str, scenario: str, r
     evals = [e for e in events if e["event"] == "eval"]
     summary = next((e for e in reversed(events) if e["event"] == "summary"), None) or _diverged(events, evals)
     straggle = next((e for e in events if e["event"] == "straggle"), {})
+    link = next((e for e in reversed(events) if e["event"] == "link"), {})
     first = next((e for e in evals if e["accuracy"] >= target), None)
     train, evaluation = summary["train_seconds"], summary["eval_seconds"]
     return RunResult(
@@ -82,7 +86,7 @@ def from_events(events: list[dict[str, Any]], *, strategy: str, scenario: str, r
         staleness=_staleness(summary), dropped=_dropped(summary),
         calibrated_compute_s=straggle.get("calibrated_compute_s", {}),
         curve=[{"step": e["step"], "seconds": e["train_seconds"], "accuracy": e["accuracy"]} for e in evals],
-        metrics=metrics,
+        metrics=metrics, link_bytes=link.get("link_bytes"), link_bytes_per_step=link.get("link_bytes_per_step"),
     )
 
 

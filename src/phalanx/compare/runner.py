@@ -73,7 +73,8 @@ def schedule(setup: Setup) -> list[Run]:
 def config_for(setup: Setup, run: Run, checkpoint_dir: str, metrics: Optional[str] = None) -> TrainConfig:
     """The run's TrainConfig: the shared flags, plus its strategy, its scenario and the stopping rule."""
     return dataclasses.replace(
-        setup.train, strategy=run.strategy.options, straggler=run.scenario.slowness, seed=run.seed,
+        setup.train, strategy=run.strategy.options, straggler=run.scenario.slowness, link=run.scenario.link,
+        seed=run.seed,
         steps=setup.max_steps, eval_every=setup.eval_every, stop_at_accuracy=setup.target,
         log_every=setup.eval_every, checkpoint_dir=checkpoint_dir, checkpoint_every=0, keep_checkpoints=1,
         metrics=metrics or f"{checkpoint_dir}/metrics.jsonl", progress="none", resume=None,
@@ -100,7 +101,7 @@ def check(setup: Setup) -> Checked:
                 try:
                     plan = Trainer(config_for(setup, run, f"{tmp}/checkpoints")).plan()
                 except PhalanxError as e:
-                    where = f" under scenario {scenario.token}" if scenario.slowness else ""
+                    where = f" under scenario {scenario.token}" if scenario.token != "none" else ""
                     raise PhalanxError(f"{strategy.token}{where}: {e}") from None
                 global_batch[strategy.token] = plan.config.batch_size * plan.layout.shards
                 workers = plan.workers

@@ -6,7 +6,8 @@ workers), ``hogwild``. The value is read by the option's own parser and checked 
 own validation, so ``ssp:-1`` fails with the message ``--staleness -1`` would.
 
 A scenario is ``none``, ``slow:RANK:FACTOR`` or ``pauses:P:FACTOR``: a
-:class:`~phalanx.train.straggle.Slowness`, the same as ``phalanx train --straggler`` takes.
+:class:`~phalanx.train.straggle.Slowness`, the same as ``phalanx train --straggler`` takes; or
+``link:RATE``: every run on a real link of RATE, the same as ``phalanx train --link RATE``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Optional
 
 from ..errors import PhalanxError
 from ..options import declared, flag_name
+from ..shaped_link import LinkRate, parse_rate
 from ..strategies import STRATEGIES, Options
 from ..train.straggle import Slowness
 
@@ -29,10 +31,13 @@ class StrategyToken:
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
-    token: str  #: "none", "slow:1:2", "pauses:0.1:4"
+    token: str  #: "none", "slow:1:2", "pauses:0.1:4", "link:50mbit"
     slowness: Optional[Slowness]  #: None: nobody is slowed
+    link: Optional[LinkRate] = None  #: None: the loopback, unshaped
 
     def describe(self) -> str:
+        if self.link is not None:
+            return f"a real {self.link.describe()} link shared by every worker"
         s = self.slowness
         if s is None:
             return "no straggler"
@@ -104,8 +109,14 @@ def parse_scenario(item: str) -> Scenario:
     parts = item.strip().lower().split(":")
     if parts == ["none"]:
         return Scenario("none", None)
-    wrong = PhalanxError(f"--scenarios: {item!r} is not none, slow:RANK:FACTOR or pauses:P:FACTOR (e.g. slow:1:2: "
-                         "rank 1 twice as slow; pauses:0.1:4: each worker 4x as slow in 10% of its steps)")
+    if parts[0] == "link" and len(parts) == 2:
+        try:
+            return Scenario(":".join(parts), None, parse_rate(parts[1], flag="link:"))
+        except PhalanxError as e:
+            raise PhalanxError(f"--scenarios: {e}") from None
+    wrong = PhalanxError(f"--scenarios: {item!r} is not none, slow:RANK:FACTOR or pauses:P:FACTOR, nor link:RATE (e.g. "
+                         "slow:1:2: rank 1 twice as slow; pauses:0.1:4: each worker 4x as slow in 10% of its steps; "
+                         "link:100mbit: every worker on one real 100 Mbit/s link)")
     if len(parts) != 3 or parts[0] not in ("slow", "pauses"):
         raise wrong
     try:

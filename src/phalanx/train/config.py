@@ -20,6 +20,7 @@ from ..errors import PhalanxError
 from ..models import MODELS, RECIPES, USER_RECIPE, Recipe
 from ..options import option
 from ..precision import PRECISIONS
+from ..shaped_link import LinkRate, parse_rate
 from ..strategies import STRATEGIES, Options, strategy_class
 from .schedules import SCHEDULES
 from .straggle import Slowness, parse_slowness
@@ -110,6 +111,11 @@ class TrainConfig:
     progress: str = option("auto", "auto draws a bar on a terminal", choices=PROGRESS)
     prefetch: int = option(2, "batches prepared ahead of the towers")
     master_addr: str = option("127.0.0.1", "address the workers rendezvous on (one machine)")
+    link: Optional[Union[str, LinkRate]] = option(
+        None, "run the job on a real slow link: a private network namespace whose loopback the kernel shapes to "
+              "this rate (tc tbf), shared by every worker: 50mbit, 1gbit, or bytes per second as tc reads them "
+              "(12mbps); needs root and iproute2", parse=parse_rate, show="the loopback, unshaped",
+        argparse_extra={"metavar": "RATE"})
     timeout_s: float = option(300.0, "seconds a collective waits for a peer (at least twice --hang-timeout, so "
                                      "that a hang is diagnosed first)", flag="--timeout")
     hang_timeout_s: float = option(120.0, "end a job in which no rank moved for this many seconds, with a report "
@@ -132,6 +138,7 @@ class TrainConfig:
         if not self._resolved:
             self._check_applicable()
         self.straggler = parse_slowness(self.straggler)
+        self.link = None if self.link is None else parse_rate(self.link)
         if isinstance(self.strategy, str):
             self.strategy = strategy_class(self.strategy)()
         elif not isinstance(self.strategy, Options):

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import shaped_link
 from ..data import DataBundle
 from ..devices import backend_for, resolve_devices
 from ..errors import JobHung, PhalanxError, Stopped, WorkerFailed
@@ -82,6 +83,9 @@ class Trainer:
         checks.check_global_batch(cfg, layout, facts)
         checks.check_straggler(cfg, layout)
         checks.check_precision(cfg, layout)
+        if cfg.link is not None:
+            shaped_link.check(cfg.link, devices=list(layout.devices), world_size=layout.world_size,
+                              addr=cfg.master_addr, joined=in_torchrun())
         spawning = layout.world_size > 1 and not in_torchrun()
         if spawning:
             checks.check_main_guard()
@@ -115,7 +119,10 @@ class Trainer:
                 lock.acquire()
                 rundir.take(cfg.checkpoint_dir, plan.run_id, plan.remove)  # only the checkpoint writer
             ckpt.remove_stale_temporaries(cfg.checkpoint_dir)
-            summary = self._run_restarting(plan)
+            with shaped_link.shaped(cfg.link) as link:  # --link: the whole job (store, workers) on the shaped loopback
+                summary = self._run_restarting(plan)
+                if link is not None:  # read in the namespace: its loopback counted exactly this job's bytes
+                    summary = link.record(summary, cfg.metrics, _steps_made(summary, plan))
         except PhalanxError:
             if created and lock is not None and lock.fd is not None:
                 _remove_if_empty(Path(cfg.checkpoint_dir))  # leave nothing behind for a run that never started
@@ -166,6 +173,15 @@ class Trainer:
         if record is None or record.run_id != run_id or not ckpt.list_checkpoints(cfg.checkpoint_dir):
             return None
         return ckpt.load_checkpoint(cfg.checkpoint_dir)
+
+
+def _steps_made(summary: Optional[dict[str, Any]], plan: Plan) -> int:
+    """Steps this job advanced the run by (a resumed run started at its checkpoint's step)."""
+    if summary is None or plan.resume_path is None:
+        return summary["steps"] if summary else 0
+    name = ckpt._NAME.match(Path(plan.resume_path).name)  # phalanx names its checkpoints by step
+    start = int(name.group(1)) if name else int(ckpt.load_checkpoint(plan.resume_path)["step"])
+    return summary["steps"] - start
 
 
 def _what_failed(e: PhalanxError, layout: Layout) -> str:
