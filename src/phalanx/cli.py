@@ -172,9 +172,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _in_a_running_job() -> bool:
-    from . import launch
+    from .launch import joined_a_group
 
-    return launch._joined_a_group
+    return joined_a_group()
 
 
 def _say(message: str, agreed: bool) -> None:

@@ -449,6 +449,11 @@ def _run_joined(job: Joined, fn, devices, args, threads, timeout_s):
 _joined_a_group = False
 
 
+def joined_a_group() -> bool:
+    """Whether this process became a worker of a job torchrun or srun started (so far)."""
+    return _joined_a_group
+
+
 def leave(code: int) -> int:
     """The last step of the ``phalanx`` command: return ``code``, or, in a worker of a joined job,
     flush and end the process with it at once.
