@@ -171,7 +171,7 @@ def test_two_slurm_tasks_form_one_job(slurm_run):
     assert "phalanx train:" not in out1 and "test accuracy" not in out1  # only rank 0 reports the run
     assert "wall time" in out0 and out1 == ""
     share = max(1, len(os.sched_getaffinity(0)) // 2)
-    assert f"devices cpu ({share} thread{'s' if share > 1 else ''} per worker)" in out0, out0
+    assert f"on digits, {share} thread{'s' if share > 1 else ''} per worker\n" in out0, out0
     assert not any(t in err for _, err in outputs for t in ("terminate called", "Exception raised from")), outputs
 
 

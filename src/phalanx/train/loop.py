@@ -283,21 +283,26 @@ class WorkerRun:
     # ---- what rank 0 prints ----
     def _header(self) -> None:
         devs = sorted({str(d) for d in self.plan.layout.devices})
-        if self.ctx.device.type == "cpu":  # each CPU worker's share of its machine's cores
-            devs = [f"{d} ({_threads(torch.get_num_threads())} per worker)" if d == "cpu" else d for d in devs]
         backend = self.ctx.backend or "none (one process)"
         resumed = f", resuming at step {self.step}" if self.step else ""
         model = type(self.plan.model).__name__ if self.plan.model is not None else self.cfg.model
         self.reporter.say(
             f"phalanx train: strategy {self.runtime.description}, world size {self.ctx.world_size}, devices "
             f"{', '.join(devs)}, backend {backend}, global batch {self.global_batch} "
-            f"({self._batch_split()}), {model} on {self.data.name}{resumed}"
+            f"({self._batch_split()}), {model} on {self.data.name}{resumed}{self._threads()}"
         )
         for line in self.runtime.notes + self.straggle.lines() + self._precision_lines():
             self.reporter.say(line)
         self.reporter.say(self.plan.recipe)
         if self.straggle.fields():
             self.reporter.record("straggle", **self.straggle.fields())
+
+    def _threads(self) -> str:
+        """Each CPU worker's share of its machine's cores (a worker that took them all would fight the others)."""
+        if self.ctx.device.type != "cpu":
+            return ""
+        n = torch.get_num_threads()
+        return f", {n} thread{'s' if n > 1 else ''} per worker"
 
     def _precision_lines(self) -> list[str]:
         lines = []
@@ -368,6 +373,3 @@ class WorkerRun:
         self.runtime.close()
         self.reporter.close()
 
-
-def _threads(n: int) -> str:
-    return f"{n} thread" if n == 1 else f"{n} threads"
