@@ -93,6 +93,17 @@ def test_local_world_size_is_this_nodes_entry():
     assert joined(env).local_world_size == 1
 
 
+@pytest.mark.parametrize("extra, local", [
+    ({"SLURM_NTASKS_PER_NODE": "3"}, 3),  # --ntasks-per-node
+    ({"SLURM_NNODES": "2"}, 4),  # 7 tasks over 2 nodes: at most 4 on this one
+    ({}, 7),  # nothing says: every task on this node (the safe share: fewer threads, never oversubscribed)
+])
+def test_local_world_size_without_a_tasks_per_node_list(extra, local):
+    env = {**SRUN_ONE_NODE, "SLURM_NTASKS": "7", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", **extra}
+    del env["SLURM_STEP_TASKS_PER_NODE"]
+    assert joined(env).local_world_size == local
+
+
 def test_torchrun_variables_win_over_slurm():
     env = {**SRUN_ONE_NODE, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "RANK": "3", "WORLD_SIZE": "4",
            "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
@@ -139,8 +150,10 @@ def slurm_run(tmp_path_factory):
     port = _free_port()
     procs = []
     for task in range(2):
+        # No tasks-per-node list and no SLURM_CPUS_PER_TASK (as when the variables are set by hand): each
+        # task must still take only its share of the cores.
         env = {**_clean_env(), "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task), "SLURM_NTASKS": "2",
-               "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "127.0.0.[1-2]", "SLURM_STEP_TASKS_PER_NODE": "2",
+               "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "127.0.0.[1-2]",
                "SLURM_JOB_ID": "4242", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
         procs.append(subprocess.Popen(phalanx_cmd() + TRAIN, cwd=cwd, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL))
@@ -156,6 +169,10 @@ def test_two_slurm_tasks_form_one_job(slurm_run):
     assert "world size 2" in out0 and "global batch 32 (16 per worker x 2)" in out0
     assert "test accuracy" in out0
     assert "phalanx train:" not in out1 and "test accuracy" not in out1  # only rank 0 reports the run
+    assert "wall time" in out0 and out1 == ""
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert f"on digits, {share} thread{'s' if share > 1 else ''} per worker\n" in out0, out0
+    assert not any(t in err for _, err in outputs for t in ("terminate called", "Exception raised from")), outputs
 
 
 @pytest.mark.slow

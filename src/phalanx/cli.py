@@ -19,7 +19,7 @@ import warnings
 from typing import Callable, Optional, Sequence
 
 from . import __version__
-from .errors import PhalanxError, Stopped, WorkerFailed
+from .errors import PhalanxError, Stopped, TrainingDiverged, WorkerFailed
 from .options import add_flags, declared, field_flag, given
 
 #: How ``phalanx train --help`` groups the training flags (every TrainConfig field appears once).
@@ -92,6 +92,7 @@ def config_from_args(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .launch import launcher_rank
     from .train import Trainer
 
     started = time.perf_counter()
@@ -99,9 +100,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         summary = Trainer(config_from_args(args)).fit()
     except Stopped as e:
         again = " ".join(["phalanx", *[a for a in sys.argv[1:] if a != "--resume"], "--resume"])
-        print(f"{e}; continue with: {again}" if e.summary else str(e), file=sys.stderr, flush=True)
-        return e.exit_code
-    if summary is not None:
+        raise Stopped(f"{e}; continue with: {again}" if e.summary else str(e), e.signame, e.summary) from None
+    if summary is not None and launcher_rank() == 0:  # under torchrun or srun every rank gets here
         print(f"wall time {time.perf_counter() - started:.1f} s (including worker start-up)", flush=True)
     return 0
 
@@ -150,20 +150,45 @@ def _one_line_warnings(message, category, filename, lineno, file=None, line=None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from .launch import leave
+
     warnings.showwarning = _one_line_warnings
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.run(args)
+        code = args.run(args)
     except WorkerFailed as e:
-        print(f"error: {e.who} failed:\n{e.detail}", file=sys.stderr)
-        return e.exit_code
+        _say(f"error: {e.who} failed:\n{e.detail}", agreed=False)
+        code = e.exit_code
+    except (Stopped, TrainingDiverged) as e:
+        _say(f"error: {e}" if isinstance(e, TrainingDiverged) else str(e), agreed=True)
+        code = e.exit_code
     except PhalanxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+        _say(f"error: {e}", agreed=not _in_a_running_job())
+        code = e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    return leave(code)
+
+
+def _in_a_running_job() -> bool:
+    from .launch import joined_a_group
+
+    return joined_a_group()
+
+
+def _say(message: str, agreed: bool) -> None:
+    """Print an error once per job: under torchrun or srun every rank runs this command, and an error
+    every rank reaches alike (bad input found before the job starts, an agreed stop, the NaN guard)
+    is rank 0's to print; any other is this rank's own and says which rank it is."""
+    from .launch import launcher_rank
+
+    rank = launcher_rank()
+    if rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    elif not agreed:
+        print(f"rank {rank}: {message}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

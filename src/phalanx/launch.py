@@ -316,6 +316,7 @@ def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], b
                 if tolerate is not None and tolerate(rank):
                     watcher.store.add("gone", 1)  # the others need not wait for it to leave
                     continue
+                last_step = watcher.last_step(rank, since=time.time())  # before the others are ended
                 _terminate([processes[r] for r in alive])
                 received += _drain(results)
                 if forward.first is not None:  # asked to stop before training began: nothing to save
@@ -323,7 +324,7 @@ def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], b
                                   forward.first)
                 how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
                 raise _failure(received, (rank, f"process {processes[rank].pid} {how}"), killed=code < 0,
-                               last_step=watcher.last_step(rank))
+                               last_step=last_step)
             raised = _expendable_that_raised(processes, alive, received, tolerate) if done_at is None else None
             if raised is not None:  # a bug (the user's model, say), not a lost machine: end the job with it
                 _terminate([processes[r] for r in alive])
@@ -455,10 +456,45 @@ def _run_joined(job: Joined, fn, devices, args, threads, timeout_s):
     (the loop installs that handler; until then the signals keep their default, immediate effect,
     since a handler cannot run while start-up is blocked inside gloo's rendezvous).
     """
+    global _joined_a_group
     device = devices[job.local_rank % len(devices)]
     ctx = _init_worker(job.rank, job.world_size, job.local_rank, device, threads, _attempt_store(job, timeout_s),
                        timeout_s, job.init_method)
+    _joined_a_group = ctx.distributed
     try:
         return fn(ctx, *args)
     finally:
+        ctx.progress.close()
         _shutdown()
+
+
+#: Whether this process was a worker of a job torchrun or srun started (see :func:`leave`).
+_joined_a_group = False
+
+
+def joined_a_group() -> bool:
+    """Whether this process became a worker of a job torchrun or srun started (so far)."""
+    return _joined_a_group
+
+
+def leave(code: int) -> int:
+    """The last step of the ``phalanx`` command: return ``code``, or, in a worker of a joined job,
+    flush and end the process with it at once.
+
+    Why not the interpreter's own teardown: gloo has no ``shutdown()``; its worker threads are
+    joined only when the C++ process group is destroyed, and once DDP has run, torch keeps
+    references to that group which Python cannot drop (``destroy_process_group`` and
+    ``gc.collect()`` leave both of its threads running). A gloo thread that retires the last
+    collective's work drops Python tensors and takes the GIL to do so; during interpreter
+    finalization that ``pthread_exit``s the thread inside a noexcept C++ destructor, and
+    ``std::terminate`` aborts a finished run ("terminate called without an active exception",
+    SIGABRT; seen in 1 run of 5-15 under torchrun). Everything of ours is stopped and closed
+    before this point (the watch thread joined, the prefetcher joined, the process group
+    destroyed, the metrics file closed), so ending here loses nothing. The spawned workers end
+    the same way (see :func:`_spawned_worker`).
+    """
+    if not _joined_a_group:
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

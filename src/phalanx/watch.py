@@ -38,6 +38,8 @@ from .errors import Stopped
 PREFIX = "phalanx/"
 #: How long workers may take to start (spawn, import torch, rendezvous) before a silent one is a hang.
 STARTUP_S = 120.0
+#: Signals that reach a worker within this many seconds of the first are one request, not a second.
+SAME_REQUEST_S = 1.0
 #: Entries torch's flight recorder keeps per rank (it must be set before the process group starts).
 FLIGHT_RECORDER_ENTRIES = "64"
 
@@ -63,6 +65,7 @@ class Progress:
         self.step, self.phase = 0, "starting"
         self.moved = time.time()
         self.stop_requested: Optional[str] = None  #: the name of the signal that asked this rank to stop
+        self._requested_at = 0.0
         self._answered_dump = ""
         self.cpu_seconds = 0.0  #: CPU time this rank's watch thread has used (its whole cost)
         self._closing = threading.Event()
@@ -88,13 +91,21 @@ class Progress:
 
     def handle_signals(self) -> None:
         """In a worker process: SIGTERM and SIGINT ask for a stop at the next step boundary (no
-        KeyboardInterrupt traceback); a second one, or one before training began, ends the process at once."""
+        KeyboardInterrupt traceback); a second one, or one before training began, ends the process at once.
+
+        Signals within :data:`SAME_REQUEST_S` of the first are the same request: a terminal's Ctrl-C
+        reaches every process of its group, and the launcher (phalanx's parent, torchrun's agent)
+        passes its own copy on, so one Ctrl-C reaches a worker twice.
+        """
         def stop(signum: int, frame: Any) -> None:
+            now = time.monotonic()
+            if self.stop_requested is not None and now - self._requested_at < SAME_REQUEST_S:
+                return
             if self.stop_requested is not None or self.step == 0:
                 # At once: a second request, or one before the first step (blocked in start-up, with
                 # nothing to save, waiting would only make the launcher wait too). Checkpoints are atomic.
                 os._exit(128 + signum)
-            self.stop_requested = signal.Signals(signum).name
+            self.stop_requested, self._requested_at = signal.Signals(signum).name, now
 
         if threading.current_thread() is threading.main_thread():  # (signals belong to the main thread)
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -103,14 +114,23 @@ class Progress:
     def _beat(self) -> None:
         while not self._closing.wait(self.interval_s):
             try:
-                self.store.set(f"progress/{self.rank}", json.dumps(
-                    {"step": self.step, "phase": self.phase, "moved": self.moved, "beat": time.time(),
-                     "pid": os.getpid()}))
+                self._publish()
                 self._answer_dump()
             except Exception:  # the store is gone: the job is ending
                 return
             finally:
                 self.cpu_seconds = time.thread_time()
+        # A last beat on the way out: when a peer dies, this rank fails out of its collective at once,
+        # and the parent names the step of the death from the freshest heartbeat (a beat is a quarter
+        # second, hundreds of steps in a fast job).
+        try:
+            self._publish()
+        except Exception:
+            pass
+
+    def _publish(self) -> None:
+        self.store.set(f"progress/{self.rank}", json.dumps(
+            {"step": self.step, "phase": self.phase, "moved": self.moved, "beat": time.time(), "pid": os.getpid()}))
 
     def _answer_dump(self) -> None:
         if not self.store.check(["dump"]):
@@ -196,8 +216,21 @@ class Watcher:
                 continue
         return self.states
 
-    def last_step(self, rank: int) -> Optional[int]:
-        """The step ``rank`` was in when last heard of (in a lockstep job: the furthest any rank reported)."""
+    def last_step(self, rank: int, since: Optional[float] = None, wait_s: float = 1.0) -> Optional[int]:
+        """The step ``rank`` was in when last heard of (in a lockstep job: the furthest any rank reported).
+
+        With ``since`` (a time, such as when ``rank`` was found dead): first wait, up to ``wait_s``, for a
+        heartbeat of every other rank newer than that, so that the answer is where the job was then and
+        not a beat older (ranks publish four times a second, and a fast job makes hundreds of steps in a
+        beat: a stale answer named a step before the newest checkpoint).
+        """
+        deadline = time.time() + wait_s
+        while since is not None and time.time() < deadline:
+            states = self.read()
+            others = [s for r, s in states.items() if r != rank and not self.expendable(r)]
+            if all(s.beat >= since for s in others):
+                break
+            time.sleep(0.05)
         states = self.read()
         if self.lockstep and states:
             return max(state.step for state in states.values())

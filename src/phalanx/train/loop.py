@@ -34,6 +34,10 @@ from .schedules import Schedule, scaled_lr
 from .straggle import Straggle
 from .trainer import Plan
 
+#: How often (in steps) every rank reads the job's stop request from the store; at least 2, so that
+#: ranks in step (at most one apart) never pass the stop step the first reader proposes.
+STOP_CHECK_EVERY = 4
+STOP_KEY, STOP_AT_KEY = "phalanx/stop", "phalanx/stop_at"
 
 
 def run_worker(ctx: WorkerContext, plan: Plan) -> dict[str, Any]:
@@ -80,6 +84,8 @@ class WorkerRun:
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
         self.step = 0
         self.stop_at: Optional[int] = None  # the step every rank stops at, once a stop was requested
+        self.stop_name: Optional[str] = None  # the signal that asked for it (on whichever rank it reached)
+        self.published_stop = False
         self.last_checkpoint: Optional[str] = None
         if resumed:
             self._restore(resumed)
@@ -154,32 +160,54 @@ class WorkerRun:
         progress.at(self.step, "finishing")
         self.runtime.finish()
         elapsed = time.perf_counter() - start - self.eval_seconds
-        stopped = self.ctx.progress.stop_requested if self.stop_at is not None else None
+        stopped = self.stop_name if self.stop_at is not None and self.step >= self.stop_at else None
         accuracy = None if stopped else self._evaluate(start, final=True)  # a stop asked for speed: save, go
         if self.last_checkpoint is None or not self.last_checkpoint.endswith(f"{self.step:08d}.pt"):
             self._save()
         return self._summary(accuracy, self.step - first_step, elapsed, reached, stopped)
 
     def _stopping(self) -> bool:
-        """Whether this rank stops before the next step: a stop was requested (SIGTERM, SIGINT) and
-        the step the ranks agreed on is reached. Costs one attribute read unless a stop was asked."""
-        if self.ctx.progress.stop_requested is None:
-            return False
+        """Whether this rank stops before the next step: a stop was requested (SIGTERM, SIGINT to any
+        process of the job) and the step the ranks agreed on is reached.
+
+        A rank that got the signal itself publishes the request in the job's store; every rank reads
+        the store every :data:`STOP_CHECK_EVERY` steps (one round trip, about 30 us on loopback), so a
+        signal to a single worker stops the whole job as one reaching the launcher does. Other steps
+        cost an attribute read.
+        """
         if self.stop_at is None:
-            self.stop_at = self._agree_on_stop()
+            mine = self.ctx.progress.stop_requested
+            if mine is not None and not self.published_stop:
+                self._publish_stop(mine)
+            if not self.ctx.distributed or self.ctx.store is None:
+                if mine is None:
+                    return False
+                self.stop_name, self.stop_at = mine, self.step
+            elif self.step % STOP_CHECK_EVERY == 0:
+                self.stop_at = self._agree_on_stop()
         return self.stop_at is not None and self.step >= self.stop_at
 
+    def _publish_stop(self, name: str) -> None:
+        self.published_stop = True
+        if self.ctx.distributed and self.ctx.store is not None:
+            self.ctx.store.compare_set(STOP_KEY, "", name)  # the first request is the one named
+
     def _agree_on_stop(self) -> Optional[int]:
-        """The step to stop at, by the layout's rule (None: this rank is told by another when to stop)."""
-        rule = self.plan.layout.stop_rule
-        if not self.ctx.distributed or rule == "each":
+        """At a check step: the step to stop at, once any rank published a request (None: none yet, or
+        this rank is told by another when to stop)."""
+        rule, store = self.plan.layout.stop_rule, self.ctx.store
+        if rule == "server" and self.ctx.rank != 0:
+            return None  # a parameter server's worker stops when the server tells it
+        if not store.check([STOP_KEY]):
+            return None
+        self.stop_name = store.get(STOP_KEY).decode()
+        if rule in ("each", "server"):
             return self.step
-        if rule == "server":
-            return self.step if self.ctx.rank == 0 else None
-        # In step with each other, ranks are at most a step apart, and every rank got the signal before
-        # the first proposer's boundary: two steps ahead of it is a boundary no rank has passed yet.
+        # In step with each other, ranks are at most a step apart: every rank is at this check step or
+        # beside it, and none has passed the next one, the step proposed. A rank that read the store
+        # here just before the request arrived finds the proposal at that next check, where it stops.
         # The first proposal stored wins (compare_set), so every rank reads the same step.
-        return int(self.ctx.store.compare_set("phalanx/stop_at", "", str(self.step + 2)))
+        return int(store.compare_set(STOP_AT_KEY, "", str(self.step + STOP_CHECK_EVERY)))
 
     def _look(self, window: LossWindow) -> float:
         """The NaN guard over every step since the last look, on the losses every rank agrees on (so
@@ -309,7 +337,7 @@ class WorkerRun:
         self.reporter.say(
             f"phalanx train: strategy {self.runtime.description}, world size {self.ctx.world_size}, devices "
             f"{', '.join(devs)}, backend {backend}, global batch {self.global_batch} "
-            f"({self._batch_split()}), {model} on {self.data.name}{resumed}"
+            f"({self._batch_split()}), {model} on {self.data.name}{resumed}{self._threads()}"
         )
         resumed = self.resumed.lines if self.resumed else []
         for line in resumed + self.runtime.notes + self.straggle.lines() + self._precision_lines():
@@ -317,6 +345,13 @@ class WorkerRun:
         self.reporter.say(settings_line(self.cfg) if self.resumed else self.plan.recipe)
         if self.straggle.fields():
             self.reporter.record("straggle", **self.straggle.fields())
+
+    def _threads(self) -> str:
+        """Each CPU worker's share of its machine's cores (a worker that took them all would fight the others)."""
+        if self.ctx.device.type != "cpu":
+            return ""
+        n = torch.get_num_threads()
+        return f", {n} thread{'s' if n > 1 else ''} per worker"
 
     def _precision_lines(self) -> list[str]:
         lines = []
@@ -386,3 +421,4 @@ class WorkerRun:
             self.prefetcher.close()
         self.runtime.close()
         self.reporter.close()
+

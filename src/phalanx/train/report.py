@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -55,6 +56,10 @@ class Reporter:
         use_bar = progress == "bar" or (progress == "auto" and sys.stdout.isatty())
         self.quiet = progress == "none"
         if use_bar:
+            # One bar in one process: a thread lock is all it needs. tqdm's default also makes a
+            # multiprocessing lock, a semaphore that a worker ending with os._exit never unlinks
+            # ("resource_tracker: There appear to be 1 leaked semaphore objects").
+            tqdm.set_lock(threading.RLock())
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, leave=False)
 
     def say(self, line: str) -> None:
