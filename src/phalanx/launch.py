@@ -161,6 +161,7 @@ def _spawned_worker(
     world_size = len(devices)
     progress = Progress(local_rank)
     progress.handle_signals()  # SIGTERM/SIGINT: stop at a step boundary, not a KeyboardInterrupt traceback
+    code = 0
     try:
         store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
         if watched:
@@ -177,21 +178,24 @@ def _spawned_worker(
         # every worker): send the message home, then fail so the rest stop too.
         text = e.detail if isinstance(e, WorkerFailed) else str(e)
         results.put(("error", local_rank, (time.time(), type(e).__name__, text)))
-        raise SystemExit(3)
+        code = 3
     except BaseException:
         # Stamp the time: when one worker crashes its peers crash next ("connection closed"),
         # and the parent must name the first, not whichever it happened to notice.
         results.put(("crash", local_rank, (time.time(), traceback.format_exc())))
-        raise
+        traceback.print_exc()
+        code = 1
     finally:
         progress.close()
         _shutdown()
-    # Skip the interpreter's teardown: a C++ thread of torch's (gloo, the thread pool) that is
-    # still joinable when static destructors run aborts the process ("terminate called without an
-    # active exception"), turning a finished run into a crash. Everything is flushed and sent.
+    # Skip the interpreter's teardown, on success and on failure alike: a gloo thread still alive
+    # (torch keeps the group referenced once DDP or a server thread used it) is ended inside a
+    # noexcept C++ destructor during finalization and aborts the process ("terminate called without
+    # an active exception"; see :func:`leave`). The reports went through a SimpleQueue, whose put
+    # writes to the pipe before it returns, so nothing is lost.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _leave_together(store: dist.Store, world_size: int, wait_s: float = 10.0) -> None:
