@@ -16,7 +16,7 @@ from helpers import run_cli, run_workers
 from phalanx.cli import main
 from phalanx.errors import PhalanxError
 from phalanx.estimate import Compute, Link, ModelFacts, Network, fit_ring
-from phalanx.estimate.costs import (Op, allreduce, gather_or_scatter, predict_fsdp, predict_local_sgd,
+from phalanx.costs import (Op, allreduce, gather_or_scatter, predict_fsdp, predict_local_sgd,
                                     predict_pipeline, predict_ps, predict_sync, schedule, simulate,
                                     steady_state)
 from phalanx.estimate.facts import ddp_buckets, model_facts

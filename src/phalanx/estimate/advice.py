@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from .costs import Compute, Network, Prediction
+from ..costs import Compute, Network, Prediction
 from .setup import Setup, conditions_for, predict
 
 WORTH = 0.05  #: a change must raise examples/s by at least 5% to be named

@@ -26,7 +26,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ..launch import launch
 from ..pipeline.split import model_blocks
-from .costs import Compute
+from ..costs import Compute
 
 WARMUP_STEPS = 5
 #: timed repeats (after one warm-up) of the per-block timings and the passes over the gradient bytes:

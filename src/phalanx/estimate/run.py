@@ -16,8 +16,8 @@ import torch
 
 from ..errors import PhalanxError
 from .advice import advise
-from .costs import Compute, Network, Prediction
-from .link import Link, measure_link, ring_of_gpus
+from ..costs import Compute, Network, Prediction
+from .link import Link, describe_link, measure_link, ring_of_gpus
 from .profile import Conditions, ProbeSpec, measure
 from .setup import Setup, conditions_for, predict
 
@@ -106,7 +106,7 @@ def settle_links(setup: Setup, say: Say) -> tuple[Network, list[str]]:
         if opts.link_given else None
     spans = max(opts.workers) > setup.per_node
     intra = _intra_link(setup, given, say)
-    notes = [f"within a machine: {intra.describe()}"]
+    notes = [f"within a machine: {describe_link(intra)}"]
     if given is not None:
         inter = given
     elif not spans:
@@ -119,7 +119,7 @@ def settle_links(setup: Setup, say: Say) -> tuple[Network, list[str]]:
                                     source="assumed equal to the link within a machine: give --link-bandwidth and "
                                            "--link-latency for your network")
     if spans:
-        notes.append(f"between machines: {inter.describe()}")
+        notes.append(f"between machines: {describe_link(inter)}")
     return Network(intra, inter, setup.per_node), notes
 
 

@@ -19,7 +19,7 @@ from ..launch import available_cores
 from ..models import build_model
 from ..strategies import LocalSGD, Pipeline, Sync
 from ..train import TrainConfig
-from .costs import (Compute, ModelFacts, Network, Prediction, predict_fsdp, predict_local_sgd, predict_pipeline,
+from ..costs import (Compute, ModelFacts, Network, Prediction, predict_fsdp, predict_local_sgd, predict_pipeline,
                     predict_ps, predict_sync)
 from .facts import model_facts
 from .options import EstimateOptions

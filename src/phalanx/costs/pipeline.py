@@ -16,7 +16,7 @@ idle share is the textbook
 
 from __future__ import annotations
 
-from ...pipeline.balance import partition, predicted_bubble, stage_costs
+from ..pipeline.balance import partition, predicted_bubble, stage_costs
 from .inputs import Compute, ModelFacts, Network, allreduce, cpu_bound
 from .prediction import Prediction
 
