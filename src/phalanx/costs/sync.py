@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .inputs import Compute, ModelFacts, Network, allreduce, allreduce_cpu, cpu_bound
+from .model import Alternative, CostModel
 from .prediction import Prediction
 from .timeline import Op, finish, one_stream
 
@@ -94,3 +95,31 @@ def predict_sync(compute: Compute, facts: ModelFacts, net: Network, workers: int
     return Prediction("sync", workers, nodes, step, examples, compute.slowest, compute.step, notes=tuple(notes),
                       parts={"compute": compute.slowest, "all_reduce_total": comm, "timeline": timeline,
                              "cpu_floor": floor})
+
+
+def hierarchical(reduce: str, net: Network, workers: int) -> bool:
+    """Whether the gradients take phalanx's hierarchical reduction: asked for, or chosen by ``--reduce auto``
+    where the workers span machines with several on each."""
+    return reduce == "hierarchical" or (reduce == "auto" and net.nodes(workers) > 1 and net.per_node > 1)
+
+
+class SyncCost(CostModel):
+    """DDP's step (:func:`predict_sync`); its reduction, compression and bucket size change the cost."""
+
+    title = "sync (DDP)"
+    fields = ("reduce", "compress", "bucket_mb")
+
+    def predict(self, options, compute: Compute, facts: ModelFacts, net: Network, workers: int) -> Prediction:
+        return predict_sync(compute, facts, net, workers, options.compress, hierarchical(options.reduce, net, workers))
+
+    def alternatives(self, options, compute: Compute, net: Network, workers: int) -> list[Alternative]:
+        out = []
+        if options.compress is None:
+            out.append(Alternative("--compress bf16 (half the bytes on the wire)", {"compress": "bf16"}))
+        if net.nodes(workers) > 1 and net.per_node > 1 and options.reduce == "flat":
+            out.append(Alternative("--reduce hierarchical (within each machine first, then one leader per machine)",
+                                   {"reduce": "hierarchical"}))
+        return out
+
+    def bucket_mb(self, options) -> float:
+        return options.bucket_mb
