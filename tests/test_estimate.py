@@ -487,6 +487,20 @@ def test_a_million_ps_workers_is_answered_in_closed_form_with_little_memory(tmp_
     assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 4 * 2 ** 20  # KiB: every process so far
 
 
+@pytest.mark.slow
+def test_a_pipeline_estimate_of_the_cifar10_network(tmp_path):
+    """The rows once seen wrong: 1 worker faster than one worker alone (speedup 1.82), 8 workers on 5 blocks refused."""
+    out = run_cli("estimate", "--model", "cifar10", "--strategy", "pipeline", "--workers", "1,8", "--per-node", "1",
+                  "--batch-size", "16", "--link-bandwidth", "10GB/s", "--link-latency", "5us", "--measure-steps", "3",
+                  "--json", cwd=tmp_path)  # one worker per machine: one measurement serves both rows
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out.stdout)
+    rows = {p["workers"]: p for p in data["predictions"]}
+    assert set(rows) == {1, 8} and data["skipped"] == []
+    assert rows[1]["speedup"] <= 1 + 1e-9  # the same measured worker, micro-batched: never faster
+    assert rows[8]["notes"][0].startswith("4 stages x 4 micro-batches") and rows[8]["examples_per_step"] == 2 * 16
+
+
 @pytest.mark.parametrize("args, message", [
     (["--link-bandwidth", "25GB"], "not a bandwidth like 25GB/s"),
     (["--link-latency", "10"], "not a duration with a unit"),
