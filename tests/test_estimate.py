@@ -395,7 +395,7 @@ def test_summary_takes_medians_and_the_slowest_worker_of_each_step():
 
 
 def test_stage_block_timer_leaves_the_model_alone_and_times_every_block():
-    from phalanx.estimate.profile import time_stage_blocks
+    from phalanx.estimate.profile import time_block_sizes, time_stage_blocks
 
     torch.manual_seed(0)
     blocks = [torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)]
@@ -404,6 +404,8 @@ def test_stage_block_timer_leaves_the_model_alone_and_times_every_block():
     assert len(seconds) == 3 and all(s >= 0 for s in seconds)
     assert all(p.grad is None for b in blocks for p in b.parameters())  # private copies were timed
     assert all(torch.equal(a, p) for a, p in zip(before, (p for b in blocks for p in b.parameters())))
+    both = time_block_sizes(blocks, torch.randn(12, 8), (1, 3), torch.device("cpu"), repeats=2)  # interleaved
+    assert set(both) == {1, 3} and all(len(s) == 3 and min(s) >= 0 for s in both.values())
 
 
 def _real_ddp_buckets(ctx):
