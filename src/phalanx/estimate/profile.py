@@ -8,8 +8,9 @@ optimizer, with no communication: forward, backward, optimizer step, and the res
 (next batch, learning-rate schedule, the loss as a number). All K run at once, so they compete for
 cores and memory as real workers do. After warm-up steps, each phase is timed per step; then the
 model's blocks are timed one by one (at the batch and at each micro-batch size a pipeline would
-use, interleaved, and the pipelining schedule's own overhead per micro-batch), and the passes over the gradient
-bytes that DDP, local SGD and a parameter server make (and the server's update of one gradient).
+use, interleaved, and the pipelining schedule's own overhead per micro-batch), and the passes over
+the gradient bytes that DDP, local SGD and a parameter server make (and the server's update of one
+gradient).
 Every process sends its timings to rank 0, which returns them; :func:`summarise` takes medians.
 """
 
