@@ -293,14 +293,14 @@ def test_pipeline_chooses_the_most_stages_that_divide_the_workers():
     from phalanx.strategies import Job, Pipeline
 
     cost = PipelineCost()
-    assert [p.stages for p in cost.plans(Pipeline(), 8, 5)] == [4, 2, 1]
-    assert [p.stages for p in cost.plans(Pipeline(), 3, 5)] == [3, 1]
-    assert [p.stages for p in cost.plans(Pipeline(schedule="1f1b", chunks=2), 8, 5)] == [2, 1]
-    assert [p.stages for p in cost.plans(Pipeline(stages=2), 8, 5)] == [2]  # given: kept
+    assert [p.stages for p in cost.plans(Pipeline(), 8, 5, 2)] == [4, 2, 1]
+    assert [p.stages for p in cost.plans(Pipeline(), 3, 5, 2)] == [3, 1]
+    assert [p.stages for p in cost.plans(Pipeline(schedule="1f1b", chunks=2), 8, 5, 2)] == [2, 1]
+    assert [p.stages for p in cost.plans(Pipeline(stages=2), 8, 5, 2)] == [2]  # given: kept
     with pytest.raises(PhalanxError, match="only 5 blocks"):
-        cost.plans(Pipeline(stages=6), 12, 5)
+        cost.plans(Pipeline(stages=6), 12, 5, 2)
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(5)])
-    layout = cost.plans(Pipeline(), 8, 5)[0].layout(Job((torch.device("cpu"),) * 8, 32, model=model))
+    layout = cost.plans(Pipeline(), 8, 5, 2)[0].layout(Job((torch.device("cpu"),) * 8, 32, model=model))
     assert (layout.world_size, layout.shards) == (8, 2)  # 4 stages x 2 replicas
 
 
@@ -320,6 +320,9 @@ def test_estimate_plans_rows_through_each_strategys_layout(tmp_path, monkeypatch
     assert "at least 2 workers" in setup.skipped[0]  # the layout's own reason
     with pytest.raises(PhalanxError, match="needs at least 2 workers"):  # asked for by name: nothing to show
         prepare(EstimateOptions(workers=(1,), strategy="ps"), {"model": "cifar10"}, {})
+    # sync's layout wants a hierarchical reduction's islands spelled out on CPU: the machines are the islands
+    hierarchical = prepare(EstimateOptions(workers=(4,), strategy="sync"), {"model": "cnn"}, {"reduce": "hierarchical"})
+    assert hierarchical.rows[0].options.islands == ((0, 1), (2, 3))
 
 
 def test_every_estimated_strategy_owns_a_cost_model_registered_by_its_options_class():

@@ -47,9 +47,10 @@ class CostModel:
     #: twice the per-worker batch can be predicted from the measured compute (forward and backward doubled)
     scales_with_batch: bool = True
 
-    def plans(self, options: Any, workers: int, blocks: int) -> Sequence[Any]:
-        """The options to try on ``workers`` workers, best first; the estimate predicts the first one
-        whose ``layout()`` accepts the job (a pipeline chooses its stage count here)."""
+    def plans(self, options: Any, workers: int, blocks: int, per_node: int) -> Sequence[Any]:
+        """The options to try on ``workers`` workers (``per_node`` to a machine, on a model of ``blocks``
+        blocks), best first; the estimate predicts the first one whose ``layout()`` accepts the job (a
+        pipeline chooses its stage count here, a hierarchical reduction its islands: the machines)."""
         return [options]
 
     def predict(self, options: Any, compute: Compute, facts: ModelFacts, net: Network, workers: int) -> Prediction:

@@ -125,7 +125,7 @@ class PipelineCost(CostModel):
     #: its compute is measured per micro-batch at this batch: twice the batch would need measuring again
     scales_with_batch = False
 
-    def plans(self, options, workers: int, blocks: int) -> list:
+    def plans(self, options, workers: int, blocks: int, per_node: int) -> list:
         """``--stages`` as given; otherwise every stage count that divides the workers, from the most (one
         stage per worker) down, none above one per block: 8 workers on 5 blocks make 4 stages x 2 replicas."""
         if options.stages is not None:

@@ -13,6 +13,7 @@ overlaps. A CPU node also bounds the step from below by the CPU-seconds its proc
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from .inputs import Compute, ModelFacts, Network, allreduce, allreduce_cpu, cpu_bound
@@ -108,6 +109,14 @@ class SyncCost(CostModel):
 
     title = "sync (DDP)"
     fields = ("reduce", "compress", "bucket_mb")
+
+    def plans(self, options, workers: int, blocks: int, per_node: int) -> list:
+        """``--reduce hierarchical`` with no ``--islands``: the machines are the islands (the layout asks for
+        them spelled out on CPU workers, and this model reduces within each machine first)."""
+        if options.reduce != "hierarchical" or options.islands is not None:
+            return [options]
+        machines = tuple(tuple(range(s, min(s + per_node, workers))) for s in range(0, workers, per_node))
+        return [dataclasses.replace(options, islands=machines)]
 
     def predict(self, options, compute: Compute, facts: ModelFacts, net: Network, workers: int) -> Prediction:
         return predict_sync(compute, facts, net, workers, options.compress, hierarchical(options.reduce, net, workers))

@@ -128,7 +128,7 @@ def plan_row(setup: Setup, options: Options, workers: int) -> tuple[Optional[Row
     blocks = len(setup.facts.block_names)
     job = Job((setup.device,) * workers, setup.config.batch_size, model=setup.model)
     refused = ""
-    for plan in cost_model(options).plans(options, workers, blocks):
+    for plan in cost_model(options).plans(options, workers, blocks, setup.per_node):
         try:
             layout = plan.layout(job)
         except PhalanxError as e:
