@@ -14,9 +14,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..costs import Compute, Network, Prediction, cost_model
 from ..errors import PhalanxError
 from .advice import advise
-from ..costs import Compute, Network, Prediction, cost_model
 from .link import Link, describe_link, measure_link, ring_of_gpus
 from .profile import Conditions, ProbeSpec, measure
 from .setup import Setup, alone, conditions_for, predict
