@@ -16,7 +16,7 @@ from helpers import run_cli, run_workers
 from phalanx.cli import main
 from phalanx.errors import PhalanxError
 from phalanx.estimate import Compute, Link, ModelFacts, Network, fit_ring
-from phalanx.estimate.costs import (Op, allreduce, gather_or_scatter, predict_fsdp, predict_local_sgd,
+from phalanx.costs import (Op, allreduce, gather_or_scatter, predict_fsdp, predict_local_sgd,
                                     predict_pipeline, predict_ps, predict_sync, schedule, simulate,
                                     steady_state)
 from phalanx.estimate.facts import ddp_buckets, model_facts
@@ -245,9 +245,16 @@ def test_local_sgd_amortises_one_averaging_over_h_steps():
     assert p.step == pytest.approx(33 * MS + (average + 2 * MS) / 8)
 
 
+def pipeline_compute(**changes) -> Compute:
+    """Two blocks of 4 ms each at the batch (forward + backward 8 ms, as the step measured), 1 ms per micro-batch of 4."""
+    values = dict(forward=3 * MS, backward=5 * MS, block_seconds=(4 * MS, 4 * MS), micro_seconds={4: (1 * MS, 1 * MS)},
+                  optimizer=0.0, loop=0.0, copy=0.0)
+    return compute(**{**values, **changes})
+
+
 def test_pipeline_of_equal_stages_has_the_textbook_bubble():
     net = Network(link(10, 0.0), link(10, 0.0), per_node=8)
-    c = compute(micro_seconds={4: (1 * MS, 1 * MS)}, optimizer=0.0, loop=0.0, copy=0.0)
+    c = pipeline_compute()
     p = predict_pipeline(c, facts(), net, 2, stages=2, micro_batches=4)
     hop = 4000 * 8 / 10e9  # block 0's output, 8 examples per micro-batch
     assert p.step == pytest.approx((1 + 1 + 3 * 1) * MS + 2 * hop)
@@ -260,11 +267,99 @@ def test_pipeline_of_equal_stages_has_the_textbook_bubble():
 
 def test_pipeline_replicas_add_an_all_reduce_of_each_stage():
     net = Network(link(10, 0.0), link(10, 0.0), per_node=8)
-    c = compute(micro_seconds={4: (1 * MS, 1 * MS)}, optimizer=0.0, loop=0.0, copy=0.0)
+    c = pipeline_compute()
     one = predict_pipeline(c, facts(), net, 2, stages=2, micro_batches=4)
     two = predict_pipeline(c, facts(), net, 4, stages=2, micro_batches=4)
     assert two.step - one.step == pytest.approx(4e6 / 10e9)  # 4 MB per stage over 2 replicas
     assert two.examples == 2 * one.examples
+
+
+def test_a_one_stage_pipeline_is_never_faster_than_the_step_it_runs():
+    """Seen: a 1-worker pipeline of the cifar10 network 1.82x faster than one worker, because its micro-batch block
+    times (timed one by one) summed to about half the forward + backward the training loop measured."""
+    net = Network(link(10, 0.0), link(10, 0.0), per_node=2)
+    seen = compute(block_seconds=(15 * MS, 15 * MS), micro_seconds={4: (2 * MS, 2 * MS)})  # 4 x 4 ms < 30 ms
+    p = predict_pipeline(seen, facts(), net, 1, stages=1, micro_batches=4)
+    assert p.step == pytest.approx(seen.step)  # M micro-batches cost at least one batch: no speedup
+    # the block times give the shares and the price of cutting the batch; the loop's step gives the scale
+    other_scale = compute(block_seconds=(1.0, 1.0), micro_seconds={4: (0.3, 0.3)})  # micro-batching costs 1.2x
+    p = predict_pipeline(other_scale, facts(), net, 1, stages=1, micro_batches=4)
+    assert p.step == pytest.approx(1.2 * 30 * MS + 2 * MS + 1 * MS)
+
+
+def test_pipeline_chooses_the_most_stages_that_divide_the_workers():
+    """Seen: 8 workers on a 5-block model refused ('8 workers do not make whole 5-stage pipelines')."""
+    from phalanx.costs import PipelineCost
+    from phalanx.strategies import Job, Pipeline
+
+    cost = PipelineCost()
+    assert [p.stages for p in cost.plans(Pipeline(), 8, 5, 2)] == [4, 2, 1]
+    assert [p.stages for p in cost.plans(Pipeline(), 3, 5, 2)] == [3, 1]
+    assert [p.stages for p in cost.plans(Pipeline(schedule="1f1b", chunks=2), 8, 5, 2)] == [2, 1]
+    assert [p.stages for p in cost.plans(Pipeline(stages=2), 8, 5, 2)] == [2]  # given: kept
+    with pytest.raises(PhalanxError, match="only 5 blocks"):
+        cost.plans(Pipeline(stages=6), 12, 5, 2)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(5)])
+    layout = cost.plans(Pipeline(), 8, 5, 2)[0].layout(Job((torch.device("cpu"),) * 8, 32, model=model))
+    assert (layout.world_size, layout.shards) == (8, 2)  # 4 stages x 2 replicas
+
+
+def test_estimate_plans_rows_through_each_strategys_layout(tmp_path, monkeypatch):
+    """No measurement: which rows exist, and why not, comes from the strategies' layouts."""
+    from phalanx.estimate.setup import conditions_for, prepare
+    from phalanx.estimate import EstimateOptions
+
+    monkeypatch.chdir(tmp_path)
+    setup = prepare(EstimateOptions(workers=(1, 8)), {"model": "cifar10"}, {})
+    rows = {(r.strategy, r.workers): r for r in setup.rows}
+    assert set(rows) == {(s, n) for s in ("sync", "local-sgd", "pipeline", "fsdp") for n in (1, 8)} | {("ps", 8)}
+    assert rows[("pipeline", 8)].options.stages == 4 and rows[("pipeline", 1)].options.stages == 1
+    assert rows[("ps", 8)].processes == 9  # the server: one more process on node 0, sharing its cores
+    assert conditions_for(setup, rows[("ps", 8)]).threads == 1 and conditions_for(setup, rows[("sync", 1)]).threads >= 1
+    assert [line.split(":")[0] for line in setup.skipped] == ["ps on 1 worker"]
+    assert "at least 2 workers" in setup.skipped[0]  # the layout's own reason
+    with pytest.raises(PhalanxError, match="needs at least 2 workers"):  # asked for by name: nothing to show
+        prepare(EstimateOptions(workers=(1,), strategy="ps"), {"model": "cifar10"}, {})
+    # sync's layout wants a hierarchical reduction's islands spelled out on CPU: the machines are the islands
+    hierarchical = prepare(EstimateOptions(workers=(4,), strategy="sync"), {"model": "cnn"}, {"reduce": "hierarchical"})
+    assert hierarchical.rows[0].options.islands == ((0, 1), (2, 3))
+
+
+def test_every_estimated_strategy_owns_a_cost_model_registered_by_its_options_class():
+    from phalanx.costs import COSTS, ParameterServerCost, SyncCost, cost_model
+    from phalanx.estimate.options import ESTIMATED
+    from phalanx.strategies import SSP, STRATEGIES, Backup, Hogwild, LocalSGD, ParameterServer, Pipeline, Sync
+
+    assert ESTIMATED == ("sync", "ps", "local-sgd", "pipeline", "fsdp")
+    assert isinstance(cost_model(Sync()), SyncCost) and isinstance(cost_model(ParameterServer), ParameterServerCost)
+    assert cost_model(SSP) is None and cost_model(Backup) is None and cost_model(Hogwild) is None  # not inherited
+    for cls, cost in COSTS.items():
+        assert STRATEGIES[cls.name] is cls and cost.title
+        assert set(cost.fields) <= {f.name for f in dataclasses.fields(cls)}  # flags come from the options
+    net = Network(link(10, 5e-6), link(1, 20e-6), per_node=2)
+    c = compute(micro_seconds={4: (1 * MS, 1 * MS), 8: (0.6 * MS, 0.6 * MS)})
+    # each wraps its strategy's pure formula with the options' values
+    assert cost_model(Sync).predict(Sync(compress="bf16", reduce="auto"), c, facts(), net, 8) == \
+        predict_sync(c, facts(), net, 8, "bf16", hierarchical=True)
+    assert cost_model(LocalSGD).predict(LocalSGD(sync_every=3), c, facts(), net, 4) == \
+        predict_local_sgd(c, facts(), net, 4, 3)
+    # and proposes the changes the advice tries, by option
+    assert [a.changes for a in cost_model(Sync).alternatives(Sync(), c, net, 8)] == \
+        [{"compress": "bf16"}, {"reduce": "hierarchical"}]
+    assert [a.changes for a in cost_model(LocalSGD).alternatives(LocalSGD(sync_every=3), c, net, 4)] == \
+        [{"sync_every": 6}]
+    assert [a.changes for a in cost_model(Pipeline).alternatives(Pipeline(stages=2), c, net, 2)] == [{"chunks": 8}]
+    assert [a.strategy for a in cost_model(ParameterServer).alternatives(ParameterServer(), c, net, 4)] == [Sync]
+
+
+def test_measure_link_help_says_what_it_does():
+    """Seen: 'done anyway on CPU when no --link-* is given (default: off)'."""
+    from phalanx.estimate import EstimateOptions
+    from phalanx.options import help_text
+
+    field = next(f for f in dataclasses.fields(EstimateOptions) if f.name == "measure_link")
+    text = help_text(field)
+    assert "default: off)" not in text and "(default: on for CPU workers unless --link-* is given; off on GPUs)" in text
 
 
 def test_fsdp_without_overlap_adds_every_gather_and_scatter():
@@ -303,7 +398,7 @@ def test_summary_takes_medians_and_the_slowest_worker_of_each_step():
 
 
 def test_stage_block_timer_leaves_the_model_alone_and_times_every_block():
-    from phalanx.estimate.profile import time_stage_blocks
+    from phalanx.estimate.profile import time_block_sizes, time_stage_blocks
 
     torch.manual_seed(0)
     blocks = [torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)]
@@ -312,6 +407,8 @@ def test_stage_block_timer_leaves_the_model_alone_and_times_every_block():
     assert len(seconds) == 3 and all(s >= 0 for s in seconds)
     assert all(p.grad is None for b in blocks for p in b.parameters())  # private copies were timed
     assert all(torch.equal(a, p) for a, p in zip(before, (p for b in blocks for p in b.parameters())))
+    both = time_block_sizes(blocks, torch.randn(12, 8), (1, 3), torch.device("cpu"), repeats=2)  # interleaved
+    assert set(both) == {1, 3} and all(len(s) == 3 and min(s) >= 0 for s in both.values())
 
 
 def _real_ddp_buckets(ctx):
@@ -395,6 +492,20 @@ def test_a_million_ps_workers_is_answered_in_closed_form_with_little_memory(tmp_
     assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 4 * 2 ** 20  # KiB: every process so far
 
 
+@pytest.mark.slow
+def test_a_pipeline_estimate_of_the_cifar10_network(tmp_path):
+    """The rows once seen wrong: 1 worker faster than one worker alone (speedup 1.82), 8 workers on 5 blocks refused."""
+    out = run_cli("estimate", "--model", "cifar10", "--strategy", "pipeline", "--workers", "1,8", "--per-node", "1",
+                  "--batch-size", "16", "--link-bandwidth", "10GB/s", "--link-latency", "5us", "--measure-steps", "3",
+                  "--json", cwd=tmp_path)  # one worker per machine: one measurement serves both rows
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out.stdout)
+    rows = {p["workers"]: p for p in data["predictions"]}
+    assert set(rows) == {1, 8} and data["skipped"] == []
+    assert rows[1]["speedup"] <= 1 + 1e-9  # the same measured worker, micro-batched: never faster
+    assert rows[8]["notes"][0].startswith("4 stages x 4 micro-batches") and rows[8]["examples_per_step"] == 2 * 16
+
+
 @pytest.mark.parametrize("args, message", [
     (["--link-bandwidth", "25GB"], "not a bandwidth like 25GB/s"),
     (["--link-latency", "10"], "not a duration with a unit"),
@@ -408,7 +519,7 @@ def test_a_million_ps_workers_is_answered_in_closed_form_with_little_memory(tmp_
     (["--workers", "100000000"], "--workers 100000000 is more than phalanx estimate predicts (1,000,000)"),
     (["--strategy", "hogwild"], "unknown --strategy 'hogwild'"),
     (["--strategy", "sync", "--sync-every", "4"], "--sync-every is an option of local-sgd"),
-    (["--strategy", "pipeline", "--chunks", "5"], "does not split into --chunks 5"),
+    (["--strategy", "pipeline", "--chunks", "5"], "does not split into 5 equal micro-batches (--chunks 5)"),  # the layout's words
     (["--strategy", "pipeline", "--stages", "9"], "the model has only 4 blocks"),
     (["--plot", "out.txt"], "name a .png, .pdf or .svg file"),
     (["--plot", "missing/out.png"], "does not exist"),
@@ -417,6 +528,8 @@ def test_a_million_ps_workers_is_answered_in_closed_form_with_little_memory(tmp_
     (["--synthetic-shape", "3x8x8"], "--synthetic-shape applies to --data synthetic"),
     (["--batch-size", "5000"], "larger than the 1437 training examples"),
     (["--compress", "int8"], "unknown --compress"),
+    (["--no-measure-link"], "--no-measure-link on CPU workers leaves the link between them unknown"),
+    (["--strategy", "ps", "--workers", "1"], "ps on 1 worker: --strategy ps needs at least 2 workers"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

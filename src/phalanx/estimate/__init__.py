@@ -9,14 +9,14 @@ topology's defaults); the cost model per strategy is pure functions. The modules
 - ``setup.py``: every check before measuring; which conditions each row's worker computes under;
 - ``facts.py``: the model's sizes, DDP's buckets; ``profile.py``: measuring a worker's step;
 - ``link.py``: α and β, the least-squares fit, the GPU defaults and their sources;
-- ``costs/``: the cost model (pure): one module per strategy;
+- ``phalanx/costs/``: the cost model (pure), one per strategy, registered by its options class;
 - ``run.py``: measure and predict; ``advice.py``: what would help; ``report.py``: table and plot;
 - ``cli.py``: the flags.
 
 Reading and accuracy: docs/estimate.md.
 """
 
-from .costs import Compute, ModelFacts, Network, Prediction
+from ..costs import Compute, ModelFacts, Network, Prediction
 from .link import Link, fit_ring
 from .options import EstimateOptions
 

@@ -1,20 +1,21 @@
 """What would help most, at the largest worker count asked: each change tried in the model, kept if it pays.
 
-For every strategy the same cost model is run again with one thing changed: a per-worker batch
-twice as large (compute assumed proportional to the batch: forward, backward and the block times
-double, the optimizer does not), ``--compress bf16`` (half the bytes on the wire),
-``--reduce hierarchical`` (where workers span machines with several per machine), ``--sync-every``
-doubled, twice the micro-batches (measured at that size), or ``sync`` in place of ``ps``. A change is
-reported only when it raises examples per second by at least :data:`WORTH`; the best come first.
+For every strategy its own cost model is run again with one thing changed: a per-worker batch
+twice as large (where the cost model can predict it from the measured compute: forward, backward
+and the block times double, the optimizer does not), then each change the strategy's cost model
+proposes (``CostModel.alternatives``: ``--compress bf16``, ``--reduce hierarchical``, ``--sync-every``
+doubled, twice the micro-batches, or another strategy in its place, predicted under that strategy's
+own conditions where they were measured). A change is reported only when it raises examples per
+second by at least :data:`WORTH`; the best come first.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Optional
 
-from .costs import Compute, Network, Prediction
-from .setup import Setup, conditions_for, predict
+from ..costs import Alternative, Compute, Network, Prediction
+from .setup import Row, Setup, conditions_for, plan_row, predict
 
 WORTH = 0.05  #: a change must raise examples/s by at least 5% to be named
 KEEP = 3  #: at most this many suggestions per strategy
@@ -30,42 +31,33 @@ def doubled_batch(compute: Compute) -> Compute:
         cpu=compute.cpu * scale, block_seconds=tuple(2 * s for s in compute.block_seconds))
 
 
-def advise(setup: Setup, strategy: str, rows: list[Prediction], computes: dict, net: Network) -> list[str]:
-    """Lines naming the changes that help ``strategy`` at its largest worker count, best first."""
-    if not rows or rows[-1].workers == 1:
+def advise(setup: Setup, row: Row, top: Prediction, computes: dict, net: Network) -> list[str]:
+    """Lines naming the changes that help ``row`` (a strategy at its largest worker count), best first."""
+    if top.workers == 1:
         return []
-    top = rows[-1]
-    n = top.workers
-    compute = computes[conditions_for(setup, strategy, n)]
+    compute = computes[conditions_for(setup, row)]
     tries: list[tuple[str, Prediction, str]] = []
-
-    def attempt(label: str, note: str = "", **changes: Any) -> None:
-        tries.append((label, predict(setup, strategy, n, compute, net, **changes), note))
-
-    if strategy != "pipeline":
+    if row.cost.scales_with_batch:
         facts = dataclasses.replace(setup.facts, batch_size=2 * setup.facts.batch_size)
         tries.append((f"--batch-size {facts.batch_size} (twice the per-worker batch)",
-                      predict(setup, strategy, n, doubled_batch(compute), net, facts=facts),
+                      predict(setup, row, doubled_batch(compute), net, facts=facts),
                       "compute assumed proportional to the batch"))
-    if strategy == "sync":
-        if setup.sync.compress is None:
-            attempt("--compress bf16 (half the bytes on the wire)", compress="bf16")
-        if net.nodes(n) > 1 and net.per_node > 1 and setup.sync.reduce == "flat":
-            attempt("--reduce hierarchical (within each machine first, then one leader per machine)",
-                    hierarchical=True)
-    if strategy == "local-sgd":
-        every = 2 * setup.local_sgd.sync_every
-        attempt(f"--sync-every {every} (average half as often)", sync_every=every)
-    if strategy == "pipeline":
-        m = 2 * setup.pipeline.chunks
-        if m in compute.micro_seconds:
-            attempt(f"--chunks {m} (more micro-batches: a smaller bubble)", chunks=m)
-    if strategy == "ps":
-        sync = computes.get(conditions_for(setup, "sync", n))
-        if sync is not None:
-            tries.append(("--strategy sync (every worker's gradient in one all-reduce, no server)",
-                          predict(setup, "sync", n, sync, net), "per update; asynchrony changes convergence too"))
+    for alternative in row.cost.alternatives(row.options, compute, net, row.workers):
+        tried = _attempt(setup, row, alternative, compute, computes, net)
+        if tried is not None:
+            tries.append((alternative.label, tried, alternative.note))
     return [_line(label, top, alt, note) for label, alt, note in _best(top, tries)]
+
+
+def _attempt(setup: Setup, row: Row, alternative: Alternative, compute: Compute, computes: dict,
+             net: Network) -> Optional[Prediction]:
+    """The row with the change made: new options, or another strategy (None where its layout refuses the
+    workers or its conditions were not measured)."""
+    if alternative.strategy is None:
+        return predict(setup, row, compute, net, options=dataclasses.replace(row.options, **alternative.changes))
+    other, _ = plan_row(setup, setup.strategies[alternative.strategy], row.workers)
+    measured = computes.get(conditions_for(setup, other)) if other is not None else None
+    return predict(setup, other, measured, net) if measured is not None else None
 
 
 def _best(top: Prediction, tries: list[tuple[str, Prediction, str]]) -> list[tuple[str, Prediction, str]]:

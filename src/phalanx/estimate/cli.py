@@ -8,15 +8,16 @@ import sys
 
 from ..errors import PhalanxError
 from ..options import add_flags as add_fields, declared, field_flag, given
-from .options import STRATEGY_FLAGS, TRAIN_FLAGS, EstimateOptions
+from .options import ESTIMATED, TRAIN_FLAGS, EstimateOptions
 
 
 def _owners() -> dict[str, tuple[str, type]]:
-    """Strategy flag -> (the strategy that takes it, its options class)."""
-    from ..strategies import LocalSGD, Pipeline, Sync
+    """Strategy flag -> (the strategy that takes it, its options class): the fields its cost model depends on."""
+    from ..costs import cost_model
+    from ..strategies import strategy_class
 
-    classes = {"sync": Sync, "local-sgd": LocalSGD, "pipeline": Pipeline}
-    return {name: (strategy, classes[strategy]) for strategy, names in STRATEGY_FLAGS.items() for name in names}
+    classes = [strategy_class(name) for name in ESTIMATED]
+    return {field: (cls.name, cls) for cls in classes for field in cost_model(cls).fields}
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..pipeline.split import model_blocks
-from .costs import ModelFacts
+from ..costs import ModelFacts
 
 MIB = 2 ** 20
 

@@ -25,52 +25,14 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..costs.link import Link, ring_terms
 from ..errors import PhalanxError
 from .units import fmt_bandwidth, fmt_seconds
 
 
-@dataclasses.dataclass(frozen=True)
-class Link:
-    alpha: float  #: seconds per message (per ring step)
-    beta: float  #: seconds per byte (1 / bus bandwidth)
-    source: str  #: where the figures come from
-    #: Sending and receiving are both copies made by the same CPUs (gloo between CPU processes of one
-    #: machine). A ring step sends and receives at once, so a one-way message, which only sends, moves
-    #: its bytes in half the time; on a full-duplex link (a NIC, NVLink) it takes S·β either way.
-    shared_copy: bool = False
-
-    @property
-    def bandwidth(self) -> float:
-        return 1.0 / self.beta
-
-    def message(self, nbytes: float) -> float:
-        """One point-to-point message of ``nbytes``."""
-        return self.alpha + nbytes * self.copy_seconds_per_byte()
-
-    def copy_seconds_per_byte(self) -> float:
-        """Seconds per byte of one direction: β, or β/2 where one CPU copies both ways (``shared_copy``)."""
-        return self.beta / 2 if self.shared_copy else self.beta
-
-    def cpu(self, messages: float, nbytes: float) -> float:
-        """CPU-seconds one end spends on ``messages`` carrying ``nbytes`` in all, one way.
-
-        Every byte is copied by a CPU. Where the CPUs themselves are the link (``shared_copy``: no
-        wire between processes of one machine), a message's α is software too (system calls,
-        waking the peer) and is charged to each end as well (the overhead *o* of the LogP model).
-        """
-        return nbytes * self.copy_seconds_per_byte() + (messages * self.alpha if self.shared_copy else 0.0)
-
-    def describe(self) -> str:
-        return f"{fmt_bandwidth(self.bandwidth)}, {fmt_seconds(self.alpha)} per message ({self.source})"
-
-    def to_dict(self) -> dict:
-        return {"alpha_s": self.alpha, "beta_s_per_byte": self.beta, "bandwidth_bytes_per_s": self.bandwidth,
-                "shared_copy": self.shared_copy, "source": self.source}
-
-
-def ring_terms(ranks: int, nbytes: float) -> tuple[float, float]:
-    """(messages, bytes) on the critical path of a ring all-reduce: (2(N−1), 2(N−1)/N · S)."""
-    return 2.0 * (ranks - 1), 2.0 * (ranks - 1) / ranks * nbytes
+def describe_link(link: Link) -> str:
+    """``10 GB/s, 5 µs per message (given by ...)``: the figures and where they come from."""
+    return f"{fmt_bandwidth(link.bandwidth)}, {fmt_seconds(link.alpha)} per message ({link.source})"
 
 
 def fit_ring(sizes: Sequence[float], seconds: Sequence[float], ranks: int = 2, source: str = "fitted") -> Link:

@@ -1,9 +1,9 @@
 """``phalanx estimate``'s own options, declared once: the fields are the flags.
 
 The model, data and batch flags are ``phalanx train``'s own (fields of ``TrainConfig``), and the
-strategy flags are the strategies' own (``--bucket-mb``, ``--compress``, ``--reduce`` of sync,
-``--sync-every`` of local-sgd, ``--stages``, ``--chunks``, ``--schedule`` of pipeline), so that an
-estimate describes exactly the run that the same flags would start.
+strategy flags are the strategies' own: those fields of each strategy's options that its cost model
+says change the cost (``CostModel.fields``), so that an estimate describes exactly the run that the
+same flags would start. Which strategies can be estimated is which have a cost model registered.
 """
 
 from __future__ import annotations
@@ -11,20 +11,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from ..costs import cost_model
 from ..errors import PhalanxError
 from ..options import option
+from ..strategies import STRATEGIES
 from .units import parse_bandwidth, parse_duration, parse_workers
 
-#: What --strategy may name: phalanx's strategies that the model covers, fsdp (analytical), or all of them.
-ESTIMATED = ("sync", "ps", "local-sgd", "pipeline", "fsdp")
+#: What --strategy may name: every strategy with a cost model (in phalanx's order of strategies), or all of them.
+ESTIMATED = tuple(name for name, cls in STRATEGIES.items() if cost_model(cls) is not None)
 STRATEGY_CHOICES = ESTIMATED + ("all",)
 
 #: The flags of phalanx train that an estimate takes (they shape the measured step).
 TRAIN_FLAGS = ("model", "data", "data_dir", "synthetic_shape", "synthetic_size", "batch_size", "optimizer",
                "devices", "threads", "seed")
-#: Each strategy's own flags that change its cost, by the strategy that owns them.
-STRATEGY_FLAGS = {"sync": ("reduce", "compress", "bucket_mb"), "local-sgd": ("sync_every",),
-                  "pipeline": ("stages", "chunks", "schedule")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +38,11 @@ class EstimateOptions:
         parse=parse_bandwidth, show="measured or from the topology")
     link_latency: Optional[float] = option(None, "latency per message between machines (e.g. 10us)",
                                            parse=parse_duration, show="measured or from the topology")
-    measure_link: bool = option(False, "time all-reduces of 4 KiB to 64 MiB between 2 local ranks and fit α and β "
-                                       "(done anyway on CPU when no --link-* is given)")
+    #: None: on CPU workers unless --link-* is given (nothing else tells the link between local processes)
+    measure_link: Optional[bool] = option(
+        None, "time all-reduces of 4 KiB to 64 MiB between 2 local ranks and fit α and β (--no-measure-link: "
+              "the --link-* figures, or on GPUs the topology's datasheet figures)",
+        show="on for CPU workers unless --link-* is given; off on GPUs")
     measure_steps: int = option(20, "timed steps per compute measurement, after 5 warm-up steps")
     plot: Optional[str] = option(None, "write a scaling plot to this file (.png, .pdf or .svg)")
     json: bool = option(False, "print the estimate as JSON (progress goes to stderr)")
@@ -61,6 +63,8 @@ class EstimateOptions:
             missing = "--link-latency" if self.link_latency is None else "--link-bandwidth"
             raise PhalanxError(f"{given} needs {missing} too: a link is its bandwidth and its latency "
                                "(e.g. --link-bandwidth 25GB/s --link-latency 10us)")
+        if self.measure_link is not None and not isinstance(self.measure_link, bool):
+            raise PhalanxError(f"--measure-link is on or off, got {self.measure_link!r}")
         if self.plot is not None and not self.plot.lower().endswith((".png", ".pdf", ".svg")):
             raise PhalanxError(f"--plot {self.plot}: name a .png, .pdf or .svg file")
 

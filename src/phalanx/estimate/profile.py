@@ -8,8 +8,9 @@ optimizer, with no communication: forward, backward, optimizer step, and the res
 (next batch, learning-rate schedule, the loss as a number). All K run at once, so they compete for
 cores and memory as real workers do. After warm-up steps, each phase is timed per step; then the
 model's blocks are timed one by one (at the batch and at each micro-batch size a pipeline would
-use, and the pipelining schedule's own overhead per micro-batch), and the passes over the gradient
-bytes that DDP, local SGD and a parameter server make (and the server's update of one gradient).
+use, interleaved, and the pipelining schedule's own overhead per micro-batch), and the passes over
+the gradient bytes that DDP, local SGD and a parameter server make (and the server's update of one
+gradient).
 Every process sends its timings to rank 0, which returns them; :func:`summarise` takes medians.
 """
 
@@ -26,7 +27,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ..launch import launch
 from ..pipeline.split import model_blocks
-from .costs import Compute
+from ..costs import Compute
 
 WARMUP_STEPS = 5
 #: timed repeats (after one warm-up) of the per-block timings and the passes over the gradient bytes:
@@ -115,10 +116,8 @@ def probe(ctx, spec: ProbeSpec) -> list[dict]:
 
 def _blocks(model, x, device, spec: ProbeSpec) -> dict:
     blocks = [block for _, block in model_blocks(model)]
-    out = {"blocks": time_stage_blocks(blocks, x, 1, device), "micro": {}}
-    for m in spec.micro_batches:
-        out["micro"][m] = time_stage_blocks(blocks, x, m, device)
-    return out
+    timed = time_block_sizes(blocks, x, (1,) + tuple(spec.micro_batches), device)
+    return {"blocks": timed[1], "micro": {m: timed[m] for m in spec.micro_batches}}
 
 
 def time_stage_blocks(blocks, x, micro_batches: int, device, repeats: int = OP_REPEATS) -> list[float]:
@@ -132,33 +131,47 @@ def time_stage_blocks(blocks, x, micro_batches: int, device, repeats: int = OP_R
     would charge a large layer the first touch of its gradient on every micro-batch. The blocks
     are private copies; the median over ``repeats`` steps after one warm-up is returned.
     """
+    return time_block_sizes(blocks, x, (micro_batches,), device, repeats)[micro_batches]
+
+
+def time_block_sizes(blocks, x, sizes, device, repeats: int = OP_REPEATS) -> dict[int, list[float]]:
+    """:func:`time_stage_blocks` at several micro-batch counts, interleaved: each repeat times every count in
+    turn, so a burst of load from elsewhere falls on all of them alike. The pipeline's cost model takes the
+    ratio of these times (the price of cutting the batch), which interleaving keeps steady."""
     import copy
 
     copies = [copy.deepcopy(block).train() for block in blocks]
-    steps = []
+    steps: dict[int, list[list[float]]] = {m: [] for m in sizes}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for _ in range(repeats + 1):
-            totals = [0.0] * len(copies)
-            for part in x.chunk(micro_batches):
-                inputs, outputs, h = [], [], part
-                for i, block in enumerate(copies):
-                    inp = h.detach().requires_grad_(i > 0 and h.is_floating_point())
-                    start = _now(device)
-                    h = block(inp)
-                    totals[i] += _now(device) - start
-                    inputs.append(inp)
-                    outputs.append(h)
-                grad = torch.ones_like(h)
-                for i in reversed(range(len(copies))):
-                    start = _now(device)
-                    if outputs[i].requires_grad:
-                        outputs[i].backward(grad)
-                    totals[i] += _now(device) - start
-                    grad = inputs[i].grad if inputs[i].grad is not None else torch.zeros_like(inputs[i])
-            for block in copies:
-                block.zero_grad(set_to_none=True)
-            steps.append([t / micro_batches for t in totals])
-    return [statistics.median(step[i] for step in steps[1:]) for i in range(len(copies))]
+            for m in sizes:
+                steps[m].append(_timed_step(copies, x, m, device))
+    return {m: [statistics.median(step[i] for step in done[1:]) for i in range(len(copies))]
+            for m, done in steps.items()}
+
+
+def _timed_step(copies, x, micro_batches: int, device) -> list[float]:
+    """One step's forward+backward of every block, per micro-batch (gradients cleared after it)."""
+    totals = [0.0] * len(copies)
+    for part in x.chunk(micro_batches):
+        inputs, outputs, h = [], [], part
+        for i, block in enumerate(copies):
+            inp = h.detach().requires_grad_(i > 0 and h.is_floating_point())
+            start = _now(device)
+            h = block(inp)
+            totals[i] += _now(device) - start
+            inputs.append(inp)
+            outputs.append(h)
+        grad = torch.ones_like(h)
+        for i in reversed(range(len(copies))):
+            start = _now(device)
+            if outputs[i].requires_grad:
+                outputs[i].backward(grad)
+            totals[i] += _now(device) - start
+            grad = inputs[i].grad if inputs[i].grad is not None else torch.zeros_like(inputs[i])
+    for block in copies:
+        block.zero_grad(set_to_none=True)
+    return [t / micro_batches for t in totals]
 
 
 def _engine(ctx, model, x, y, micro_batches) -> dict:

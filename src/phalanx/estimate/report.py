@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..costs import cost_model
 from ..errors import PhalanxError
 from .run import Estimate
 from .units import fmt_bytes, fmt_seconds
-
-NAMES = {"sync": "sync (DDP)", "ps": "ps (parameter server; a step is W updates)",
-         "local-sgd": "local-sgd", "pipeline": "pipeline", "fsdp": "fsdp (analytical)"}
 
 
 def describe(est: Estimate) -> str:
@@ -20,7 +18,7 @@ def describe(est: Estimate) -> str:
     lines = [f"phalanx estimate: {cfg.model} on {cfg.data} ({shape}), batch {cfg.batch_size} per worker, "
              f"{cfg.optimizer}; measured on {where}; {s.per_node} workers per machine",
              f"model: {facts.params:,} parameters, {fmt_bytes(facts.param_bytes)} of gradients in "
-             f"{len(facts.buckets)} DDP bucket(s) of {s.sync.bucket_mb:g} MiB at most",
+             f"{len(facts.buckets)} DDP bucket(s) of {s.bucket_mb:g} MiB at most",
              f"compute per worker (medians of {s.options.measure_steps} steps after 5 warm-up steps):"]
     for cond, m in est.computes.items():
         lines.append(f"  {cond.processes} process(es) x {cond.threads} thread(s) on {cond.device}: forward "
@@ -28,14 +26,15 @@ def describe(est: Estimate) -> str:
                      f"{fmt_seconds(m.optimizer)}, rest of the loop {fmt_seconds(m.loop)}"
                      f"{f'; slowest worker {fmt_seconds(m.slowest)}' if cond.processes > 1 else ''}")
     lines += [f"link {note}" for note in est.link_notes]
-    for strategy in s.options.strategies:
-        rows = [p for p in est.predictions if p.strategy == strategy]
+    for cls in s.predicted:
+        rows = [p for p in est.predictions if p.strategy == cls.name]
         if not rows:
             continue
-        lines += ["", NAMES[strategy], _header(strategy)]
-        lines += [_row(est, p) for p in rows]
+        cost = cost_model(cls)
+        lines += ["", cost.title, _header(cost.bubble)]
+        lines += [_row(est, p, cost.bubble) for p in rows]
         lines += [f"  {note}" for note in rows[-1].notes]
-        for advice in est.advice.get(strategy, []):
+        for advice in est.advice.get(cls.name, []):
             lines.append(f"  would help: {advice}")
     if s.skipped:
         lines += ["", "not predicted: " + "; ".join(s.skipped)]
@@ -45,14 +44,14 @@ def describe(est: Estimate) -> str:
     return "\n".join(lines)
 
 
-def _header(strategy: str) -> str:
-    extra = "  bubble" if strategy == "pipeline" else ""
+def _header(bubble: bool) -> str:
+    extra = "  bubble" if bubble else ""
     return f"  {'workers':>7} {'machines':>8} {'step':>10} {'examples/s':>11} {'speedup':>8} {'efficiency':>10} " \
            f"{'comm':>6}{extra}"
 
 
-def _row(est: Estimate, p) -> str:
-    extra = f"  {p.bubble / p.step:6.0%}" if p.strategy == "pipeline" else ""
+def _row(est: Estimate, p, bubble: bool) -> str:
+    extra = f"  {p.bubble / p.step:6.0%}" if bubble else ""
     return (f"  {p.workers:>7} {p.nodes:>8} {fmt_seconds(p.step):>10} {p.examples_per_s:>11,.0f} "
             f"{est.speedup(p):>8.2f} {p.efficiency:>10.2f} {p.comm_share:>6.0%}{extra}")
 

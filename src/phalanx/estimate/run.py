@@ -2,8 +2,8 @@
 
 :func:`~phalanx.estimate.setup.prepare` checks the inputs and reads the model's sizes; :func:`run`
 then measures a worker's step on this machine once per distinct condition (``profile.py``),
-settles the links (``link.py``), asks the cost model (``costs/``) for every strategy and worker
-count, and tries what could help (``advice.py``).
+settles the links (``link.py``), asks each row's strategy for its cost model (``phalanx/costs/``),
+and tries what could help (``advice.py``).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..costs import Compute, Network, Prediction, cost_model
 from ..errors import PhalanxError
 from .advice import advise
-from .costs import Compute, Network, Prediction
-from .link import Link, measure_link, ring_of_gpus
+from .link import Link, describe_link, measure_link, ring_of_gpus
 from .profile import Conditions, ProbeSpec, measure
-from .setup import Setup, conditions_for, predict
+from .setup import Setup, alone, conditions_for, predict
 
 Say = Callable[[str], None]
 
@@ -32,7 +32,7 @@ class Estimate:
     network: Network
     link_notes: list[str]
     predictions: list[Prediction]
-    advice: dict  #: strategy -> lines
+    advice: dict  #: strategy name -> lines
 
     def to_dict(self) -> dict[str, Any]:
         s = self.setup
@@ -63,11 +63,9 @@ class Estimate:
 # --------------------------------------------------------------------------- measuring and predicting
 
 def run(setup: Setup, say: Say) -> Estimate:
-    opts = setup.options
-    rows = [(s, n) for s in opts.strategies for n in opts.workers if not _skipped(setup, s, n)]
     spec = _probe_spec(setup)
-    baseline_at = conditions_for(setup, "sync", 1)
-    wanted = [baseline_at] + [conditions_for(setup, s, n) for s, n in rows]
+    baseline_at = alone(setup)
+    wanted = [baseline_at] + [conditions_for(setup, row) for row in setup.rows]
     computes: dict[Conditions, Compute] = {}
     for cond in dict.fromkeys(wanted):
         started = time.perf_counter()
@@ -76,25 +74,22 @@ def run(setup: Setup, say: Say) -> Estimate:
         computes[cond] = measure(spec, cond)
         say(f"  done in {time.perf_counter() - started:.1f} s")
     network, notes = settle_links(setup, say)
-    predictions = [predict(setup, s, n, computes[conditions_for(setup, s, n)], network) for s, n in rows]
-    advice = {s: advise(setup, s, [p for p in predictions if p.strategy == s], computes, network)
-              for s in opts.strategies}
+    predictions = [predict(setup, row, computes[conditions_for(setup, row)], network) for row in setup.rows]
+    advice = {}
+    for cls in setup.predicted:
+        mine = [(row, p) for row, p in zip(setup.rows, predictions) if type(row.options) is cls]
+        if mine:
+            advice[cls.name] = advise(setup, *mine[-1], computes, network)
     return Estimate(setup, computes[baseline_at], computes, network, notes, predictions,
-                    {s: lines for s, lines in advice.items() if lines})
-
-
-def _skipped(setup: Setup, strategy: str, workers: int) -> bool:
-    prefix = f"{strategy} on {workers} worker"
-    return any(line.startswith(prefix) for line in setup.skipped)
+                    {name: lines for name, lines in advice.items() if lines})
 
 
 def _probe_spec(setup: Setup) -> ProbeSpec:
-    strategies = setup.options.strategies
-    micro: tuple[int, ...] = ()
-    if "pipeline" in strategies:
-        m = setup.pipeline.chunks
-        micro = (m, 2 * m) if setup.config.batch_size % (2 * m) == 0 else (m,)
-    return ProbeSpec(setup.config, setup.options.measure_steps, micro)
+    """What to measure: the step, and every block at the micro-batch counts any predicted row needs."""
+    batch = setup.config.batch_size
+    micro = {m for cls in setup.predicted for m in
+             cost_model(cls).micro_batches(setup.strategies[cls], batch)}
+    return ProbeSpec(setup.config, setup.options.measure_steps, tuple(sorted(micro)))
 
 
 # --------------------------------------------------------------------------- the links
@@ -106,7 +101,7 @@ def settle_links(setup: Setup, say: Say) -> tuple[Network, list[str]]:
         if opts.link_given else None
     spans = max(opts.workers) > setup.per_node
     intra = _intra_link(setup, given, say)
-    notes = [f"within a machine: {intra.describe()}"]
+    notes = [f"within a machine: {describe_link(intra)}"]
     if given is not None:
         inter = given
     elif not spans:
@@ -119,14 +114,16 @@ def settle_links(setup: Setup, say: Say) -> tuple[Network, list[str]]:
                                     source="assumed equal to the link within a machine: give --link-bandwidth and "
                                            "--link-latency for your network")
     if spans:
-        notes.append(f"between machines: {inter.describe()}")
+        notes.append(f"between machines: {describe_link(inter)}")
     return Network(intra, inter, setup.per_node), notes
 
 
 def _intra_link(setup: Setup, given: Optional[Link], say: Say) -> Link:
     opts = setup.options
     if setup.device.type == "cpu":
-        if opts.measure_link or given is None:
+        # Nothing else tells the link between local CPU processes: measured unless --link-* is given
+        # (setup refuses --no-measure-link without --link-*).
+        if opts.measure_link or (opts.measure_link is None and given is None):
             say("measuring the link: all-reduces between 2 local gloo ranks ...")
             return measure_link("cpu")[0]
         return dataclasses.replace(given, source=given.source + " (--measure-link measures this machine's own)")

@@ -1,29 +1,51 @@
 """What an estimate is computed for: the checked inputs, and which rows and conditions follow from them.
 
 :func:`prepare` makes every check that needs no measurement (bad input is one line before anything
-runs) and reads the model's sizes; :func:`conditions_for` says under which conditions a row's
-worker computes (how many processes share its node, how many threads each has); :func:`predict`
-asks the cost model (``costs/``) for one row.
+runs), reads the model's sizes and decides the rows: for every strategy and worker count, the
+strategy's cost model proposes its options (a pipeline its stage count) and the strategy's own
+``layout()`` accepts them or says why not, exactly as ``phalanx train`` would; nothing here knows
+which strategy needs what. :func:`conditions_for` says under which conditions a row's worker computes
+(how many processes share its node, how many threads each has); :func:`predict` asks the strategy's
+cost model (``phalanx/costs/``) for one row.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Optional
 
 import torch
+from torch import nn
 
+from ..costs import Compute, CostModel, ModelFacts, Network, Prediction, cost_model
 from ..devices import resolve_devices
 from ..errors import PhalanxError
 from ..launch import available_cores
 from ..models import build_model
-from ..strategies import LocalSGD, Pipeline, Sync
+from ..strategies import Job, Options, strategy_class
 from ..train import TrainConfig
-from .costs import (Compute, ModelFacts, Network, Prediction, predict_fsdp, predict_local_sgd, predict_pipeline,
-                    predict_ps, predict_sync)
 from .facts import model_facts
-from .options import EstimateOptions
+from .options import ESTIMATED, EstimateOptions
 from .profile import Conditions
+
+DEFAULT_BUCKET_MB = 25.0  #: the gradient bucket cap when no estimated strategy names one (DDP's default)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One strategy on one worker count, as its layout accepted it."""
+
+    options: Options  #: the strategy's options for this count (a pipeline's stage count chosen)
+    workers: int
+    processes: int  #: the layout's world size: the workers and any process beside them (a parameter server)
+
+    @property
+    def cost(self) -> CostModel:
+        return cost_model(self.options)
+
+    @property
+    def strategy(self) -> str:
+        return self.options.name
 
 
 @dataclasses.dataclass
@@ -32,15 +54,22 @@ class Setup:
 
     options: EstimateOptions
     config: TrainConfig  #: resolved: the recipe's optimizer and the data defaults filled in
-    sync: Sync
-    local_sgd: LocalSGD
-    pipeline: Pipeline
+    #: every estimated strategy's options class -> its options with the flags typed (predicted or not)
+    strategies: dict[type, Options]
     device: torch.device
     per_node: int
     cores: int
+    model: nn.Module
     facts: ModelFacts
     input_shape: tuple
-    skipped: list[str]  #: rows that cannot exist, and why
+    bucket_mb: float  #: the gradient bucket cap ``facts.buckets`` were cut at
+    rows: list[Row] = dataclasses.field(default_factory=list)  #: what is predicted, strategy by strategy
+    skipped: list[str] = dataclasses.field(default_factory=list)  #: rows that cannot exist, and why
+
+    @property
+    def predicted(self) -> list[type]:
+        """The options classes of the strategies asked for, in the order of ``--strategy all``."""
+        return [strategy_class(name) for name in self.options.strategies]
 
 
 # --------------------------------------------------------------------------- checks (no measurement)
@@ -48,9 +77,8 @@ class Setup:
 def prepare(options: EstimateOptions, train_values: dict, strategy_values: dict) -> Setup:
     """Check everything and read the model; ``*_values``: the flags the user typed, by field name."""
     config = TrainConfig(**train_values).resolved()
-    sync = Sync(**{k: v for k, v in strategy_values.items() if k in ("reduce", "compress", "bucket_mb")})
-    local_sgd = LocalSGD(**{k: v for k, v in strategy_values.items() if k == "sync_every"})
-    pipeline = Pipeline(**{k: v for k, v in strategy_values.items() if k in ("stages", "chunks", "schedule")})
+    strategies = {cls: cls(**{k: v for k, v in strategy_values.items() if k in cost_model(cls).fields})
+                  for cls in map(strategy_class, ESTIMATED)}
     from ..train.checks import data_facts
 
     facts = data_facts(config, None)
@@ -58,67 +86,78 @@ def prepare(options: EstimateOptions, train_values: dict, strategy_values: dict)
         raise PhalanxError(f"--batch-size {config.batch_size} is larger than the {facts.train_size} training "
                            "examples; use a smaller --batch-size")
     device = resolve_devices(config.devices)[0]
+    _check_link_flags(options, device)
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     per_node = options.per_node or (gpus if device.type == "cuda" else 2)
     torch.manual_seed(config.seed)
     model = build_model(config.model, facts.input_shape, facts.num_classes)
-    sizes = model_facts(model, facts.example[0], config.batch_size, sync.bucket_mb)
-    skipped = _check_pipeline(options, pipeline, config.batch_size, len(sizes.block_names))
-    if "ps" in options.strategies and 1 in options.workers:
-        skipped.append("ps on 1 worker: a parameter server needs at least 2 workers")
-    return Setup(options, config, sync, local_sgd, pipeline, device, per_node, available_cores(), sizes,
-                 tuple(facts.input_shape), skipped)
+    caps = (cost_model(o).bucket_mb(o) for o in strategies.values())
+    bucket_mb = next((cap for cap in caps if cap is not None), DEFAULT_BUCKET_MB)
+    sizes = model_facts(model, facts.example[0], config.batch_size, bucket_mb)
+    setup = Setup(options, config, strategies, device, per_node, available_cores(), model, sizes,
+                  tuple(facts.input_shape), bucket_mb)
+    for cls in setup.predicted:
+        _plan_strategy(setup, cls, typed=any(k in cost_model(cls).fields for k in strategy_values))
+    return setup
 
 
-def _check_pipeline(options: EstimateOptions, pipeline: Pipeline, batch: int, blocks: int) -> list[str]:
-    if "pipeline" not in options.strategies:
-        return []
-    if batch % pipeline.chunks:
-        raise PhalanxError(f"--batch-size {batch} does not split into --chunks {pipeline.chunks} equal micro-batches "
-                           f"({batch} / {pipeline.chunks} = {batch / pipeline.chunks:g}); use a batch divisible by "
-                           f"{pipeline.chunks}")
-    if pipeline.stages is not None and pipeline.stages > blocks:
-        raise PhalanxError(f"--stages {pipeline.stages} but the model has only {blocks} blocks; use --stages "
-                           f"{blocks} or fewer")
-    skipped = []
-    for n in options.workers:
-        stages = pipeline_stages(pipeline, n, blocks)
-        if n % stages:
-            skipped.append(f"pipeline on {n} workers: {n} workers do not make whole {stages}-stage pipelines")
-        elif pipeline.schedule == "1f1b" and pipeline.chunks < stages:
-            skipped.append(f"pipeline on {n} workers: 1f1b needs --chunks >= {stages} stages")
-    return skipped
+def _check_link_flags(options: EstimateOptions, device: torch.device) -> None:
+    if options.measure_link is False and device.type == "cpu" and not options.link_given:
+        raise PhalanxError("--no-measure-link on CPU workers leaves the link between them unknown: give "
+                           "--link-bandwidth and --link-latency, or let --measure-link measure it")
 
 
-def pipeline_stages(pipeline: Pipeline, workers: int, blocks: int) -> int:
-    """P: --stages, or one stage per worker up to one per block (the rest are replicas of the pipeline)."""
-    return pipeline.stages or min(workers, blocks)
+def _plan_strategy(setup: Setup, cls: type, typed: bool) -> None:
+    """Rows of one strategy, or 'not predicted' lines naming the layout's reason. A strategy the user asked
+    for by name or by its flags that runs on none of the counts asked is an error: there is nothing to show."""
+    reasons = []
+    for n in setup.options.workers:
+        row, reason = plan_row(setup, setup.strategies[cls], n)
+        if row is not None:
+            setup.rows.append(row)
+        else:
+            reasons.append(f"{cls.name} on {n} worker{'s' * (n != 1)}: {reason}")
+    if reasons and len(reasons) == len(setup.options.workers) and (typed or setup.options.strategy != "all"):
+        raise PhalanxError(reasons[-1])
+    setup.skipped += reasons
+
+
+def plan_row(setup: Setup, options: Options, workers: int) -> tuple[Optional[Row], str]:
+    """The first of the cost model's plans whose layout accepts ``workers`` workers (with the reason the first
+    plan was refused, else)."""
+    blocks = len(setup.facts.block_names)
+    job = Job((setup.device,) * workers, setup.config.batch_size, model=setup.model)
+    refused = ""
+    for plan in cost_model(options).plans(options, workers, blocks, setup.per_node):
+        try:
+            layout = plan.layout(job)
+        except PhalanxError as e:
+            refused = refused or str(e)
+            continue
+        return Row(plan, workers, layout.world_size), ""
+    return None, refused or f"no plan of {options.name} fits {workers} workers and {blocks} blocks"
 
 
 # --------------------------------------------------------------------------- rows
 
-def conditions_for(setup: Setup, strategy: str, workers: int) -> Conditions:
-    """The processes that would share a node and the threads each would have (as phalanx's launcher gives them)."""
-    local = min(workers, setup.per_node)
+def alone(setup: Setup) -> Conditions:
+    """One worker training alone on this machine (every core its own): what speedup is measured against."""
+    return _conditions(setup, local=1, beside=0)
+
+
+def conditions_for(setup: Setup, row: Row) -> Conditions:
+    """The processes that would share a node and the threads each would have (as phalanx's launcher gives them):
+    the row's workers on node 0, and any process its layout starts beside them (a parameter server) there too."""
+    return _conditions(setup, local=min(row.workers, setup.per_node), beside=row.processes - row.workers)
+
+
+def _conditions(setup: Setup, local: int, beside: int) -> Conditions:
     if setup.device.type == "cuda":
         return Conditions(1, setup.config.threads or max(1, setup.cores // local), "cuda:0")
-    server = 1 if strategy == "ps" else 0  # the server process shares node 0's cores
-    return Conditions(local, setup.config.threads or max(1, setup.cores // (local + server)), "cpu")
+    return Conditions(local, setup.config.threads or max(1, setup.cores // (local + beside)), "cpu")
 
 
-def predict(setup: Setup, strategy: str, workers: int, compute: Compute, net: Network, *,
-            facts: Optional[ModelFacts] = None, **changes: Any) -> Prediction:
-    """One row; ``changes`` override the options (compress, hierarchical, sync_every, chunks) for advice."""
-    facts = facts or setup.facts
-    if strategy == "sync":
-        hierarchical = changes.get("hierarchical", setup.sync.reduce == "hierarchical" or (
-            setup.sync.reduce == "auto" and net.nodes(workers) > 1 and net.per_node > 1))
-        return predict_sync(compute, facts, net, workers, changes.get("compress", setup.sync.compress), hierarchical)
-    if strategy == "ps":
-        return predict_ps(compute, facts, net, workers)
-    if strategy == "local-sgd":
-        return predict_local_sgd(compute, facts, net, workers, changes.get("sync_every", setup.local_sgd.sync_every))
-    if strategy == "pipeline":
-        stages = pipeline_stages(setup.pipeline, workers, len(facts.block_names))
-        return predict_pipeline(compute, facts, net, workers, stages, changes.get("chunks", setup.pipeline.chunks))
-    return predict_fsdp(compute, facts, net, workers)
+def predict(setup: Setup, row: Row, compute: Compute, net: Network, *, facts: Optional[ModelFacts] = None,
+            options: Optional[Options] = None) -> Prediction:
+    """One row; ``facts`` and ``options`` replace the row's for the advice (a larger batch, other options)."""
+    return row.cost.predict(options or row.options, compute, facts or setup.facts, net, row.workers)

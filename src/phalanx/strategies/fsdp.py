@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..costs import FSDPCost, register
 from ..errors import PhalanxError
 from ..models import model_blocks_by_default
 from ..options import option
@@ -111,6 +112,9 @@ class FSDP(Options):
 
     def runtime(self, build: Build) -> Runtime:
         return FSDPRuntime(build, self)
+
+
+register(FSDP, FSDPCost())  # its cost model, for phalanx estimate (costs/fsdp.py)
 
 
 class FSDPRuntime(Runtime):

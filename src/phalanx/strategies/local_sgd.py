@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
+from ..costs import LocalSGDCost, register
 from ..options import option
 from ..errors import PhalanxError
 from .base import Build, Options, Runtime
@@ -36,6 +37,9 @@ class LocalSGD(Options):
 
     def runtime(self, build: Build) -> Runtime:
         return LocalSGDRuntime(build, self)
+
+
+register(LocalSGD, LocalSGDCost())  # its cost model, for phalanx estimate (costs/local_sgd.py)
 
 
 class LocalSGDRuntime(Runtime):

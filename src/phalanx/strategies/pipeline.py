@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..costs import PipelineCost, register
 from ..errors import PhalanxError
 from ..options import option
 from ..pipeline import state as opt_state
@@ -125,6 +126,9 @@ class Pipeline(Options):
 
     def runtime(self, build: Build) -> Runtime:
         return PipelineRuntime(build, self)
+
+
+register(Pipeline, PipelineCost())  # its cost model, for phalanx estimate (costs/pipeline.py)
 
 
 class PipelineRuntime(Runtime):

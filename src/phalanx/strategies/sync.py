@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..costs import SyncCost, register
 from ..errors import PhalanxError
 from ..options import option
 from ..reduce import COMPRESSIONS, REDUCTIONS, apply_reduction, parse_islands, validate_islands
@@ -73,6 +74,9 @@ class Sync(Options):
 
     def runtime(self, build: Build) -> Runtime:
         return SyncRuntime(build, self)
+
+
+register(Sync, SyncCost())  # its cost model, for phalanx estimate (costs/sync.py)
 
 
 class SyncRuntime(Runtime):

@@ -31,9 +31,11 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
+from ...costs import ParameterServerCost, register
 from ...errors import PhalanxError
 from ...options import option
 from ..base import Build, Job, Layout, Options, RankPlan, Report, Runtime, count_correct
+from ..sync import Sync
 from .aggregate import Asynchronous, Rounds, Rule
 from .server import Server
 from .worker import WorkerRuntime
@@ -137,6 +139,11 @@ class Backup(ParameterServer):
     def describe(self) -> str:
         b = self.backup_workers
         return f"backup (parameter server, synchronous with {b} backup worker{'s' * (b != 1)})"
+
+
+# Its cost model, for phalanx estimate (costs/ps.py); the advice compares it with sync. ssp and backup have
+# none yet: the registry is keyed by the exact class, so they do not inherit this one.
+register(ParameterServer, ParameterServerCost(instead=Sync))
 
 
 class ServerRuntime(Runtime):

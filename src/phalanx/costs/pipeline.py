@@ -1,8 +1,9 @@
 """``pipeline``: P stages, M micro-batches per step, fill and drain; optionally R replicas of each stage. Pure.
 
 Stage s spends t_s per micro-batch: forward + backward of its blocks, measured at the micro-batch
-size (the blocks are split by phalanx's own exact partition of those times, as ``--balance auto``
-does), plus the pipelining engine's own work per micro-batch (measured on a one-stage schedule).
+size and put on the scale of the measured step (:func:`micro_block_seconds`; the blocks are split by
+phalanx's own exact partition of those times, as ``--balance auto`` does), plus the pipelining
+engine's own work per micro-batch (measured on a one-stage schedule).
 A fill-drain schedule (GPipe; 1F1B has the same bubble) takes Σ t_s + (M−1)·max t_s: the first
 micro-batch crosses every stage, the rest follow at the slowest stage's pace. Each stage boundary
 adds a message of the activations (forward) and one of their gradients (backward) per
@@ -16,8 +17,11 @@ idle share is the textbook
 
 from __future__ import annotations
 
-from ...pipeline.balance import partition, predicted_bubble, stage_costs
+import dataclasses
+
+from ..pipeline.balance import check_stages, partition, predicted_bubble, stage_costs
 from .inputs import Compute, ModelFacts, Network, allreduce, cpu_bound
+from .model import Alternative, CostModel
 from .prediction import Prediction
 
 
@@ -27,10 +31,31 @@ def stage_plan(micro_seconds: list[float], stages: int) -> tuple[tuple[int, ...]
     return counts, stage_costs(micro_seconds, counts)
 
 
+def micro_block_seconds(compute: Compute, micro_batches: int) -> list[float]:
+    """Every block's forward+backward seconds per micro-batch, on the scale of the measured step.
+
+    The blocks are timed one by one and the step in the training loop: two measurements of the same
+    work, taken apart, and they disagree (on a busy machine by more than either figure's spread; and
+    the loop also runs the loss and beside the prefetch thread). Taken as they were, a 1-worker
+    pipeline of the cifar10 network came out 1.82x faster than the very step it runs. So the block
+    times give only the shares and the price of cutting the batch: the blocks at the whole batch are
+    scaled to sum to the measured forward + backward, the micro-batch times by the same factor, and a
+    block on 1/M of the batch never costs less than 1/M of it on the whole batch (M micro-batches do
+    the same arithmetic in smaller pieces). One stage on M micro-batches is then never faster than
+    the step of one worker.
+    """
+    micro, whole = compute.micro_seconds[micro_batches], compute.block_seconds
+    measured = sum(whole)
+    if len(whole) != len(micro) or measured <= 0:  # nothing to put them on a scale with
+        return list(micro)
+    scale = (compute.forward + compute.backward) / measured
+    return [max(m, w / micro_batches) * scale for m, w in zip(micro, whole)]
+
+
 def predict_pipeline(compute: Compute, facts: ModelFacts, net: Network, workers: int, stages: int,
                      micro_batches: int) -> Prediction:
     replicas = workers // stages
-    seconds = list(compute.micro_seconds[micro_batches])
+    seconds = micro_block_seconds(compute, micro_batches)
     counts, per_stage = stage_plan(seconds, stages)
     if stages > 1:  # the engine's own work per micro-batch, on every stage
         per_stage = [t + compute.engine.get(micro_batches, 0.0) for t in per_stage]
@@ -68,7 +93,8 @@ def predict_pipeline(compute: Compute, facts: ModelFacts, net: Network, workers:
              f"bubble {predicted_bubble(per_stage, micro_batches):.1%} (equal stages: "
              f"{(stages - 1) / (micro_batches + stages - 1):.1%})"]
     if replicas > 1:
-        notes.append(f"{replicas} replicas of every stage: gradients all-reduced among them after each step")
+        notes.append(f"{replicas} replicas of every stage (--stages {stages} on {workers} workers): gradients "
+                     "all-reduced among them after each step")
     return Prediction("pipeline", workers, net.nodes(workers), step, replicas * facts.batch_size,
                       work + optimizer + compute.loop, min(ideal, step), bubble=max(0.0, bubble),
                       notes=tuple(notes),
@@ -88,3 +114,37 @@ def _stage_params(facts: ModelFacts, counts: tuple[int, ...]) -> list[int]:
 def _replica_net(net: Network, stages: int) -> Network:
     """The replicas of one stage sit ``stages`` ranks apart: per node, per_node / stages of them."""
     return Network(net.intra, net.inter, max(1, net.per_node // stages))
+
+
+class PipelineCost(CostModel):
+    """P stages x R replicas, M micro-batches (:func:`predict_pipeline`)."""
+
+    title = "pipeline"
+    fields = ("stages", "chunks", "schedule")
+    bubble = True
+    #: its compute is measured per micro-batch at this batch: twice the batch would need measuring again
+    scales_with_batch = False
+
+    def plans(self, options, workers: int, blocks: int, per_node: int) -> list:
+        """``--stages`` as given; otherwise every stage count that divides the workers, from the most (one
+        stage per worker) down, none above one per block: 8 workers on 5 blocks make 4 stages x 2 replicas."""
+        if options.stages is not None:
+            check_stages(blocks, options.stages)  # (the layout's own check) no worker count could run it
+            return [options]
+        counts = [s for s in range(min(workers, blocks), 0, -1) if workers % s == 0]
+        return [dataclasses.replace(options, stages=s) for s in counts
+                if options.schedule != "1f1b" or options.chunks >= s]
+
+    def predict(self, options, compute: Compute, facts: ModelFacts, net: Network, workers: int) -> Prediction:
+        return predict_pipeline(compute, facts, net, workers, options.stages or workers, options.chunks)
+
+    def micro_batches(self, options, batch_size: int) -> tuple[int, ...]:
+        """M, and 2M where the batch splits into it (the advice tries twice the micro-batches)."""
+        m = options.chunks
+        return (m, 2 * m) if batch_size % (2 * m) == 0 else (m,)
+
+    def alternatives(self, options, compute: Compute, net: Network, workers: int) -> list[Alternative]:
+        m = 2 * options.chunks
+        if m not in compute.micro_seconds:  # measured only where the batch splits into 2M
+            return []
+        return [Alternative(f"--chunks {m} (more micro-batches: a smaller bubble)", {"chunks": m})]

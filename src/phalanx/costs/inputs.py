@@ -10,7 +10,7 @@ import dataclasses
 import math
 from typing import Optional
 
-from ..link import Link, ring_terms
+from .link import Link, ring_terms
 
 
 @dataclasses.dataclass(frozen=True)

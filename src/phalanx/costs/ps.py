@@ -21,8 +21,10 @@ A CPU node also bounds the step from below: its cores must supply every process'
 from __future__ import annotations
 
 import heapq
+from typing import Optional
 
 from .inputs import Compute, ModelFacts, Network, cpu_bound
+from .model import Alternative, CostModel
 from .prediction import Prediction
 
 SIMULATED_UPDATES = 40  #: updates per worker played out (the first quarter is the warm-up)
@@ -108,3 +110,22 @@ def predict_ps(compute: Compute, facts: ModelFacts, net: Network, workers: int) 
                       notes=tuple(notes),
                       parts={"worker_compute": work, "push_or_reply": slowest, "server_apply": compute.apply,
                              "timeline": timeline, "cpu_floor": floor})
+
+
+class ParameterServerCost(CostModel):
+    """W workers and one server (:func:`predict_ps`); ``instead``: the synchronous strategy the advice
+    compares it with (every gradient in one all-reduce, no server)."""
+
+    title = "ps (parameter server; a step is W updates)"
+
+    def __init__(self, instead: Optional[type] = None):
+        self.instead = instead
+
+    def predict(self, options, compute: Compute, facts: ModelFacts, net: Network, workers: int) -> Prediction:
+        return predict_ps(compute, facts, net, workers)
+
+    def alternatives(self, options, compute: Compute, net: Network, workers: int) -> list[Alternative]:
+        if self.instead is None:
+            return []
+        return [Alternative(f"--strategy {self.instead.name} (every worker's gradient in one all-reduce, no server)",
+                            strategy=self.instead, note="per update; asynchrony changes convergence too")]

@@ -10,6 +10,7 @@ cost is the worker's own iteration plus (averaging + one step's spread between w
 from __future__ import annotations
 
 from .inputs import Compute, ModelFacts, Network, allreduce, allreduce_cpu, cpu_bound
+from .model import Alternative, CostModel
 from .prediction import Prediction
 
 
@@ -35,3 +36,17 @@ def predict_local_sgd(compute: Compute, facts: ModelFacts, net: Network, workers
                       compute.step, notes=tuple(notes),
                       parts={"compute": compute.step, "averaging": average, "per_step_averaging": average / sync_every,
                              "timeline": timeline, "cpu_floor": floor})
+
+
+class LocalSGDCost(CostModel):
+    """Local steps and an averaging every H steps (:func:`predict_local_sgd`)."""
+
+    title = "local-sgd"
+    fields = ("sync_every",)
+
+    def predict(self, options, compute: Compute, facts: ModelFacts, net: Network, workers: int) -> Prediction:
+        return predict_local_sgd(compute, facts, net, workers, options.sync_every)
+
+    def alternatives(self, options, compute: Compute, net: Network, workers: int) -> list[Alternative]:
+        every = 2 * options.sync_every
+        return [Alternative(f"--sync-every {every} (average half as often)", {"sync_every": every})]

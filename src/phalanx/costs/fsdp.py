@@ -12,6 +12,7 @@ lands separately): the figures follow from the parameter bytes and the measured 
 from __future__ import annotations
 
 from .inputs import Compute, ModelFacts, Network, allreduce, cpu_bound, gather_or_scatter
+from .model import CostModel
 from .prediction import Prediction
 from .sync import LOSS_BYTES, overlaps
 from .timeline import Op, finish, one_stream
@@ -60,3 +61,12 @@ def predict_fsdp(compute: Compute, facts: ModelFacts, net: Network, workers: int
              "analytical (no FSDP run on this branch to check it against)"]
     return Prediction("fsdp", workers, net.nodes(workers), step, examples, own * pace, own, notes=tuple(notes),
                       parts={"collectives_total": comm, "timeline": timeline, "cpu_floor": floor})
+
+
+class FSDPCost(CostModel):
+    """Every block a unit sharded over the workers (:func:`predict_fsdp`); analytical."""
+
+    title = "fsdp (analytical)"
+
+    def predict(self, options, compute: Compute, facts: ModelFacts, net: Network, workers: int) -> Prediction:
+        return predict_fsdp(compute, facts, net, workers)

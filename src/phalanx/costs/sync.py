@@ -13,9 +13,11 @@ overlaps. A CPU node also bounds the step from below by the CPU-seconds its proc
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from .inputs import Compute, ModelFacts, Network, allreduce, allreduce_cpu, cpu_bound
+from .model import Alternative, CostModel
 from .prediction import Prediction
 from .timeline import Op, finish, one_stream
 
@@ -94,3 +96,39 @@ def predict_sync(compute: Compute, facts: ModelFacts, net: Network, workers: int
     return Prediction("sync", workers, nodes, step, examples, compute.slowest, compute.step, notes=tuple(notes),
                       parts={"compute": compute.slowest, "all_reduce_total": comm, "timeline": timeline,
                              "cpu_floor": floor})
+
+
+def hierarchical(reduce: str, net: Network, workers: int) -> bool:
+    """Whether the gradients take phalanx's hierarchical reduction: asked for, or chosen by ``--reduce auto``
+    where the workers span machines with several on each."""
+    return reduce == "hierarchical" or (reduce == "auto" and net.nodes(workers) > 1 and net.per_node > 1)
+
+
+class SyncCost(CostModel):
+    """DDP's step (:func:`predict_sync`); its reduction, compression and bucket size change the cost."""
+
+    title = "sync (DDP)"
+    fields = ("reduce", "compress", "bucket_mb")
+
+    def plans(self, options, workers: int, blocks: int, per_node: int) -> list:
+        """``--reduce hierarchical`` with no ``--islands``: the machines are the islands (the layout asks for
+        them spelled out on CPU workers, and this model reduces within each machine first)."""
+        if options.reduce != "hierarchical" or options.islands is not None:
+            return [options]
+        machines = tuple(tuple(range(s, min(s + per_node, workers))) for s in range(0, workers, per_node))
+        return [dataclasses.replace(options, islands=machines)]
+
+    def predict(self, options, compute: Compute, facts: ModelFacts, net: Network, workers: int) -> Prediction:
+        return predict_sync(compute, facts, net, workers, options.compress, hierarchical(options.reduce, net, workers))
+
+    def alternatives(self, options, compute: Compute, net: Network, workers: int) -> list[Alternative]:
+        out = []
+        if options.compress is None:
+            out.append(Alternative("--compress bf16 (half the bytes on the wire)", {"compress": "bf16"}))
+        if net.nodes(workers) > 1 and net.per_node > 1 and options.reduce == "flat":
+            out.append(Alternative("--reduce hierarchical (within each machine first, then one leader per machine)",
+                                   {"reduce": "hierarchical"}))
+        return out
+
+    def bucket_mb(self, options) -> float:
+        return options.bucket_mb
