@@ -155,9 +155,9 @@ def runs():
     return run_workers(_every_comparison, WORKERS)
 
 
-def _reference(steps, sync_every, outer_lr, outer_momentum, fragments, make_optimizer):
+def _reference(steps, sync_every, outer_lr, outer_momentum, fragments, make_optimizer, workers=WORKERS):
     """DiLoCo in one process, written out: W local models, the global copy, the outer Nesterov SGD."""
-    models = [_model() for _ in range(WORKERS)]
+    models = [_model() for _ in range(workers)]
     inner = [make_optimizer(m.parameters()) for m in models]
     local = [list(m.parameters()) for m in models]
     glob = [p.detach().clone() for p in local[0]]
@@ -165,7 +165,7 @@ def _reference(steps, sync_every, outer_lr, outer_momentum, fragments, make_opti
     cuts = fragment_bounds([p.numel() for p in glob], fragments)
     offsets = [f * sync_every // fragments for f in range(fragments)]
     for i in range(steps):
-        for r in range(WORKERS):
+        for r in range(workers):
             x, y = _batch(r, i)
             inner[r].zero_grad()
             F.cross_entropy(models[r](x), y).backward()
@@ -174,11 +174,11 @@ def _reference(steps, sync_every, outer_lr, outer_momentum, fragments, make_opti
             [f for f in range(fragments) if i >= offsets[f] and (i - offsets[f]) % sync_every == 0]
         tensors = [j for f in syncing for j in range(*cuts[f])]
         for j in tensors:
-            glob[j].grad = sum(glob[j] - local[r][j].detach() for r in range(WORKERS)) / WORKERS
+            glob[j].grad = sum(glob[j] - local[r][j].detach() for r in range(workers)) / workers
         outer.step()
         outer.zero_grad(set_to_none=True)
         with torch.no_grad():
-            for r in range(WORKERS):
+            for r in range(workers):
                 for j in tensors:
                     local[r][j].copy_(glob[j])
     return glob
@@ -208,6 +208,20 @@ def test_plain_and_streaming_diloco_equal_the_single_process_reference(runs):
     assert report["outer_syncs"] == 6 and report["fragment_sizes"] == [30, 23]
     assert report["outer_bytes_sent"] == 4 * (3 * 30 + 3 * 23)
     assert not torch.allclose(f1[0], f2[0])  # the fragments did change the trajectory
+
+
+def _one_process(ctx):
+    assert not ctx.distributed
+    return _train(ctx, DiLoCo(sync_every=3, fragments=2, outer_precision="bf16"), 7, _adam)
+
+
+def test_world_size_1_runs_without_a_process_group():
+    params, report = run_workers(_one_process, 1)
+    reference = _reference(7, 3, 0.7, 0.9, 2, _adam, workers=1)
+    for p, r in zip(params, reference, strict=True):  # the bf16 round trip still applies with one process
+        torch.testing.assert_close(p, r, atol=2e-2, rtol=0)
+    assert report["outer_syncs"] == 6  # fragment 0 after steps 1, 4, 7; fragment 1 after 2, 5 and the last, 7
+    assert report["outer_bytes_sent"] == 2 * (3 * 30 + 3 * 23)  # bf16: 2 bytes an element
 
 
 def test_int8_pseudo_gradients_are_within_half_a_scale_step_of_fp32_after_one_round(runs):

@@ -319,7 +319,8 @@ class DiLoCoRuntime(Runtime):
         sizes = [sum(self.params[i].numel() for i in range(*b)) for b in self.fragments]
         split = f" over {len(sizes)} fragments of {', '.join(f'{n:,}' for n in sizes)} parameters" \
             if len(sizes) > 1 else ""
+        momentum = f"Nesterov momentum {self.options.outer_momentum:g}" if self.options.outer_momentum else \
+            "no momentum"
         line = (f"diloco: {self.syncs} fragment syncs{split}, {per_sync:,} bytes sent per sync per worker "
-                f"({self.options.outer_precision} pseudo-gradients), outer SGD lr {self.options.outer_lr:g}, "
-                f"Nesterov momentum {self.options.outer_momentum:g}")
+                f"({self.options.outer_precision} pseudo-gradients), outer SGD lr {self.options.outer_lr:g}, {momentum}")
         return Report({**fields, "fragment_sizes": sizes}, [line])
