@@ -322,5 +322,6 @@ class DiLoCoRuntime(Runtime):
         momentum = f"Nesterov momentum {self.options.outer_momentum:g}" if self.options.outer_momentum else \
             "no momentum"
         line = (f"diloco: {self.syncs} fragment syncs{split}, {per_sync:,} bytes sent per sync per worker "
-                f"({self.options.outer_precision} pseudo-gradients), outer SGD lr {self.options.outer_lr:g}, {momentum}")
+                f"({self.options.outer_precision} pseudo-gradients), outer SGD lr {self.options.outer_lr:g}, "
+                f"{momentum}")
         return Report({**fields, "fragment_sizes": sizes}, [line])
