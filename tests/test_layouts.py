@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from phalanx import FSDP, SSP, Backup, Hogwild, LocalSGD, ParameterServer, Pipeline, Sync
+from phalanx import FSDP, SSP, Backup, DiLoCo, Hogwild, LocalSGD, ParameterServer, Pipeline, Sync
 from phalanx.errors import PhalanxError
 from phalanx.models import lstm
 from phalanx.strategies import STRATEGIES, Job
@@ -17,7 +17,7 @@ def cpus(n: int) -> tuple:
     return (CPU,) * n
 
 
-@pytest.mark.parametrize("options", [Sync(), LocalSGD(), Hogwild(), FSDP()], ids=lambda o: o.name)
+@pytest.mark.parametrize("options", [Sync(), LocalSGD(), DiLoCo(), Hogwild(), FSDP()], ids=lambda o: o.name)
 @pytest.mark.parametrize("workers", [1, 2, 3, 4])
 def test_data_parallel_layouts_one_worker_per_device_each_its_own_shard(options, workers):
     layout = options.layout(Job(cpus(workers), batch_size=8))
@@ -190,7 +190,8 @@ def test_options_are_frozen_and_validated_with_the_arithmetic():
 def test_every_strategy_is_registered_and_exported():
     import phalanx
 
-    assert set(STRATEGIES) == {"sync", "ps", "ssp", "backup", "hogwild", "local-sgd", "pipeline", "fsdp"}
+    assert set(STRATEGIES) == {"sync", "ps", "ssp", "backup", "hogwild", "local-sgd", "diloco", "pipeline",
+                               "fsdp"}
     for cls in STRATEGIES.values():
         assert getattr(phalanx, cls.__name__) is cls, cls.__name__
 

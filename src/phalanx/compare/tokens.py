@@ -1,8 +1,8 @@
 """What ``phalanx compare`` is asked to compare: strategy tokens and straggler scenarios, parsed.
 
 A strategy token is a strategy's name, with its main option (its first declared option) after a
-colon: ``sync``, ``ps``, ``ssp:2`` (staleness), ``local-sgd:8`` (sync every), ``backup:1`` (backup
-workers), ``hogwild``. The value is read by the option's own parser and checked by the options'
+colon: ``sync``, ``ps``, ``ssp:2`` (staleness), ``local-sgd:8`` and ``diloco:20`` (sync every), ``backup:1``
+(backup workers), ``hogwild``. The value is read by the option's own parser and checked by the options'
 own validation, so ``ssp:-1`` fails with the message ``--staleness -1`` would.
 
 A scenario is ``none``, ``slow:RANK:FACTOR`` or ``pauses:P:FACTOR``: a

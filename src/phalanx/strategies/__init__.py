@@ -6,7 +6,7 @@ the parent, and a runtime built in every worker (see ``base.py``). One module pe
 - ``sync.py``: :class:`Sync` (DDP); ``fsdp.py``: :class:`FSDP` (torch's ``fully_shard``);
 - ``ps/``: :class:`ParameterServer`, :class:`SSP` and :class:`Backup` (protocol, gate, aggregation rule,
   server, worker);
-- ``hogwild.py``: :class:`Hogwild`; ``local_sgd.py``: :class:`LocalSGD`;
+- ``hogwild.py``: :class:`Hogwild`; ``local_sgd.py``: :class:`LocalSGD`; ``diloco.py``: :class:`DiLoCo`;
 - ``pipeline.py``: :class:`Pipeline` (engine helpers in ``phalanx/pipeline/``).
 """
 
@@ -16,6 +16,7 @@ import dataclasses
 
 from ..errors import PhalanxError
 from .base import Build, Job, Layout, Options, RankPlan, Report, Runtime, nonfinite_values, runtime_for
+from .diloco import DiLoCo
 from .fsdp import FSDP
 from .hogwild import Hogwild
 from .local_sgd import LocalSGD
@@ -25,7 +26,7 @@ from .sync import Sync
 
 #: CLI name -> options class.
 STRATEGIES: dict[str, type[Options]] = {cls.name: cls for cls in (Sync, ParameterServer, SSP, Backup, Hogwild,
-                                                                  LocalSGD, Pipeline, FSDP)}
+                                                                  LocalSGD, DiLoCo, Pipeline, FSDP)}
 
 
 def strategy_class(name: str) -> type[Options]:
@@ -39,5 +40,5 @@ def takers(field: str) -> list[str]:
     return [name for name, cls in STRATEGIES.items() if field in {f.name for f in dataclasses.fields(cls)}]
 
 
-__all__ = ["Backup", "Build", "FSDP", "Hogwild", "Job", "Layout", "LocalSGD", "Options", "ParameterServer", "Pipeline",
+__all__ = ["Backup", "Build", "DiLoCo", "FSDP", "Hogwild", "Job", "Layout", "LocalSGD", "Options", "ParameterServer", "Pipeline",
            "RankPlan", "Report", "Runtime", "SSP", "STRATEGIES", "Sync", "runtime_for", "strategy_class", "takers"]
