@@ -245,6 +245,21 @@ def test_local_sgd_amortises_one_averaging_over_h_steps():
     assert p.step == pytest.approx(33 * MS + (average + 2 * MS) / 8)
 
 
+
+def test_diloco_amortises_a_fragments_round_over_its_turn_and_int8_sends_a_quarter():
+    from phalanx.costs import predict_diloco
+
+    net = Network(link(10, 0.0), link(10, 0.0), per_node=8)
+    c = compute(slowest=35 * MS)
+    one = predict_diloco(c, facts(), net, 2, sync_every=8)
+    # a round: pseudo-gradient, outer step, copy back (4 passes of 0.5 ms) and an 8 MB all-reduce over 2 ranks
+    assert one.step == pytest.approx(33 * MS + (4 * 0.5 * MS + 8e6 / 10e9) / 8 + 2 * MS / 8)
+    # F fragments: F rounds of 1/F of the model every H steps, the same bytes per step
+    assert predict_diloco(c, facts(), net, 2, sync_every=8, fragments=4).step == pytest.approx(one.step)
+    int8 = predict_diloco(c, facts(), net, 2, sync_every=8, precision="int8")
+    assert int8.parts["round"] == pytest.approx(4 * 0.5 * MS + 0.5 * 2 * 2e6 / 10e9)  # an all-gather of 2 x 2 MB
+    assert predict_diloco(c, facts(), net, 1, sync_every=8).step == c.step
+
 def pipeline_compute(**changes) -> Compute:
     """Two blocks of 4 ms each at the batch (forward + backward 8 ms, as the step measured), 1 ms per micro-batch of 4."""
     values = dict(forward=3 * MS, backward=5 * MS, block_seconds=(4 * MS, 4 * MS), micro_seconds={4: (1 * MS, 1 * MS)},
@@ -312,7 +327,7 @@ def test_estimate_plans_rows_through_each_strategys_layout(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     setup = prepare(EstimateOptions(workers=(1, 8)), {"model": "cifar10"}, {})
     rows = {(r.strategy, r.workers): r for r in setup.rows}
-    assert set(rows) == {(s, n) for s in ("sync", "local-sgd", "pipeline", "fsdp") for n in (1, 8)} | {("ps", 8)}
+    assert set(rows) == {(s, n) for s in ("sync", "local-sgd", "diloco", "pipeline", "fsdp") for n in (1, 8)} | {("ps", 8)}
     assert rows[("pipeline", 8)].options.stages == 4 and rows[("pipeline", 1)].options.stages == 1
     assert rows[("ps", 8)].processes == 9  # the server: one more process on node 0, sharing its cores
     assert conditions_for(setup, rows[("ps", 8)]).threads == 1 and conditions_for(setup, rows[("sync", 1)]).threads >= 1
@@ -330,7 +345,7 @@ def test_every_estimated_strategy_owns_a_cost_model_registered_by_its_options_cl
     from phalanx.estimate.options import ESTIMATED
     from phalanx.strategies import SSP, STRATEGIES, Backup, Hogwild, LocalSGD, ParameterServer, Pipeline, Sync
 
-    assert ESTIMATED == ("sync", "ps", "local-sgd", "pipeline", "fsdp")
+    assert ESTIMATED == ("sync", "ps", "local-sgd", "diloco", "pipeline", "fsdp")
     assert isinstance(cost_model(Sync()), SyncCost) and isinstance(cost_model(ParameterServer), ParameterServerCost)
     assert cost_model(SSP) is None and cost_model(Backup) is None and cost_model(Hogwild) is None  # not inherited
     for cls, cost in COSTS.items():
@@ -518,7 +533,7 @@ def test_a_pipeline_estimate_of_the_cifar10_network(tmp_path):
     (["--workers", "-4"], "every worker count must be 1 or more"),
     (["--workers", "100000000"], "--workers 100000000 is more than phalanx estimate predicts (1,000,000)"),
     (["--strategy", "hogwild"], "unknown --strategy 'hogwild'"),
-    (["--strategy", "sync", "--sync-every", "4"], "--sync-every is an option of local-sgd"),
+    (["--strategy", "sync", "--sync-every", "4"], "--sync-every is an option of local-sgd and diloco"),
     (["--strategy", "pipeline", "--chunks", "5"], "does not split into 5 equal micro-batches (--chunks 5)"),  # the layout's words
     (["--strategy", "pipeline", "--stages", "9"], "the model has only 4 blocks"),
     (["--plot", "out.txt"], "name a .png, .pdf or .svg file"),

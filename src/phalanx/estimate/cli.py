@@ -11,13 +11,17 @@ from ..options import add_flags as add_fields, declared, field_flag, given
 from .options import ESTIMATED, TRAIN_FLAGS, EstimateOptions
 
 
-def _owners() -> dict[str, tuple[str, type]]:
-    """Strategy flag -> (the strategy that takes it, its options class): the fields its cost model depends on."""
+def _owners() -> dict[str, list[type]]:
+    """Strategy flag -> the options classes that take it (several may: ``--sync-every`` is local-sgd's and
+    diloco's), in phalanx's order: the fields their cost models depend on."""
     from ..costs import cost_model
     from ..strategies import strategy_class
 
-    classes = [strategy_class(name) for name in ESTIMATED]
-    return {field: (cls.name, cls) for cls in classes for field in cost_model(cls).fields}
+    owners: dict[str, list[type]] = {}
+    for cls in (strategy_class(name) for name in ESTIMATED):
+        for field in cost_model(cls).fields:
+            owners.setdefault(field, []).append(cls)
+    return owners
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -26,8 +30,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     add_fields(p.add_argument_group("what to predict"), EstimateOptions)
     add_fields(p.add_argument_group("the run, as phalanx train takes it"), TrainConfig, TRAIN_FLAGS)
     group = p.add_argument_group("strategy options (each refused unless its strategy is predicted)")
-    for name, (strategy, cls) in _owners().items():
-        add_fields(group, cls, [name], prefix=f"{strategy}: ")
+    for name, classes in _owners().items():
+        add_fields(group, classes[0], [name], prefix=f"{', '.join(cls.name for cls in classes)}: ")
 
 
 def options_from_args(args: argparse.Namespace) -> tuple[EstimateOptions, dict, dict]:
@@ -35,11 +39,11 @@ def options_from_args(args: argparse.Namespace) -> tuple[EstimateOptions, dict, 
     owners = _owners()
     typed = given(args, owners)
     for name in typed:
-        strategy, cls = owners[name]
-        if strategy not in options.strategies:
-            flag = field_flag(cls, name)
-            raise PhalanxError(f"{flag} is an option of {strategy}, and --strategy {options.strategy} does not predict "
-                               f"it (drop {flag}, or use --strategy {strategy} or all)")
+        takers = [cls.name for cls in owners[name]]
+        if not set(takers) & set(options.strategies):
+            flag = field_flag(owners[name][0], name)
+            raise PhalanxError(f"{flag} is an option of {' and '.join(takers)}, and --strategy {options.strategy} does "
+                               f"not predict it (drop {flag}, or use --strategy {' or '.join(takers)} or all)")
     return options, given(args, TRAIN_FLAGS), typed
 
 

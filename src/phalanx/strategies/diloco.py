@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ..costs import DiLoCoCost, register
 from ..errors import PhalanxError
 from ..options import option
 from ..pipeline.balance import bounds, partition
@@ -86,6 +87,9 @@ class DiLoCo(Options):
 
 
 # --------------------------------------------------------------------------- pure parts
+
+
+register(DiLoCo, DiLoCoCost())  # its cost model, for phalanx estimate (costs/diloco.py)
 
 
 def fragment_bounds(numels: Sequence[int], fragments: int) -> list[tuple[int, int]]:
