@@ -27,7 +27,8 @@ SECTIONS = {
     "parallelism": ("strategy", "devices", "strict_devices", "workers", "threads", "master_addr", "link"),
     "faults": ("timeout_s", "hang_timeout_s", "max_restarts"),
     "speed": ("precision", "compile"),
-    "model and data": ("model", "data", "data_dir", "synthetic_shape", "synthetic_size"),
+    "model and data": ("model", "data", "loss", "validation_split", "data_dir", "synthetic_shape",
+                       "synthetic_size"),
     "optimisation (unset: the model's recipe)": (
         "steps", "batch_size", "accumulate", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
         "lr_decay_every", "lr_decay_factor", "staircase", "warmup_steps", "lr_base_batch", "seed", "straggler"),

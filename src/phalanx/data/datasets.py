@@ -63,6 +63,8 @@ class DataBundle:
     test: ArrayDataset
     input_shape: tuple[int, ...]
     num_classes: int
+    held_out: str = "test"  #: what the evaluation set is called: "test", or "validation" (held out of train)
+    notes: tuple = ()  #: header lines about the data (a cast of the inputs)
 
 
 def load_digits(seed: int = 0) -> DataBundle:

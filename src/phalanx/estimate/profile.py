@@ -59,8 +59,9 @@ def _now(device: torch.device) -> float:
 
 
 def _optimizer(cfg, params):
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer in ("adam", "adamw"):
+        make = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+        return make(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
@@ -69,16 +70,19 @@ def probe(ctx, spec: ProbeSpec) -> list[dict]:
     import torch.distributed as dist
 
     from ..data import Prefetcher, ShardedBatches, load_data
-    from ..models import build_model
+    from ..data.user import cast_inputs
+    from ..task import task_from
 
     cfg, device = spec.config, ctx.device
-    data = load_data(cfg.data, cfg.data_dir, tuple(cfg.synthetic_shape), cfg.synthetic_size, cfg.seed)
+    task = task_from(cfg)  # import paths resolve here too: spawned processes copy the parent's sys.path
+    data = task.data or load_data(cfg.data, cfg.data_dir, tuple(cfg.synthetic_shape), cfg.synthetic_size, cfg.seed)
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
+    model = task.make_model(data.input_shape, data.num_classes).to(device)
+    data = cast_inputs(data, next(model.parameters()).dtype)
     shards = ctx.world_size if cfg.batch_size * ctx.world_size <= len(data.train) else 1
     batches = ShardedBatches(data.train, cfg.batch_size, ctx.rank % shards, shards, cfg.seed)
     prefetcher = Prefetcher(batches(0), device, cfg.prefetch)
-    optimizer = _optimizer(cfg, model.parameters())
+    optimizer = task.optimizer(model.parameters()) if task.make_optimizer else _optimizer(cfg, model.parameters())
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     if ctx.distributed:
         dist.barrier()  # start together: the processes compete as workers do
@@ -88,7 +92,7 @@ def probe(ctx, spec: ProbeSpec) -> list[dict]:
             cpu0, t0 = time.process_time(), _now(device)
             x, y = next(prefetcher)
             t1 = _now(device)
-            loss = F.cross_entropy(model(x), y)
+            loss = task.loss_fn(model(x), y)
             t2 = _now(device)
             loss.backward()
             t3 = _now(device)

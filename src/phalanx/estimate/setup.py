@@ -21,7 +21,8 @@ from ..costs import Compute, CostModel, ModelFacts, Network, Prediction, cost_mo
 from ..devices import resolve_devices
 from ..errors import PhalanxError
 from ..launch import available_cores
-from ..models import build_model
+from ..data.user import cast_inputs
+from ..task import task_from
 from ..strategies import Job, Options, strategy_class
 from ..train import TrainConfig
 from .facts import model_facts
@@ -76,12 +77,14 @@ class Setup:
 
 def prepare(options: EstimateOptions, train_values: dict, strategy_values: dict) -> Setup:
     """Check everything and read the model; ``*_values``: the flags the user typed, by field name."""
-    config = TrainConfig(**train_values).resolved()
+    config = TrainConfig(**train_values)
+    task = task_from(config)  # the user's model and data by import path, or the built-in ones
+    config = config.resolved(task.model_name)
     strategies = {cls: cls(**{k: v for k, v in strategy_values.items() if k in cost_model(cls).fields})
                   for cls in map(strategy_class, ESTIMATED)}
     from ..train.checks import data_facts
 
-    facts = data_facts(config, None)
+    facts = data_facts(config, task.data)
     if config.batch_size > facts.train_size:
         raise PhalanxError(f"--batch-size {config.batch_size} is larger than the {facts.train_size} training "
                            "examples; use a smaller --batch-size")
@@ -90,7 +93,9 @@ def prepare(options: EstimateOptions, train_values: dict, strategy_values: dict)
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     per_node = options.per_node or (gpus if device.type == "cuda" else 2)
     torch.manual_seed(config.seed)
-    model = build_model(config.model, facts.input_shape, facts.num_classes)
+    model = task.make_model(facts.input_shape, facts.num_classes)
+    if task.data is not None:  # float64 numpy inputs meet float32 parameters, as in train
+        facts = data_facts(config, cast_inputs(task.data, next(model.parameters()).dtype))
     caps = (cost_model(o).bucket_mb(o) for o in strategies.values())
     bucket_mb = next((cap for cap in caps if cap is not None), DEFAULT_BUCKET_MB)
     sizes = model_facts(model, facts.example[0], config.batch_size, bucket_mb)

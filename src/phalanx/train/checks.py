@@ -21,14 +21,16 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..data import ArrayDataset, DataBundle, load_data
-from ..data.datasets import CIFAR_CROP, cifar10_sizes, check_cifar10_files
+from ..data import DataBundle, load_data
+from ..data.datasets import DATASETS, CIFAR_CROP, cifar10_sizes, check_cifar10_files
 from ..errors import PhalanxError
+from ..models import MODELS
 from ..strategies import Layout
+from ..task import Task, label
 from . import checkpoint as ckpt
 from . import rundir
 from .config import TrainConfig
-from .resume import batch_for
+from .resume import batch_for, check_fits
 
 
 # --------------------------------------------------------------------------- data
@@ -65,36 +67,6 @@ def _facts(bundle: DataBundle, keep: Optional[DataBundle]) -> DataFacts:
     idx = torch.arange(min(2, len(train)))
     example = (train.transform(train.x[idx], None), train.y[idx])
     return DataFacts(bundle.input_shape, bundle.num_classes, len(train), example, keep)
-
-
-def user_data(train: Any, test: Any) -> Optional[DataBundle]:
-    """The user's (inputs, labels) pairs as a bundle, checked: numpy arrays welcome, labels integers >= 0."""
-    if train is None:
-        if test is not None:
-            raise PhalanxError("test_data was given without train_data: give both, or neither for a built-in set")
-        return None
-    train_ds = _dataset(train, "train_data")
-    test_ds = _dataset(test, "test_data") if test is not None else train_ds
-    if tuple(test_ds.x.shape[1:]) != tuple(train_ds.x.shape[1:]):
-        raise PhalanxError(f"test_data examples have shape {tuple(test_ds.x.shape[1:])} but train_data examples "
-                           f"{tuple(train_ds.x.shape[1:])}: give both sets the same example shape")
-    classes = int(max(train_ds.y.max(), test_ds.y.max())) + 1
-    return DataBundle("user", train_ds, test_ds, tuple(train_ds.x.shape[1:]), max(classes, 2))
-
-
-def _dataset(value: Any, name: str) -> ArrayDataset:
-    if isinstance(value, ArrayDataset):
-        return value
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise PhalanxError(f"{name} must be a pair (inputs, labels) of tensors or numpy arrays, "
-                           f"got {type(value).__name__}")
-    try:
-        x, y = (v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in value)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise PhalanxError(f"{name} must hold tensors or numpy arrays ({str(e).splitlines()[0][:120]})") from None
-    if len(y) == 0:
-        raise PhalanxError(f"{name} is empty: give at least one example")
-    return ArrayDataset(x, y)
 
 
 # --------------------------------------------------------------------------- sizes and the model
@@ -163,6 +135,15 @@ def check_model(model: nn.Module, facts: DataFacts, loss_fn: Callable) -> None:
         raise PhalanxError("loss_fn must return one number (a mean over the batch), as F.cross_entropy does")
 
 
+def check_optimizer(task: Task, model: nn.Module) -> None:
+    """A user's optimizer factory, tried once on the model in the parent: a failure is one line, before any
+    worker starts (the workers call it again on their own replicas)."""
+    if task.make_optimizer is not None:
+        _first_line_of_failure(lambda: task.optimizer(model.parameters()),
+                               f"the optimizer factory {label(task.make_optimizer)} fails on the model's parameters",
+                               "make it a callable params -> torch.optim.Optimizer")
+
+
 def _first_line_of_failure(call: Callable[[], Any], what: str, fix: str) -> Any:
     try:
         return call()
@@ -176,13 +157,17 @@ def _first_line_of_failure(call: Callable[[], Any], what: str, fix: str) -> Any:
 # --------------------------------------------------------------------------- sending to spawned workers
 
 
-def check_sendable(model: Optional[nn.Module], loss_fn: Callable) -> None:
-    """Spawned workers get the model and loss by pickling: say so plainly when they cannot be."""
+def check_sendable(task: Task) -> None:
+    """Spawned workers get the task (model factory, loss, optimizer factory) by pickling: functions and
+    classes travel by module and name, so say so plainly when they cannot."""
     main = sys.modules.get("__main__")
-    if model is not None and type(model).__module__ == "__main__" and not getattr(main, "__file__", None):
-        raise PhalanxError(f"{type(model).__name__} is defined interactively (a notebook or a REPL), where spawned "
-                           "workers cannot import it: define it in a .py file and import it, or use workers=1")
-    for what, obj in (("the model", model), ("loss_fn", loss_fn)):
+    for what, obj in (("the model", task.make_model), ("loss_fn", task.loss_fn),
+                      ("the optimizer factory", task.make_optimizer)):
+        inner = getattr(obj, "args", ())  # a partial's model object or imported factory
+        defined = [type(o) if isinstance(o, nn.Module) else o for o in (obj, *inner)]
+        if any(getattr(o, "__module__", None) == "__main__" for o in defined) and not getattr(main, "__file__", None):
+            raise PhalanxError(f"{what} is defined interactively (a notebook or a REPL), where spawned workers "
+                               "cannot import it: define it in a .py file and import it, or use workers=1")
         try:
             pickle.dumps(obj)
         except Exception as e:
@@ -297,7 +282,7 @@ def check_checkpoint_dir(cfg: TrainConfig) -> None:
                                "out of --checkpoint-dir, or choose another --checkpoint-dir")
 
 
-def check_resume(cfg: TrainConfig, layout: Layout,
+def check_resume(cfg: TrainConfig, layout: Layout, task: Task, model: nn.Module,
                  restarted: bool = False) -> tuple[Optional[str], int, Optional[str]]:
     """The checkpoint to resume from, its step and its run (None, 0, None without --resume); refuses a
     foreign one. ``restarted``: a restarted attempt, for which a run already at --steps is complete."""
@@ -309,14 +294,17 @@ def check_resume(cfg: TrainConfig, layout: Layout,
     meta = state.get("meta", {})
     # Only another model or data set is refused: the worker count, the strategy and the batch may
     # change (every strategy saves the whole model and a plain optimizer's state; see resume.py).
-    # The parameters' shapes are compared in the workers, which build the model.
-    want = {"model": cfg.model, "data": cfg.data}
-    for key, value in want.items():
-        if key in meta and meta[key] != value:
+    # The parameters' shapes are compared here, on the model the task builds: one line naming the first.
+    # Names are compared where both are built-in ones (cnn vs mlp); a model or data of the user's own may be
+    # renamed or moved between runs, and the shapes say exactly what differs.
+    want = {"model": (task.model_name, MODELS), "data": (task.data_name, DATASETS)}
+    for key, (value, builtin) in want.items():
+        if key in meta and meta[key] != value and meta[key] in builtin and value in builtin:
             raise PhalanxError(
                 f"checkpoint {state['path']} was written with {key} = {meta[key]!r} but this run has "
                 f"{value!r}; resume with the same settings (--{key} {meta[key]})"
             )
+    check_fits(state, model, state["path"])
     run_id = rundir.resumed_run(cfg, state)  # the run it continues, which the directory must hold (or none)
     if state["step"] >= cfg.steps and restarted:
         raise rundir.RunComplete(int(state["step"]), state["path"])

@@ -25,7 +25,7 @@ from ..strategies import STRATEGIES, Options, strategy_class
 from .schedules import SCHEDULES
 from .straggle import Slowness, parse_slowness
 
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
 PROGRESS = ("auto", "bar", "lines", "none")
 
 #: The optimisation settings: on --resume each one given wins over the checkpoint's (see resume.py).
@@ -63,9 +63,15 @@ class TrainConfig:
     workers: Optional[int] = option(None, "worker processes", show="one per GPU; on CPU, 2")
     threads: Optional[int] = option(None, "torch threads per CPU worker", show="its share of the cores")
     # --- what is trained ---
-    model: str = option("cnn", "built-in model (a model object given to Trainer replaces it)",
-                        choices=tuple(MODELS))
-    data: str = option("digits", "data set (data given to Trainer replaces it)", choices=DATASETS)
+    model: str = option("cnn", "a built-in model, or MODULE:CALLABLE returning an nn.Module (it may take "
+                               "input_shape and num_classes keywords); a model given to Trainer replaces it",
+                        choices=tuple(MODELS) + ("MODULE:CALLABLE",))
+    data: str = option("digits", "a built-in data set, or MODULE:CALLABLE returning (train, test) datasets, test may "
+                                 "be None; data given to Trainer replaces it", choices=DATASETS + ("MODULE:CALLABLE",))
+    loss: Optional[str] = option(None, "MODULE:CALLABLE: the loss, (outputs, targets) -> a scalar tensor",
+                                 show="cross-entropy")
+    validation_split: Optional[float] = option(None, "without a test set: the fraction of the training data held "
+                                                     "out (seeded) for validation", show="0.1")
     data_dir: Optional[str] = option(None, "cifar10: the directory holding the CIFAR-10 binary files")
     synthetic_shape: Optional[tuple] = option(None, "synthetic: input shape of an example, e.g. 3x24x24",
                                               parse=parse_shape, show="3x24x24")
@@ -74,7 +80,9 @@ class TrainConfig:
     steps: Optional[int] = option(None, "global steps (one optimizer update each)", show="the model's recipe")
     batch_size: int = option(32, "examples per data shard (worker) per step; the global batch is this x shards")
     accumulate: int = option(1, "micro-batches per step; gradients are reduced only after the last")
-    optimizer: Optional[str] = option(None, "optimizer", choices=OPTIMIZERS, show="the model's recipe")
+    optimizer: Optional[str] = option(None, "optimizer, or MODULE:CALLABLE (params -> torch.optim.Optimizer, with "
+                                            "its own lr)", choices=OPTIMIZERS + ("MODULE:CALLABLE",),
+                                      show="the model's recipe")
     lr: Optional[float] = option(None, "peak learning rate (before the linear scaling rule, if any)",
                                  show="the model's recipe")
     momentum: Optional[float] = option(None, "sgd: momentum, in [0, 1)", show="0.9")
@@ -189,6 +197,8 @@ class TrainConfig:
         for name, choices in (("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES), ("progress", PROGRESS),
                               ("model", tuple(MODELS)), ("data", DATASETS), ("precision", PRECISIONS)):
             value = getattr(self, name)
+            if name in ("optimizer", "model", "data") and isinstance(value, str) and ":" in value:
+                continue  # an import path, resolved (or refused in one line) when the task is built
             if value is not None and value not in choices:
                 what = {"optimizer": "optimizer", "model": "model", "data": "data set"}.get(name, _flag(name))
                 raise PhalanxError(f"unknown {what} {value!r}: choose one of {', '.join(choices)}")
@@ -201,6 +211,8 @@ class TrainConfig:
         if self.weight_decay is not None and not 0 <= self.weight_decay < math.inf:
             raise PhalanxError(f"--weight-decay must be 0 or a small positive number (e.g. 5e-4), "
                                f"got {self.weight_decay}")
+        if self.validation_split is not None and not 0 < self.validation_split < 1:
+            raise PhalanxError(f"--validation-split must be a fraction in (0, 1), e.g. 0.1, got {self.validation_split}")
         if self.lr_decay_factor is not None and not 0 < self.lr_decay_factor <= 1:
             raise PhalanxError(f"--lr-decay-factor must be in (0, 1], got {self.lr_decay_factor}")
         if self.stop_at_accuracy is not None:
@@ -216,6 +228,12 @@ class TrainConfig:
 
     def _check_applicable(self) -> None:
         """A value given for an option that does nothing with the chosen setting is refused."""
+        if isinstance(self.optimizer, str) and ":" in self.optimizer:  # a factory sets its own lr and decay
+            for name in ("lr", "weight_decay", "lr_base_batch"):
+                if getattr(self, name) is not None:
+                    raise PhalanxError(f"{_flag(name)} applies to the built-in optimizers ({', '.join(OPTIMIZERS)}); "
+                                       f"--optimizer {self.optimizer} builds its own: set it there, or drop "
+                                       f"{_flag(name)}")
         for name, (setting, applies_to, _) in ONLY_FOR.items():
             value = getattr(self, name)
             chosen = getattr(self, setting)
@@ -227,18 +245,20 @@ class TrainConfig:
                                f"{applies_to[0]}")
 
     # ---- what a run uses ----
-    def recipe(self, user_model: bool = False) -> tuple[Recipe, str]:
-        """The recipe the unset fields come from, and how the header names it."""
-        if user_model:
+    def recipe(self, model: Optional[str] = None) -> tuple[Recipe, str]:
+        """The recipe the unset fields come from, and how the header names it; ``model``: the task's
+        name for its model (a model object or an import path has none of the built-in recipes)."""
+        name = model or self.model
+        if name not in RECIPES:
             return USER_RECIPE, "phalanx's default for a model of your own"
-        return RECIPES[self.model], f"{self.model} default"
+        return RECIPES[name], f"{name} default"
 
-    def resolved(self, user_model: bool = False) -> "TrainConfig":
+    def resolved(self, model: Optional[str] = None) -> "TrainConfig":
         """A copy with every unset field filled from the recipe and the per-setting defaults."""
-        recipe, _ = self.recipe(user_model)
+        recipe, _ = self.recipe(model)
         values = {name: getattr(recipe, name) for name in ("optimizer", "lr", "steps") if getattr(self, name) is None}
         if values.get("optimizer", self.optimizer) not in (None, "sgd") and self.momentum is not None:
-            raise PhalanxError(f"--momentum applies to --optimizer sgd, and the {recipe_name(self, user_model)} "
+            raise PhalanxError(f"--momentum applies to --optimizer sgd, and the {recipe_name(self, model)} "
                                f"uses {values['optimizer']}; drop --momentum or add --optimizer sgd")
         for name, (setting, applies_to, default) in ONLY_FOR.items():
             if getattr(self, name) is None:
@@ -248,17 +268,19 @@ class TrainConfig:
         given = self._given if self._resolved else tuple(n for n in SETTINGS if getattr(self, n) is not None)
         return dataclasses.replace(self, **values, _resolved=True, _given=given)
 
-    def recipe_line(self, user_model: bool = False) -> str:
+    def recipe_line(self, model: Optional[str] = None) -> str:
         """``recipe: adam, lr 0.01, 300 steps (lstm default; set by flags: lr)``."""
-        _, source = self.recipe(user_model)
+        _, source = self.recipe(model)
         given = [name for name in ("optimizer", "lr", "steps") if getattr(self, name) is not None]
-        run = self.resolved(user_model)
+        run = self.resolved(model)
         told = f"; set by flags: {', '.join(given)}" if given else "; any flag overrides"
-        return f"recipe: {run.optimizer}, lr {run.lr:g}, {run.steps} steps ({source}{told})"
+        lr = "its own lr" if ":" in run.optimizer else f"lr {run.lr:g}"
+        return f"recipe: {run.optimizer}, {lr}, {run.steps} steps ({source}{told})"
 
 
-def recipe_name(cfg: TrainConfig, user_model: bool) -> str:
-    return "recipe for a model of your own" if user_model else f"{cfg.model} recipe"
+def recipe_name(cfg: TrainConfig, model: Optional[str]) -> str:
+    name = model or cfg.model
+    return f"{name} recipe" if name in RECIPES else "recipe for a model of your own"
 
 
 _PATH_EXAMPLES = {"checkpoint_dir": "--checkpoint-dir checkpoints", "metrics": "--metrics metrics.jsonl",

@@ -7,7 +7,6 @@ strategy; the loop calls its few methods (see ``strategies/base.py``) the same w
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 import time
@@ -23,7 +22,7 @@ from ..data.loader import Position, advance
 from ..errors import TrainingDiverged
 from ..launch import WorkerContext
 from ..memory import Held, describe, held, largest
-from ..models import build_model
+from ..task import is_import_path, resolve
 from ..precision import Precision, compile_blocks
 from ..strategies import Build, nonfinite_values
 from . import checkpoint as ckpt
@@ -68,13 +67,14 @@ class WorkerRun:
         self.start_step, self.start_position = 0, Position(0, 0)
         example = next(self.batches(0)) if self.batches is not None else None
         model = self._build_model().to(ctx.device)
+        self.model_class = f"{type(model).__module__}.{type(model).__qualname__}"  # recorded in checkpoints
         if resumed:  # before any strategy wraps it: the plain model's names are the checkpoint's
             check_fits(resumed, model, resumed["path"])
         self.compiled = compile_blocks(model) if cfg.compile else 0  # in place: before any strategy wraps it
         # Before the runtime: calibrating shares every rank's compute time (a collective).
-        self.straggle = Straggle.start(cfg.straggler, ctx, self.me.shard, model, example, plan.loss_fn,
+        self.straggle = Straggle.start(cfg.straggler, ctx, self.me.shard, model, example, plan.task.loss_fn,
                                        cfg.accumulate, cfg.seed)
-        build = Build(ctx, plan.layout, model, self._make_optimizer, plan.loss_fn, cfg.steps, cfg.accumulate, example,
+        build = Build(ctx, plan.layout, model, self._make_optimizer, plan.task.loss_fn, cfg.steps, cfg.accumulate, example,
                       cfg.hang_timeout_s, Precision(cfg.precision, ctx.device.type))
         self.runtime = cfg.strategy.runtime(build)
         self.schedule = Schedule(cfg.lr_schedule, cfg.lr_decay_every, cfg.lr_decay_factor, cfg.staircase,
@@ -101,14 +101,18 @@ class WorkerRun:
 
     def _build_model(self) -> nn.Module:
         torch.manual_seed(self.cfg.seed)  # the same initial weights on every worker
-        if self.plan.model is not None:
-            return copy.deepcopy(self.plan.model)
-        return build_model(self.cfg.model, self.data.input_shape, self.data.num_classes)
+        return self.plan.task.make_model(self.data.input_shape, self.data.num_classes)
 
     def _make_optimizer(self, params) -> torch.optim.Optimizer:
+        task = self.plan.task
+        if task.make_optimizer is None and is_import_path(self.cfg.optimizer):  # a checkpoint's, on --resume
+            task.make_optimizer = resolve(self.cfg.optimizer, "--optimizer", "params -> torch.optim.Optimizer")
+        if task.make_optimizer is not None:  # the user's factory: its own lr (the schedule multiplies it)
+            return task.optimizer(params)
         lr = scaled_lr(self.cfg.lr, self.global_batch, self.cfg.lr_base_batch)
-        if self.cfg.optimizer == "adam":
-            return torch.optim.Adam(params, lr=lr, weight_decay=self.cfg.weight_decay)
+        if self.cfg.optimizer in ("adam", "adamw"):  # AdamW: decoupled weight decay (Loshchilov & Hutter)
+            make = torch.optim.AdamW if self.cfg.optimizer == "adamw" else torch.optim.Adam
+            return make(params, lr=lr, weight_decay=self.cfg.weight_decay)
         return torch.optim.SGD(params, lr=lr, momentum=self.cfg.momentum, weight_decay=self.cfg.weight_decay)
 
     def _inputs(self) -> Iterator:
@@ -273,7 +277,7 @@ class WorkerRun:
                              **self.runtime.report().fields)
         self.eval_seconds += seconds
         if not final:  # the summary says the final one
-            self.reporter.say(f"step {self.step}, test accuracy = {accuracy:.4f}")
+            self.reporter.say(f"step {self.step}, {self.data.held_out} accuracy = {accuracy:.4f}")
         return accuracy
 
     # ---- checkpoints ----
@@ -293,17 +297,20 @@ class WorkerRun:
         if self.ctx.is_main and state is not None:
             ckpt.save_checkpoint(
                 {"format": ckpt.FORMAT, "step": self.step, "run_id": self.plan.run_id, **state,
-                 "scheduler": self.scheduler.state_dict(), "rng": rng, "meta": self._meta(),
+                 "scheduler": self.scheduler.state_dict(), "rng": rng, "meta": self._meta(state),
                  "data_position": {"epoch": position.epoch, "examples_in_epoch": position.offset}},
                 self.cfg.checkpoint_dir, self.step, self.cfg.keep_checkpoints,
             )
             self.reporter.record("checkpoint", step=self.step, path=path)
         self.last_checkpoint = path
 
-    def _meta(self) -> dict[str, Any]:
+    def _meta(self, state: dict[str, Any]) -> dict[str, Any]:
         return {"world_size": self.ctx.world_size, "workers": self.plan.workers, "batch_size": self.cfg.batch_size,
                 "accumulate": self.cfg.accumulate, "global_batch": self.global_batch,
-                "model": self.cfg.model, "data": self.cfg.data, "strategy": self.cfg.strategy.name,
+                "model": self.plan.task.model_name, "data": self.plan.task.data_name,
+                "model_class": self.model_class,
+                "parameter_shapes": {name: list(t.shape) for name, t in state["model"].items()},
+                "strategy": self.cfg.strategy.name,
                 "seed": self.cfg.seed, "input_shape": list(self.data.input_shape),
                 "num_classes": self.data.num_classes, "settings": settings_of(self.cfg)}
 
@@ -333,14 +340,14 @@ class WorkerRun:
         devs = sorted({str(d) for d in self.plan.layout.devices})
         backend = self.ctx.backend or "none (one process)"
         resumed = f", resuming at step {self.step}" if self.step else ""
-        model = type(self.plan.model).__name__ if self.plan.model is not None else self.cfg.model
+        model = self.plan.task.model_name
         self.reporter.say(
             f"phalanx train: strategy {self.runtime.description}, world size {self.ctx.world_size}, devices "
             f"{', '.join(devs)}, backend {backend}, global batch {self.global_batch} "
             f"({self._batch_split()}), {model} on {self.data.name}{resumed}{self._threads()}"
         )
         resumed = self.resumed.lines if self.resumed else []
-        for line in resumed + self.runtime.notes + self.straggle.lines() + self._precision_lines():
+        for line in resumed + list(self.data.notes) + self.runtime.notes + self.straggle.lines() + self._precision_lines():
             self.reporter.say(line)
         self.reporter.say(settings_line(self.cfg) if self.resumed else self.plan.recipe)
         if self.straggle.fields():
@@ -395,9 +402,9 @@ class WorkerRun:
             self.reporter.say(f"stopped at step {self.step} by {stopped}")
         else:
             if reached:
-                self.reporter.say(f"stopped at step {self.step}: test accuracy reached --stop-at-accuracy "
+                self.reporter.say(f"stopped at step {self.step}: {self.data.held_out} accuracy reached --stop-at-accuracy "
                                   f"{self.cfg.stop_at_accuracy:g}")
-            self.reporter.say(f"test accuracy {accuracy:.4f} after {self.step} steps")
+            self.reporter.say(f"{self.data.held_out} accuracy {accuracy:.4f} after {self.step} steps")
         self.reporter.say(f"throughput {rate:.1f} examples/sec (global), training time {seconds:.1f} s")
         for line in describe(mine, most):
             self.reporter.say(line)

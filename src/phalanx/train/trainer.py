@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import shaped_link
@@ -24,7 +23,8 @@ from ..data import DataBundle
 from ..devices import backend_for, resolve_devices
 from ..errors import JobHung, PhalanxError, Stopped, WorkerFailed
 from ..launch import in_torchrun, launch, launcher_rank, launcher_world_size
-from ..models import build_model
+from ..data.user import cast_inputs
+from ..task import Task, label, task_from
 from ..strategies import Job, Layout
 from . import checkpoint as ckpt
 from . import checks, rundir
@@ -37,9 +37,8 @@ class Plan:
 
     config: TrainConfig  #: resolved: every unset field filled from the recipe
     layout: Layout
-    model: Optional[nn.Module]  #: the user's model object, or None for a built-in one
+    task: Task  #: the user's problem: model factory, loss, optimizer factory (its data travels as ``data``)
     data: Optional[DataBundle]  #: the data, where small enough to send (else each worker loads it)
-    loss_fn: Callable
     resume_path: Optional[str]
     recipe: str  #: the recipe line of the header
     workers: int  #: the workers the user asked for (a parameter server adds one process)
@@ -51,31 +50,45 @@ class Trainer:
     """Train a model with the strategy the config names; ``fit()`` returns rank 0's summary.
 
     Bring your own model and data: ``Trainer(config, model=net, train_data=(x, y),
-    test_data=(x_test, y_test))``. ``model`` is copied to every worker (it must be picklable);
-    data is a pair of tensors or numpy arrays (inputs, integer labels), or an ``ArrayDataset``.
+    test_data=(x_test, y_test), loss_fn=F.cross_entropy, optimizer=lambda p: AdamW(p, 1e-3))``.
+    ``model`` is copied to every worker (it must be picklable); data is a pair of tensors or numpy
+    arrays (inputs, integer labels), a map-style torch ``Dataset`` of (input, target) items (a
+    ``TensorDataset``), or an ``ArrayDataset``; without ``test_data`` a validation part is held out.
+    ``optimizer``: a picklable ``params -> torch.optim.Optimizer`` (module level, not a lambda, when
+    workers are spawned). All of it becomes one :class:`~phalanx.task.Task`.
     A script that calls ``fit()`` must do so under ``if __name__ == "__main__":`` (workers are
     spawned and import the script again).
     """
 
     def __init__(self, config: Optional[TrainConfig] = None, *, model: Optional[nn.Module] = None,
-                 train_data: Any = None, test_data: Any = None, loss_fn: Callable = F.cross_entropy):
+                 train_data: Any = None, test_data: Any = None, loss_fn: Optional[Callable] = None,
+                 optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None):
         if config is not None and not isinstance(config, TrainConfig):
             raise PhalanxError(f"config must be a phalanx.TrainConfig, got {type(config).__name__}")
         if model is not None and not isinstance(model, nn.Module):
             raise PhalanxError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        self.config = config or TrainConfig()
-        self.model = model
-        self.loss_fn = loss_fn
-        self.data = checks.user_data(train_data, test_data)
+        if optimizer is not None and not callable(optimizer):
+            raise PhalanxError(f"optimizer must be a callable params -> torch.optim.Optimizer, got "
+                               f"{type(optimizer).__name__}")
+        config = config or TrainConfig()
+        self.task = task_from(config, model=model, train_data=train_data, test_data=test_data, loss_fn=loss_fn,
+                              optimizer=optimizer)
+        if optimizer is not None:  # the header, the checkpoint's settings and --resume name it
+            config = dataclasses.replace(config, optimizer=label(optimizer))
+        self.config = config
 
     def plan(self) -> Plan:
         """Every check that can be made before a process starts; nothing is written."""
-        user_model = self.model is not None
-        cfg = self.config.resolved(user_model)
-        facts = checks.data_facts(cfg, self.data)
+        task = self.task
+        cfg = self.config.resolved(task.model_name)
+        facts = checks.data_facts(cfg, task.data)
         torch.manual_seed(cfg.seed)
-        model = self.model if user_model else build_model(cfg.model, facts.input_shape, facts.num_classes)
-        checks.check_model(model, facts, self.loss_fn)
+        model = task.make_model(facts.input_shape, facts.num_classes)
+        if task.data is not None:  # float64 numpy inputs meet float32 parameters: cast once, here
+            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+            facts = checks.data_facts(cfg, cast_inputs(task.data, dtype))
+        checks.check_model(model, facts, task.loss_fn)
+        checks.check_optimizer(task, model)
         devices = worker_devices(cfg)
         job = Job(tuple(devices), cfg.batch_size, cfg.accumulate, processes=launcher_world_size(),
                   gpu_islands=_gpu_islands(devices, cfg), model=model)
@@ -89,18 +102,18 @@ class Trainer:
         spawning = layout.world_size > 1 and not in_torchrun()
         if spawning:
             checks.check_main_guard()
-            checks.check_sendable(self.model, self.loss_fn)
+            checks.check_sendable(task)
             checks.check_address(cfg.master_addr)
         checks.check_checkpoint_dir(cfg)
         checks.check_metrics_path(cfg)
         claim = rundir.claim(cfg)  # a new run, a --resume, or torchrun's restarted attempt of this run
         if claim.resume != cfg.resume:  # a restarted attempt continues its run, whatever its flags say
             cfg = dataclasses.replace(cfg, resume=claim.resume, overwrite=False)
-        resume_path, _, resumed = checks.check_resume(cfg, layout, restarted=claim.restarted)
+        resume_path, _, resumed = checks.check_resume(cfg, layout, task, model, restarted=claim.restarted)
         run_id = resumed or claim.run_id
         remove = claim.remove + rundir.check_metrics(cfg, run_id, new=cfg.resume is None and not claim.restarted)
-        return Plan(cfg, layout, self.model, facts.bundle, self.loss_fn, resume_path,
-                    self.config.recipe_line(user_model), len(devices), run_id, remove)
+        return Plan(cfg, layout, dataclasses.replace(task, data=None), facts.bundle, resume_path,
+                    self.config.recipe_line(task.model_name), len(devices), run_id, remove)
 
     def fit(self) -> dict[str, Any]:
         try:

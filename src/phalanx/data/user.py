@@ -1,0 +1,121 @@
+"""The user's data as an in-memory :class:`ArrayDataset` pair: tensors, numpy arrays, any map-style Dataset.
+
+Sharding is by index (deterministic per epoch, exact resume), so a dataset must be indexable: an
+``IterableDataset`` is refused. A general ``Dataset`` is materialised here into two tensors, one
+``dataset[i]`` at a time: fine for the sizes a CPU job trains on, and it keeps the fast path (one
+gather per batch) for every dataset. Loading lazily with DataLoader workers is a later item.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
+
+from ..errors import PhalanxError
+from .datasets import ArrayDataset, DataBundle
+
+#: The fraction held out for validation when no test set is given.
+DEFAULT_VALIDATION_SPLIT = 0.1
+
+
+def as_arrays(value: Any, name: str) -> ArrayDataset:
+    """One set of (input, target) examples as an ArrayDataset, or one line saying what it should be."""
+    if isinstance(value, ArrayDataset):
+        return value
+    if isinstance(value, IterableDataset):
+        raise PhalanxError(f"{name} is an IterableDataset ({type(value).__name__}): phalanx shards data by index, "
+                           "so that every epoch's order is deterministic and a resume exact; give a map-style "
+                           "Dataset (__len__ and __getitem__) or tensors")
+    if isinstance(value, TensorDataset) and len(value.tensors) == 2:
+        return _pair(value.tensors, name)
+    if isinstance(value, (tuple, list)) and len(value) == 2 and not isinstance(value[0], (tuple, list)):
+        return _pair(value, name)
+    plain = isinstance(value, (torch.Tensor, np.ndarray))  # inputs alone: the targets are missing
+    if not plain and (isinstance(value, Dataset) or (hasattr(value, "__getitem__") and hasattr(value, "__len__"))):
+        return _materialise(value, name)
+    raise PhalanxError(f"{name} must be a pair (inputs, targets) of tensors or numpy arrays, or a map-style "
+                       f"torch Dataset of (input, target) items; got {type(value).__name__}")
+
+
+def _tensor(v: Any, name: str) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        return v
+    try:
+        return torch.as_tensor(np.asarray(v))
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise PhalanxError(f"{name} must hold tensors or numpy arrays ({str(e).splitlines()[0][:120]})") from None
+
+
+def _pair(value: Any, name: str) -> ArrayDataset:
+    x, y = (_tensor(v, name) for v in value)
+    if len(y) == 0:
+        raise PhalanxError(f"{name} is empty: give at least one example")
+    return ArrayDataset(x, y)
+
+
+def _materialise(dataset: Any, name: str) -> ArrayDataset:
+    """Every item of a map-style dataset, stacked (small data: see the module docstring)."""
+    n = len(dataset)
+    if n == 0:
+        raise PhalanxError(f"{name} is empty: give at least one example")
+    first = dataset[0]
+    if not isinstance(first, (tuple, list)) or len(first) != 2:
+        raise PhalanxError(f"{name}[0] is a {type(first).__name__}; phalanx needs items (input, target)")
+    items = [first] + [dataset[i] for i in range(1, n)]
+    try:
+        x = torch.stack([_tensor(item[0], name) for item in items])
+        y = torch.stack([_tensor(item[1], name) for item in items])
+    except RuntimeError as e:
+        raise PhalanxError(f"{name}: items must all have the same shape ({str(e).splitlines()[0][:120]})") from None
+    return ArrayDataset(x, y)
+
+
+def user_bundle(train: Any, test: Any, validation_split: Optional[float] = None, seed: int = 0,
+                name: str = "your data", source: Optional[str] = None) -> DataBundle:
+    """The user's train and test sets; without a test set, a fixed (seeded) ``validation_split`` held out.
+    ``source``: where they came from, in messages (``--data mymod:load``; None: the API's arguments)."""
+    train_name, test_name = (f"{source}: its train set", f"{source}: its test set") if source \
+        else ("train_data", "test_data")
+    if train is None:
+        raise PhalanxError("test_data was given without train_data: give both, or neither for a built-in set")
+    train_ds = as_arrays(train, train_name)
+    if test is not None:
+        if validation_split is not None:
+            raise PhalanxError("--validation-split holds out part of the training data when there is no test set, "
+                               "and this data has one; drop --validation-split")
+        test_ds, held_out = as_arrays(test, test_name), "test"
+    else:
+        train_ds, test_ds = _split(train_ds, DEFAULT_VALIDATION_SPLIT if validation_split is None
+                                   else validation_split, seed)
+        held_out = "validation"
+    if tuple(test_ds.x.shape[1:]) != tuple(train_ds.x.shape[1:]):
+        raise PhalanxError(f"test_data examples have shape {tuple(test_ds.x.shape[1:])} but train_data examples "
+                           f"{tuple(train_ds.x.shape[1:])}: give both sets the same example shape")
+    classes = int(max(train_ds.y.max(), test_ds.y.max())) + 1
+    return DataBundle(name, train_ds, test_ds, tuple(train_ds.x.shape[1:]), max(classes, 2), held_out=held_out)
+
+
+def _split(data: ArrayDataset, fraction: float, seed: int) -> tuple[ArrayDataset, ArrayDataset]:
+    """A fixed part held out: the same examples on every run with this seed, whatever the workers."""
+    n_out = int(round(len(data) * fraction))
+    if not 1 <= n_out < len(data):
+        raise PhalanxError(f"--validation-split {fraction:g} of {len(data)} examples holds out {n_out}; choose a "
+                           "fraction that leaves at least one example on each side (0.1 is usual)")
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))
+    keep, out = order[n_out:], order[:n_out]
+    return ArrayDataset(data.x[keep], data.y[keep]), ArrayDataset(data.x[out], data.y[out])
+
+
+def cast_inputs(bundle: DataBundle, dtype: torch.dtype) -> DataBundle:
+    """Floating inputs in the model's parameter dtype (scikit-learn gives float64), said once in the header."""
+    x = bundle.train.x
+    if not x.is_floating_point() or x.dtype == dtype:
+        return bundle
+    bundle.train = ArrayDataset(x.to(dtype), bundle.train.y)
+    bundle.test = ArrayDataset(bundle.test.x.to(dtype), bundle.test.y)
+    bundle.notes = bundle.notes + (f"inputs {str(x.dtype).replace('torch.', '')} cast to "
+                                   f"{str(dtype).replace('torch.', '')} (the model's parameter dtype)",)
+    return bundle

@@ -1,0 +1,198 @@
+"""The user's problem as one object: model factory, data, loss, metrics, optimizer factory.
+
+A :class:`Task` is built once, in the parent, from the config's names (built-in ``cnn``, or an
+import path ``mymodels:Net`` as uvicorn and gunicorn spell them) and from what the API was given
+(a model object, datasets, a loss, an optimizer factory). Everything downstream (the checks, the
+plan, the workers' loop, the checkpoints) reads the Task and never asks whether a part is built in.
+
+Spawned workers receive the Task by pickling: functions and classes travel by reference (module
+and name), so the module of an import path must be importable there too; :func:`importable_cwd`
+puts the current directory on the path of this process and of every process it starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import importlib
+import inspect
+import os
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .data import DataBundle
+from .errors import PhalanxError
+from .models import build_model
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """A number the run reports on the test (or validation) set, and which way is better."""
+
+    name: str
+    higher_is_better: bool
+
+
+ACCURACY = Metric("accuracy", higher_is_better=True)
+LOSS = Metric("loss", higher_is_better=False)
+
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+
+
+@dataclasses.dataclass
+class Task:
+    """The user's problem. ``make_model(input_shape, num_classes)`` builds the model (every worker
+    calls it after seeding, so every replica starts equal); ``make_optimizer`` None: the config's
+    built-in optimizer by name (sgd, adam, adamw), with its lr schedule and batch scaling."""
+
+    make_model: Callable[[tuple, int], nn.Module]
+    model_name: str  #: how the header and the checkpoint name the model: ``cnn``, ``mymodels:Net``
+    data: Optional[DataBundle] = None  #: train and test sets in memory (None: a built-in set each worker loads)
+    data_name: str = "digits"  #: how the header and the checkpoint name the data
+    loss_fn: Callable = F.cross_entropy
+    metrics: tuple[Metric, ...] = (ACCURACY, LOSS)
+    make_optimizer: Optional[OptimizerFactory] = None
+
+    def optimizer(self, params: Any) -> torch.optim.Optimizer:
+        """The factory's optimizer, checked: a factory returning something else is one line."""
+        made = self.make_optimizer(params)
+        if not isinstance(made, torch.optim.Optimizer):
+            raise PhalanxError(f"the optimizer factory {label(self.make_optimizer)} returned "
+                               f"{type(made).__name__}; expected a torch.optim.Optimizer built on the params given")
+        return made
+
+
+# --------------------------------------------------------------------------- import paths
+
+
+def is_import_path(name: Any) -> bool:
+    return isinstance(name, str) and ":" in name
+
+
+def importable_cwd() -> None:
+    """The current directory is importable, as with ``python -m``: here, and in every process this
+    one starts (spawned workers copy sys.path; others, e.g. a restarted job, read PYTHONPATH)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if cwd not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([cwd] + [p for p in paths if p])
+
+
+def resolve(spec: str, flag: str, expected: str) -> Callable:
+    """``module:name`` (dots allowed in both) as the object it names, or one line naming what failed."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise PhalanxError(f"{flag} {spec}: write MODULE:CALLABLE, e.g. mymodels:Net")
+    importable_cwd()
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as e:  # the user's module may raise anything while importing
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        raise PhalanxError(f"{flag} {spec}: cannot import module '{module_name}' ({type(e).__name__}: {first}); "
+                           "run from the directory that holds it, or add it to PYTHONPATH") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise PhalanxError(f"{flag} {spec}: module '{module_name}' has no attribute '{attr}'")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise PhalanxError(f"{flag} {spec}: '{attr}' is a {type(obj).__name__}, not callable; expected {expected}")
+    return obj
+
+
+def label(obj: Any) -> str:
+    """``module:qualname`` of a function or class (of an object: of its class)."""
+    target = obj if inspect.isfunction(obj) or inspect.isclass(obj) else type(obj)
+    if isinstance(obj, functools.partial):
+        target = obj.func
+    return f"{target.__module__}:{target.__qualname__}"
+
+
+# --------------------------------------------------------------------------- model factories
+
+
+def call_model_factory(factory: Callable, name: str, input_shape: tuple, num_classes: int) -> nn.Module:
+    """Call an imported model factory with those of ``input_shape`` and ``num_classes`` it accepts."""
+    offered = {"input_shape": tuple(input_shape), "num_classes": num_classes}
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in offered.items() if takes_all or k in params}
+    try:
+        model = factory(**kwargs)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        raise PhalanxError(f"--model {name}: calling it with {kwargs or 'no arguments'} failed "
+                           f"({type(e).__name__}: {first}); it may take input_shape and num_classes keywords") from None
+    if not isinstance(model, nn.Module):
+        raise PhalanxError(f"--model {name}: returned {type(model).__name__}; expected a torch.nn.Module")
+    return model
+
+
+def copy_of(model: nn.Module, input_shape: tuple, num_classes: int) -> nn.Module:
+    """The factory of a model object given to the API: every worker trains a copy of it."""
+    return copy.deepcopy(model)
+
+
+# --------------------------------------------------------------------------- building a Task
+
+
+def task_from(cfg: Any, *, model: Optional[nn.Module] = None, train_data: Any = None, test_data: Any = None,
+              loss_fn: Optional[Callable] = None, optimizer: Optional[OptimizerFactory] = None) -> Task:
+    """The Task of a run (``cfg``: its TrainConfig): what the API was given first, else the config's
+    names (built-in, or import paths resolved here, in the parent, so that nothing starts if one fails)."""
+    if optimizer is not None and cfg.optimizer is not None:
+        raise PhalanxError(f"optimizer= and --optimizer {cfg.optimizer} both name the optimizer: give one")
+    task = _task_parts(cfg.model, cfg.optimizer, cfg.loss, model, loss_fn, optimizer)
+    task.data, task.data_name = _task_data(cfg, train_data, test_data)
+    return task
+
+
+def _task_data(cfg: Any, train: Any, test: Any) -> tuple[Optional[DataBundle], str]:
+    """The user's data as a bundle and its name; (None, name) for a built-in set."""
+    from .data.user import user_bundle
+
+    if train is None and test is None and is_import_path(cfg.data):
+        load = resolve(cfg.data, "--data", "a callable returning (train, test) datasets")
+        try:
+            loaded = load()
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0][:160]
+            raise PhalanxError(f"--data {cfg.data}: calling it failed ({type(e).__name__}: {first})") from None
+        if not isinstance(loaded, (tuple, list)) or len(loaded) != 2:
+            raise PhalanxError(f"--data {cfg.data}: returned {type(loaded).__name__}; expected a pair (train, test) "
+                               "of datasets, test may be None")
+        train, test = loaded
+        return user_bundle(train, test, cfg.validation_split, cfg.seed, cfg.data, f"--data {cfg.data}"), cfg.data
+    if train is not None or test is not None:
+        return user_bundle(train, test, cfg.validation_split, cfg.seed), "your data"
+    if cfg.validation_split is not None:
+        raise PhalanxError(f"--validation-split holds out part of a data set without a test set, and --data "
+                           f"{cfg.data} has one; drop --validation-split")
+    return None, cfg.data
+
+
+def _task_parts(model_name: str, optimizer_name: Optional[str], loss_name: Optional[str],
+                model: Optional[nn.Module], loss_fn: Optional[Callable],
+                optimizer: Optional[OptimizerFactory]) -> Task:
+    if model is not None:
+        make_model, name = functools.partial(copy_of, model), label(model)
+    elif is_import_path(model_name):
+        factory = resolve(model_name, "--model", "a callable returning a torch.nn.Module")
+        make_model, name = functools.partial(call_model_factory, factory, model_name), model_name
+    else:
+        make_model, name = functools.partial(build_model, model_name), model_name
+    if loss_fn is None:
+        loss_fn = resolve(loss_name, "--loss", "a loss (outputs, targets) -> scalar tensor") if loss_name \
+            else F.cross_entropy
+    if optimizer is None and is_import_path(optimizer_name):
+        optimizer = resolve(optimizer_name, "--optimizer", "a callable params -> torch.optim.Optimizer")
+    return Task(make_model, name, loss_fn=loss_fn, make_optimizer=optimizer)
