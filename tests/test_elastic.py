@@ -49,7 +49,7 @@ def test_three_workers_keeping_the_global_batch_end_where_two_uninterrupted_work
                   str(straight / "step-00000020.pt"), "--checkpoint-dir", "resumed", *QUIET, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0].endswith("resuming at step 20") and "global batch 96 (32 per worker x 3)" in lines[0]
+    assert ", resuming at step 20" in lines[0] and "global batch 96 (32 per worker x 3)" in lines[0]
     assert lines[1] == ("resuming at step 20 with global batch 96 as before (--keep-global-batch): 32 per worker x 3 "
                         "(was 48 per worker)")
     resumed, uninterrupted = load_checkpoint(tmp_path / "resumed"), load_checkpoint(straight / "step-00000040.pt")
@@ -115,7 +115,7 @@ def test_every_strategy_resumes_another_strategys_checkpoint_on_another_worker_c
                       "--log-every", "3", "--keep-global-batch", "--resume", str(checkpoint), "--checkpoint-dir",
                       str(where), cwd=tmp_path)
         assert out.returncode == 0, f"{strategy} on {workers}: {out.stderr}"
-        assert out.stdout.splitlines()[0].endswith(f"resuming at step {step}"), out.stdout
+        assert f", resuming at step {step}" in out.stdout.splitlines()[0], out.stdout
         loss = float(re.findall(r"step \d+, loss = ([\d.]+)", out.stdout)[-1])
         accuracy = float(re.search(r"test accuracy ([\d.]+) after", out.stdout).group(1))
         # Sane: it went on learning (chance is a loss of 2.3 and an accuracy of 0.1 on ten digits).

@@ -104,7 +104,9 @@ def _free_port():
 
 def _agent(cwd, port, host, log):
     """One torchrun agent of an elastic job on loopback (one worker), in a session of its own (a "node")."""
-    conf = f"is_host={int(host)},last_call_timeout=1,join_timeout=120"
+    # read_timeout: the rendezvous store's (60 s by default), which a loaded machine can exceed while
+    # a joining agent starts; the job would then end inside torchrun, not inside phalanx.
+    conf = f"is_host={int(host)},last_call_timeout=1,join_timeout=120,read_timeout=300"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", conf, "--max-restarts",
            "3", "--monitor-interval", "0.5", "-m", "phalanx", "train", "--model", "mlp", "--steps", "6000",

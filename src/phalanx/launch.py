@@ -182,8 +182,7 @@ def _spawned_worker(
     except BaseException:
         # Stamp the time: when one worker crashes its peers crash next ("connection closed"),
         # and the parent must name the first, not whichever it happened to notice.
-        results.put(("crash", local_rank, (time.time(), traceback.format_exc())))
-        traceback.print_exc()
+        results.put(("crash", local_rank, (time.time(), traceback.format_exc())))  # the parent says it
         code = 1
     finally:
         progress.close()

@@ -152,5 +152,10 @@ def run_all(setup: Setup, checked: Checked, out: Path,
             results.append(run_one(setup, checked, run, out))
             progress(i, run, results[-1])
         except Stopped as e:
-            raise Interrupted(results, i, len(runs), run, e.signame) from None
+            # The signal may come just after a run finished (while its line is printed): the run it
+            # interrupted is the first one not finished, never one whose result is in.
+            first = len(results)
+            if first == len(runs):
+                return results  # every run finished: the report is whole
+            raise Interrupted(results, first, len(runs), runs[first], e.signame) from None
     return results
