@@ -471,7 +471,7 @@ def test_estimate_json_numbers_are_consistent(estimate_json):
     assert data["links"]["within_machine"]["bandwidth_bytes_per_s"] == pytest.approx(10e9)
     assert data["links"]["within_machine"]["alpha_s"] == pytest.approx(5e-6)
     rows = {(p["strategy"], p["workers"]): p for p in data["predictions"]}
-    assert set(rows) == {(s, n) for s in ("sync", "local-sgd", "pipeline", "fsdp") for n in (1, 2)} | {("ps", 2)}
+    assert set(rows) == {(s, n) for s in ("sync", "local-sgd", "diloco", "pipeline", "fsdp") for n in (1, 2)} | {("ps", 2)}
     assert any("ps on 1 worker" in line for line in data["skipped"])
     for p in rows.values():
         assert p["step_s"] > 0 and 0 < p["efficiency"] <= 1 and 0 <= p["comm_share"] <= 1

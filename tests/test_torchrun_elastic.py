@@ -1,0 +1,70 @@
+"""torchrun elastic on loopback: two agents (two "nodes"), one lost mid-run; the survivor's restarted
+worker resumes phalanx's newest checkpoint on the smaller world and completes (real agents, real SIGKILL)."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from helpers import spawned_children
+from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint
+
+STEPS = 600
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _agent(cwd, port, host, log):
+    """One torchrun agent of an elastic job on loopback (one worker), in a session of its own (a "node")."""
+    # read_timeout: the rendezvous store's (60 s by default), which a loaded machine can exceed while
+    # a joining agent starts; the job would then end inside torchrun, not inside phalanx.
+    conf = f"is_host={int(host)},last_call_timeout=1,join_timeout=120,read_timeout=300"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", conf, "--max-restarts",
+           "3", "--monitor-interval", "0.5", "-m", "phalanx", "train", "--model", "mlp", "--steps", str(STEPS),
+           "--checkpoint-every", "50", "--log-every", "50", "--progress", "lines"]
+    return subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def _wait_for(predicate, survivor, log, timeout=180):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline and survivor.poll() is None, log()[-3000:]
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_torchrun_elastic_shrinks_when_a_node_dies_and_completes_on_the_survivor(tmp_path):
+    port = _free_port()
+    logs = [open(tmp_path / f"agent{i}.log", "w+") for i in range(2)]
+    text = lambda i: (tmp_path / f"agent{i}.log").read_text()  # noqa: E731
+    survivor = _agent(tmp_path, port, True, logs[0])
+    lost = _agent(tmp_path, port, False, logs[1])
+    try:
+        _wait_for(lambda: re.search(r"^step 100,", text(0) + text(1), re.M), survivor, lambda: text(0))
+        # The node dies: its agent and its worker at once (torchrun starts each worker in a session of its own).
+        for pid in [lost.pid] + spawned_children(lost.pid, "phalanx"):
+            os.kill(pid, signal.SIGKILL)
+        lost.wait()
+        # The survivor's agent restarts its worker on the smaller world; phalanx resumes from its newest checkpoint.
+        _wait_for(lambda: re.search(r"world size 1, .*resuming at step \d+", text(0)), survivor, lambda: text(0))
+        assert survivor.wait(timeout=300) == 0, text(0)[-3000:]
+    finally:
+        for proc in (survivor, lost):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))["step"] == STEPS
+    # (torch logs the lost node's broken connections itself; what must not happen is an abort)
+    assert "terminate called" not in text(0), text(0)[-3000:]
