@@ -6,6 +6,7 @@ the first failing worker's traceback raised in the test), so the tests exercise 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -84,3 +85,22 @@ def run_and_signal(args: list[str], cwd: Path, after_line: str, signal_: int, ra
             break
     rest, err = proc.communicate(timeout=timeout)  # a hang fails here instead of stalling the suite
     return proc.returncode, "".join(lines) + rest, err
+
+
+@contextlib.contextmanager
+def small_filesystem(tmp_path: Path, size: str):
+    """A tmpfs of ``size`` (``64k``, ``2m``) mounted at ``tmp_path/small`` for a full-disk test; the test is
+    skipped, with the reason, where mounting is not permitted."""
+    import pytest
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip() or 'not permitted'})")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+

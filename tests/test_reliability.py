@@ -4,12 +4,11 @@ import json
 import os
 import re
 import signal
-import subprocess
 
 import pytest
 import torch
 
-from helpers import run_and_signal, run_cli
+from helpers import run_and_signal, run_cli, small_filesystem
 from phalanx.errors import PhalanxError, StorageError
 from phalanx.strategies.hogwild import reclaim_leftovers
 from phalanx.train.checkpoint import (DirectoryLock, latest_checkpoint, list_checkpoints, load_checkpoint,
@@ -111,14 +110,8 @@ def test_a_second_job_on_the_same_checkpoint_directory_is_refused_naming_the_fir
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 2 MiB filesystem: room for one checkpoint of the default model, not two."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip() or 'not permitted'})")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=False)
+    with small_filesystem(tmp_path, "2m") as mount:
+        yield mount
 
 
 def test_disk_full_during_a_save_is_one_line_and_the_previous_checkpoint_stays(small_tmpfs, tmp_path):

@@ -5,11 +5,10 @@ import os
 import re
 import shutil
 import socket
-import subprocess
 
 import pytest
 
-from helpers import python_script, run_cli
+from helpers import python_script, run_cli, small_filesystem
 from phalanx.train.checkpoint import RUN_NAME, list_checkpoints, load_checkpoint, read_run
 
 QUICK = ["--model", "mlp", "--workers", "2", "--log-every", "10", "--progress", "lines"]
@@ -198,15 +197,9 @@ def test_a_directory_named_like_a_checkpoint_is_refused_before_the_run(tmp_path)
 @pytest.fixture
 def tiny_full_tmpfs(tmp_path):
     """A 64 KiB filesystem with one page left: a metrics file fills it within a few dozen lines."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip() or 'not permitted'})")
-    (mount / "filler").write_bytes(b"\0" * 60 * 1024)
-    yield mount
-    subprocess.run(["umount", str(mount)], check=False)
+    with small_filesystem(tmp_path, "64k") as mount:
+        (mount / "filler").write_bytes(b"\0" * 60 * 1024)
+        yield mount
 
 
 @pytest.mark.slow
