@@ -105,6 +105,7 @@ CHAIN = [  # each resumes from the one before, 3 steps further, from the shared 
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_every_strategy_resumes_another_strategys_checkpoint_on_another_worker_count(straight, tmp_path):
     """sync(2) -> fsdp(3) -> pipeline(2 stages) -> sync(3) -> ps(2) -> sync(2), global batch 96 throughout:
     each strategy's save and load path at least once."""

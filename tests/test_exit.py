@@ -26,6 +26,7 @@ def _torchrun(cwd, *args, nproc=2, timeout=180):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_torchrun_job_exits_0_every_time_with_nothing_from_cpp(tmp_path):
     # The abort at exit came in 1 run of 5 to 15 (a gloo thread retiring the last collective during
     # interpreter teardown): 20 runs, two at a time (two 2-rank jobs fit the machine's cores).
