@@ -12,7 +12,8 @@ one's lead over the H steps is waited for.
 
 from __future__ import annotations
 
-from .inputs import Compute, ModelFacts, Network, allreduce, allreduce_cpu, cpu_bound, gather_or_scatter
+from .inputs import Compute, ModelFacts, Network, allreduce, allreduce_cpu, gather_or_scatter
+from .local_sgd import periodic
 from .model import Alternative, CostModel
 from .prediction import Prediction
 
@@ -37,21 +38,12 @@ def predict_diloco(compute: Compute, facts: ModelFacts, net: Network, workers: i
     passes = compute.copy * 4 / fragments  # pseudo-gradient, outer step, copy back: over 1/F of the model
     reduce = round_seconds(net, workers, nbytes, precision)
     rounds_per_step = fragments / sync_every
-    spread = max(0.0, compute.slowest - compute.step)
-    timeline = compute.step + rounds_per_step * (passes + reduce) + spread / sync_every
-    local = min(workers, net.per_node)
     cpu_per_step = rounds_per_step * (passes + allreduce_cpu(net, workers, nbytes * WIRE_SHARE[precision]))
-    floor = cpu_bound(local * (compute.cpu + cpu_per_step), compute.cores)
-    step = max(timeline, floor)
     notes = [f"pseudo-gradient of {nbytes / 1e6:.3g} MB ({precision} on the wire) reduced {fragments} time(s) "
              f"every {sync_every} steps: {reduce * 1e3:.3g} ms each, {rounds_per_step * reduce * 1e3:.3g} ms per step"]
-    if floor > timeline:
-        notes.append(f"CPU-bound: {local} processes on {compute.cores} cores")
-    return Prediction("diloco", workers, net.nodes(workers), step, examples, compute.step + spread / sync_every,
-                      compute.step, notes=tuple(notes),
-                      parts={"compute": compute.step, "round": passes + reduce,
-                             "per_step_rounds": rounds_per_step * (passes + reduce), "timeline": timeline,
-                             "cpu_floor": floor})
+    return periodic("diloco", compute, net, workers, examples, sync_every, rounds_per_step * (passes + reduce),
+                    cpu_per_step, notes,
+                    {"round": passes + reduce, "per_step_rounds": rounds_per_step * (passes + reduce)})
 
 
 class DiLoCoCost(CostModel):

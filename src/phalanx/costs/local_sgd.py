@@ -22,20 +22,27 @@ def predict_local_sgd(compute: Compute, facts: ModelFacts, net: Network, workers
     nbytes = facts.param_bytes
     reduce = allreduce(net, workers, nbytes)
     average = compute.pack + compute.copy + reduce  # flatten into a new vector, divide it, all-reduce
-    spread = max(0.0, compute.slowest - compute.step)
-    timeline = compute.step + (average + spread) / sync_every
-    local = min(workers, net.per_node)
     copied = (compute.pack + compute.copy + allreduce_cpu(net, workers, nbytes)) / sync_every
-    floor = cpu_bound(local * (compute.cpu + copied), compute.cores)
-    step = max(timeline, floor)
     notes = [f"parameters ({nbytes / 1e6:.3g} MB) averaged every {sync_every} steps: "
              f"{average * 1e3:.3g} ms each, {average / sync_every * 1e3:.3g} ms per step"]
+    return periodic("local-sgd", compute, net, workers, examples, sync_every, average / sync_every, copied, notes,
+                    {"averaging": average, "per_step_averaging": average / sync_every})
+
+
+def periodic(name: str, compute: Compute, net: Network, workers: int, examples: int, sync_every: int,
+             rounds: float, rounds_cpu: float, notes: list[str], parts: dict) -> Prediction:
+    """A step of local work plus ``rounds`` seconds of periodic rounds per step (``rounds_cpu`` of them
+    CPU-seconds), where the workers meet once every ``sync_every`` steps and wait there for the slowest
+    one's lead: local SGD's averaging, DiLoCo's outer rounds. Bound below by the cores they share."""
+    spread = max(0.0, compute.slowest - compute.step)
+    timeline = compute.step + rounds + spread / sync_every
+    local = min(workers, net.per_node)
+    floor = cpu_bound(local * (compute.cpu + rounds_cpu), compute.cores)
     if floor > timeline:
-        notes.append(f"CPU-bound: {local} processes on {compute.cores} cores")
-    return Prediction("local-sgd", workers, net.nodes(workers), step, examples, compute.step + spread / sync_every,
-                      compute.step, notes=tuple(notes),
-                      parts={"compute": compute.step, "averaging": average, "per_step_averaging": average / sync_every,
-                             "timeline": timeline, "cpu_floor": floor})
+        notes = notes + [f"CPU-bound: {local} processes on {compute.cores} cores"]
+    return Prediction(name, workers, net.nodes(workers), max(timeline, floor), examples,
+                      compute.step + spread / sync_every, compute.step, notes=tuple(notes),
+                      parts={"compute": compute.step, **parts, "timeline": timeline, "cpu_floor": floor})
 
 
 class LocalSGDCost(CostModel):
