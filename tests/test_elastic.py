@@ -5,7 +5,6 @@ test that resumes from its step-20 checkpoint. The data position is pure logic, 
 """
 
 import json
-import math
 import re
 
 import pytest
@@ -100,7 +99,10 @@ def test_another_optimizer_starts_fresh_with_one_line(straight, tmp_path):
 # ---- another strategy ----
 
 CHAIN = [  # each resumes from the one before, 3 steps further, from the shared run's step 20
-    ("fsdp", 3, []), ("pipeline", 2, ["--stages", "2"]), ("sync", 3, []), ("ps", 2, []), ("sync", 2, []),
+    ("fsdp", 3, []), ("pipeline", 2, ["--stages", "2"]), ("sync", 3, []),
+    # ps without momentum: stale gradients under SGD's momentum 0.9 were seen to diverge in 3 steps at lr 0.05
+    # (staleness adds momentum of its own: Mitliagkas et al., 2016, "Asynchrony begets momentum").
+    ("ps", 2, ["--momentum", "0"]), ("sync", 2, []),
 ]
 
 
@@ -113,15 +115,16 @@ def test_every_strategy_resumes_another_strategys_checkpoint_on_another_worker_c
     for strategy, workers, flags in CHAIN:
         where = tmp_path / f"{step + 3}-{strategy}"
         out = run_cli("train", "--strategy", strategy, "--workers", str(workers), *flags, "--steps", str(step + 3),
-                      "--log-every", "3", "--keep-global-batch", "--resume", str(checkpoint), "--checkpoint-dir",
+                      "--log-every", "1", "--keep-global-batch", "--resume", str(checkpoint), "--checkpoint-dir",
                       str(where), cwd=tmp_path)
         assert out.returncode == 0, f"{strategy} on {workers}: {out.stderr}"
         assert f", resuming at step {step}" in out.stdout.splitlines()[0], out.stdout
-        loss = float(re.findall(r"step \d+, loss = ([\d.]+)", out.stdout)[-1])
+        first, loss = re.search(r"step (\d+), loss = ([\d.]+)", out.stdout).groups()
+        # The step after the resume starts from the checkpoint's model, not a fresh one (ln 10 = 2.3 on
+        # ten digits): the load path worked.
+        assert int(first) == step + 1 and float(loss) < 1.2, f"{strategy} on {workers}: {out.stdout}"
         accuracy = float(re.search(r"test accuracy ([\d.]+) after", out.stdout).group(1))
-        # Sane: finite, and above chance (0.1 on ten digits) over the whole test set. Not the last logged
-        # loss: that is one step's on one batch, and a ps step's is stale (seen at 2.09 after 0.40).
-        assert math.isfinite(loss) and accuracy > 0.5, f"{strategy} on {workers}: {out.stdout}"
+        assert accuracy > 0.5, f"{strategy} on {workers}: {out.stdout}"
         checkpoint, step = where / f"step-{step + 3:08d}.pt", step + 3
         assert load_checkpoint(checkpoint)["step"] == step
 
