@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from phalanx.launch import launch
+from phalanx.launcher import launch
 from phalanx.reduce import HierarchicalState, WireBuffers, degenerate
 
 from _common import parser, save_result

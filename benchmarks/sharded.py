@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx import FSDP, Sync
-from phalanx.launch import launch
+from phalanx.launcher import launch
 from phalanx.memory import Held, held, size
 from phalanx.models import cifar10
 from phalanx.strategies import runtime_for

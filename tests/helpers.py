@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from phalanx.launch import WorkerContext, launch
+from phalanx.launcher import WorkerContext, launch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,9 +54,8 @@ def python_script(path: Path, *args: str, cwd: Path, timeout: float = 300) -> su
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-def spawned_children(pid: int, marker: str = "spawn_main") -> list[int]:
-    """The worker processes a phalanx command started, oldest first (rank order); ``marker``: what
-    their command line holds (``"phalanx"`` for the workers of a torchrun agent)."""
+def _children(pid: int) -> list[tuple[int, int, str]]:
+    """(start time, pid, command line) of each child of ``pid``."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -66,8 +65,23 @@ def spawned_children(pid: int, marker: str = "spawn_main") -> list[int]:
             cmdline = open(f"/proc/{entry}/cmdline").read()
         except OSError:
             continue
-        if int(stat[1]) == pid and marker in cmdline:
-            found.append((int(stat[19]), int(entry)))  # start time, pid
+        if int(stat[1]) == pid:
+            found.append((int(stat[19]), int(entry), cmdline))
+    return found
+
+
+def spawned_children(pid: int, marker: str = "spawn_main") -> list[int]:
+    """The worker processes a phalanx command started, oldest first (rank order).
+
+    phalanx's own workers are forks of its fork server (a child of the command: their parent), or,
+    on a shaped link, its own spawned children (``spawn_main``); ``marker`` ``"phalanx"``: the
+    workers of a torchrun agent."""
+    found = []
+    for start, child, cmdline in _children(pid):
+        if marker == "spawn_main" and "multiprocessing.forkserver" in cmdline:
+            found += [(s, p) for s, p, _ in _children(child)]
+        elif marker in cmdline:
+            found.append((start, child))
     return [p for _, p in sorted(found)]
 
 

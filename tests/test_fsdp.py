@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from helpers import gather, run_cli, run_workers
 from phalanx import FSDP, Pipeline, Sync, TrainConfig, Trainer
 from phalanx.errors import PhalanxError
-from phalanx.launch import WorkerContext
+from phalanx.launcher import WorkerContext
 from phalanx.memory import held
 from phalanx.models import MODELS, build_model, cnn
 from phalanx.strategies import runtime_for

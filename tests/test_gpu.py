@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from phalanx import TrainConfig, Trainer
 from phalanx.data import Prefetcher, ShardedBatches, load_digits
-from phalanx.launch import WorkerContext
+from phalanx.launcher import WorkerContext
 from phalanx.strategies import Sync, runtime_for
 from phalanx.train.checkpoint import latest_checkpoint
 

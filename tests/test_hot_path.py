@@ -103,7 +103,7 @@ def test_precision_that_cannot_run_is_refused_before_anything_starts(tmp_path, o
 def test_ordinary_steps_never_synchronise_the_gpu(tmp_path):
     """torch's sync debug mode raises on any host-device synchronisation: on from the third step
     (after warm-up) until the loop first looks at the losses, which here is after the last step."""
-    from phalanx.launch import launch
+    from phalanx.launcher import launch
 
     def run(ctx, plan):
         worker = WorkerRun(ctx, plan)

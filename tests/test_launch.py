@@ -75,7 +75,7 @@ def test_torchrun_environment_is_joined(monkeypatch):
     """Under torchrun the process is the worker: RANK/WORLD_SIZE/MASTER_* from the environment."""
     import socket
 
-    from phalanx.launch import launch
+    from phalanx.launcher import launch
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import gather, run_cli, run_workers
-from phalanx.launch import WorkerContext
+from phalanx.launcher import WorkerContext
 from phalanx.models import cnn
 from phalanx.strategies import Pipeline, runtime_for
 from test_pipeline_equivalence import BATCH, K, assert_same, batches, make_model, make_optimizer, reference

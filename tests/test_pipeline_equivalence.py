@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import gather, run_workers
-from phalanx.launch import WorkerContext
+from phalanx.launcher import WorkerContext
 from phalanx.models import lstm
 from phalanx.strategies import Pipeline, runtime_for
 

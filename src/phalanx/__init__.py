@@ -1,20 +1,36 @@
-"""phalanx: train one PyTorch model on many devices."""
+"""phalanx: train one PyTorch model on many devices.
+
+The names below are imported when first used (PEP 562), so that ``phalanx --version``, a flag
+refused at parse time, and the start of a job's worker server do not wait for torch's import.
+"""
+
+import importlib
 
 __version__ = "0.2.0"
 
-from .devices import resolve_devices  # noqa: E402  (the version first: the CLI reads it)
-from .errors import PhalanxError, TrainingDiverged, WorkerFailed  # noqa: E402
-from .launch import WorkerContext, launch  # noqa: E402
-from .parallel import ParallelModule, make_parallel  # noqa: E402
-from .strategies import (FSDP, SSP, STRATEGIES, Backup, DiLoCo, Hogwild, LocalSGD, Options, ParameterServer,  # noqa: E402
-                         Pipeline, Runtime, Sync)
-from .topology import Topology, detect_topology  # noqa: E402
-from .train import Schedule, TrainConfig, Trainer  # noqa: E402
-from .data import ArrayDataset  # noqa: E402
+#: public name -> the module that defines it
+_WHERE = {
+    "resolve_devices": "devices",
+    "PhalanxError": "errors", "TrainingDiverged": "errors", "WorkerFailed": "errors",
+    "WorkerContext": "launcher", "launch": "launcher",
+    "ParallelModule": "parallel", "make_parallel": "parallel",
+    **{name: "strategies" for name in ("FSDP", "SSP", "STRATEGIES", "Backup", "DiLoCo", "Hogwild", "LocalSGD",
+                                       "Options", "ParameterServer", "Pipeline", "Runtime", "Sync")},
+    "Topology": "topology", "detect_topology": "topology",
+    "Schedule": "train", "TrainConfig": "train", "Trainer": "train",
+    "ArrayDataset": "data",
+}
 
-__all__ = [
-    "ArrayDataset", "Backup", "DiLoCo", "FSDP", "Hogwild", "LocalSGD", "Options", "ParallelModule", "ParameterServer",
-    "PhalanxError", "Pipeline", "Runtime", "SSP", "STRATEGIES", "Schedule", "Sync", "Topology", "TrainConfig",
-    "Trainer", "TrainingDiverged", "WorkerContext", "WorkerFailed", "detect_topology", "launch", "make_parallel",
-    "resolve_devices",
-]
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_WHERE))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 import warnings
@@ -93,7 +94,7 @@ def config_from_args(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .launch import launcher_rank
+    from .launcher import launcher_rank
     from .train import Trainer
 
     started = time.perf_counter()
@@ -151,7 +152,8 @@ def _one_line_warnings(message, category, filename, lineno, file=None, line=None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .launch import leave
+    _start_worker_server(sys.argv[1:] if argv is None else list(argv))
+    from .launcher import leave
 
     warnings.showwarning = _one_line_warnings
     parser = build_parser()
@@ -173,8 +175,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return leave(code)
 
 
+def _start_worker_server(argv: list[str]) -> None:
+    """A command that will start worker processes starts their fork server first, so that its import
+    of torch runs while this process imports torch and plans (see :mod:`phalanx.forkserver`). Not
+    under torchrun or srun (this process is a worker: nothing to start), nor for help."""
+    from .forkserver import start_early
+    from .launch_env import joined
+
+    wanted = os.environ.get("PHALANX_START_METHOD", "forkserver") == "forkserver"
+    if wanted and argv[:1] in (["train"], ["compare"]) and not {"-h", "--help"} & set(argv) and joined() is None:
+        start_early()
+
+
 def _in_a_running_job() -> bool:
-    from .launch import joined_a_group
+    from .launcher import joined_a_group
 
     return joined_a_group()
 
@@ -183,7 +197,7 @@ def _say(message: str, agreed: bool) -> None:
     """Print an error once per job: under torchrun or srun every rank runs this command, and an error
     every rank reaches alike (bad input found before the job starts, an agreed stop, the NaN guard)
     is rank 0's to print; any other is this rank's own and says which rank it is."""
-    from .launch import launcher_rank
+    from .launcher import launcher_rank
 
     rank = launcher_rank()
     if rank == 0:

@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 from typing import Any, Iterator, Optional
 
@@ -213,13 +214,24 @@ def shaped(rate: Optional[LinkRate]) -> Iterator[Optional[Link]]:
     home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     try:
         _enter(rate)
+        _here.rate = rate
         try:
             _shape(rate)
             yield Link(rate)
         finally:
+            _here.rate = None
             _leave(home)
     finally:
         os.close(home)
+
+
+_here = threading.local()  #: the rate this thread's namespace is shaped to, while inside :func:`shaped`
+
+
+def inside() -> bool:
+    """Is this thread on a shaped link now? (Its workers must then be its own children: a process
+    started elsewhere, such as a fork server, would be on the machine's own loopback.)"""
+    return getattr(_here, "rate", None) is not None
 
 
 def probe(rate: LinkRate) -> None:
@@ -228,4 +240,4 @@ def probe(rate: LinkRate) -> None:
         pass
 
 
-__all__ = ["Link", "LinkRate", "LinkUnavailable", "check", "parse_rate", "probe", "shaped"]
+__all__ = ["Link", "LinkRate", "LinkUnavailable", "check", "inside", "parse_rate", "probe", "shaped"]

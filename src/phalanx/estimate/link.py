@@ -137,7 +137,7 @@ def measure_link(device_type: str, sizes: Sequence[int] = PROBE_SIZES, repeats: 
     """
     import torch
 
-    from ..launch import launch
+    from ..launcher import launch
 
     if device_type == "cuda":
         if torch.cuda.device_count() < 2:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from ..launch import launch
+from ..launcher import launch
 from ..pipeline.split import model_blocks
 from ..costs import Compute
 
@@ -276,7 +276,7 @@ def measure(spec: ProbeSpec, conditions: Conditions) -> Compute:
 
 def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = None) -> Compute:
     """Medians over every process's timed steps; the pace of lockstep from the slowest process each step."""
-    from ..launch import available_cores
+    from ..launcher import available_cores
 
     rows = [row for result in every for row in result["rows"]]
     med = [statistics.median(row[k] for row in rows) for k in range(5)]

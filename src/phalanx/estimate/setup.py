@@ -20,7 +20,7 @@ from torch import nn
 from ..costs import Compute, CostModel, ModelFacts, Network, Prediction, cost_model
 from ..devices import resolve_devices
 from ..errors import PhalanxError
-from ..launch import available_cores
+from ..launcher import available_cores
 from ..data.user import cast_inputs
 from ..task import task_from
 from ..strategies import Job, Options, strategy_class

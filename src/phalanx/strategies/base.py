@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import PhalanxError
-from ..launch import WorkerContext
+from ..launcher import WorkerContext
 from ..precision import Precision
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]

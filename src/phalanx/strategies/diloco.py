@@ -34,7 +34,7 @@ from ..costs import DiLoCoCost, register
 from ..errors import PhalanxError
 from ..options import option
 from ..pipeline.balance import bounds, partition
-from .base import Build, Job, Layout, Options, Report, Runtime, data_parallel, load_model_state
+from .base import Build, Job, Layout, Options, Report, Runtime, data_parallel
 from .replicas import verify_replicas
 
 PRECISIONS = ("fp32", "bf16", "int8")

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import PhalanxError
-from ..launch import WorkerContext
+from ..launcher import WorkerContext
 
 
 def fingerprint(module: nn.Module, chunk: int = 1 << 22) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 from ..data import Prefetcher, ShardedBatches, eval_batches, load_data
 from ..data.loader import Position, advance
 from ..errors import TrainingDiverged
-from ..launch import WorkerContext
+from ..launcher import WorkerContext
 from ..memory import Held, describe, held, largest
 from ..task import is_import_path, resolve
 from ..precision import Precision, compile_blocks

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from ..errors import PhalanxError
-from ..launch import launcher_rank
+from ..launcher import launcher_rank
 from . import checkpoint as ckpt
 from .config import TrainConfig
 

@@ -22,7 +22,7 @@ from .. import shaped_link
 from ..data import DataBundle
 from ..devices import backend_for, resolve_devices
 from ..errors import JobHung, PhalanxError, Stopped, WorkerFailed
-from ..launch import in_torchrun, launch, launcher_rank, launcher_world_size
+from ..launcher import in_torchrun, launch, launcher_rank, launcher_world_size
 from ..data.user import cast_inputs
 from ..task import Task, label, task_from
 from ..strategies import Job, Layout

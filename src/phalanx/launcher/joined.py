@@ -1,0 +1,84 @@
+"""Join a job that torchrun or Slurm's srun started: this process is one of its workers.
+
+There is nothing to start: the launcher's environment says this process's rank and where the job
+rendezvouses (:mod:`phalanx.launch_env`), and the process leaves through :func:`leave`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from .context import init_worker, shutdown
+from ..launch_env import Joined
+
+def _attempt_store(job: Joined, timeout_s: float) -> Optional[dist.Store]:
+    """Under torchrun's agent store, a client of it keyed by the restart attempt (None: join by init_method).
+
+    torchrun serves every attempt's workers the same store without an attempt prefix, so after a
+    restart a fast new rank could read the gloo addresses of the dead attempt and wait forever on
+    them (seen here, about one restart in three on a loaded machine). Keys of their own per attempt
+    make that impossible.
+    """
+    if job.launcher != "torchrun" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or job.world_size < 2:
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), job.world_size, is_master=False,
+                           timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"phalanx/attempt_{attempt}", client)
+
+
+def run_joined(job: Joined, fn, devices, args, threads, timeout_s):
+    """This process is rank ``job.rank`` of a job torchrun or srun started: join it and run ``fn``.
+
+    torchrun passes SIGTERM (and a terminal's SIGINT reaches every rank): once training has begun
+    each asks this rank to stop at the step boundary all ranks agree on, through the job's store
+    (the loop installs that handler; until then the signals keep their default, immediate effect,
+    since a handler cannot run while start-up is blocked inside gloo's rendezvous).
+    """
+    global _joined_a_group
+    device = devices[job.local_rank % len(devices)]
+    ctx = init_worker(job.rank, job.world_size, job.local_rank, device, threads, _attempt_store(job, timeout_s),
+                      timeout_s, job.init_method)
+    _joined_a_group = ctx.distributed
+    try:
+        return fn(ctx, *args)
+    finally:
+        ctx.progress.close()
+        shutdown()
+
+
+#: Whether this process was a worker of a job torchrun or srun started (see :func:`leave`).
+_joined_a_group = False
+
+
+def joined_a_group() -> bool:
+    """Whether this process became a worker of a job torchrun or srun started (so far)."""
+    return _joined_a_group
+
+
+def leave(code: int) -> int:
+    """The last step of the ``phalanx`` command: return ``code``, or, in a worker of a joined job,
+    flush and end the process with it at once.
+
+    Why not the interpreter's own teardown: gloo has no ``shutdown()``; its worker threads are
+    joined only when the C++ process group is destroyed, and once DDP has run, torch keeps
+    references to that group which Python cannot drop (``destroy_process_group`` and
+    ``gc.collect()`` leave both of its threads running). A gloo thread that retires the last
+    collective's work drops Python tensors and takes the GIL to do so; during interpreter
+    finalization that ``pthread_exit``s the thread inside a noexcept C++ destructor, and
+    ``std::terminate`` aborts a finished run ("terminate called without an active exception",
+    SIGABRT; seen in 1 run of 5-15 under torchrun). Everything of ours is stopped and closed
+    before this point (the watch thread joined, the prefetcher joined, the process group
+    destroyed, the metrics file closed), so ending here loses nothing. The spawned workers end
+    the same way (see :func:`.local._spawned_worker`).
+    """
+    if not _joined_a_group:
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
