@@ -19,7 +19,7 @@ import time
 import warnings
 from typing import Callable, Optional, Sequence
 
-from . import __version__
+from . import __version__, startup
 from .errors import PhalanxError, Stopped, TrainingDiverged, WorkerFailed
 from .options import add_flags, declared, field_flag, given
 
@@ -35,7 +35,7 @@ SECTIONS = {
         "lr_decay_every", "lr_decay_factor", "staircase", "warmup_steps", "lr_base_batch", "seed", "straggler"),
     "observation and checkpoints": ("log_every", "eval_every", "stop_at_accuracy", "metrics", "checkpoint_dir",
                                     "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "keep_global_batch",
-                                    "progress", "prefetch"),
+                                    "progress", "profile_startup", "prefetch"),
 }
 
 
@@ -152,6 +152,7 @@ def _one_line_warnings(message, category, filename, lineno, file=None, line=None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    startup.begin()
     _start_worker_server(sys.argv[1:] if argv is None else list(argv))
     from .launcher import leave
 

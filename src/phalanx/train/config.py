@@ -117,6 +117,9 @@ class TrainConfig:
     overwrite: bool = option(False, "start a new run in a --checkpoint-dir that holds another run: remove its "
                                     "checkpoints and metrics file first (phalanx's own files only)")
     progress: str = option("auto", "auto draws a bar on a terminal", choices=PROGRESS)
+    profile_startup: bool = option(False, "print where the seconds before the first step went (imports, workers "
+                                          "joining, data, model, calibration, strategy, first step); always in "
+                                          "the metrics file")
     prefetch: int = option(2, "batches prepared ahead of the towers")
     master_addr: str = option("127.0.0.1", "address the workers rendezvous on (one machine)")
     link: Optional[Union[str, LinkRate]] = option(

@@ -24,6 +24,7 @@ from ..launcher import WorkerContext
 from ..memory import Held, describe, held, largest
 from ..task import is_import_path, resolve
 from ..precision import Precision, compile_blocks
+from ..startup import Marks
 from ..strategies import Build, nonfinite_values
 from . import checkpoint as ckpt
 from .losses import LossWindow, first_non_finite
@@ -52,6 +53,8 @@ class WorkerRun:
 
     def __init__(self, ctx: WorkerContext, plan: Plan):
         self.ctx, self.plan, self.cfg = ctx, plan, plan.config
+        self.marks = Marks(plan.began, plan=plan.planned)  # where the start-up's seconds go
+        self.marks.mark("joined")
         self.me = plan.layout.ranks[ctx.rank]
         # A checkpoint's settings fill in what no flag gave, before anything is built from the config.
         resumed = ckpt.load_checkpoint(plan.resume_path) if plan.resume_path else None
@@ -59,6 +62,7 @@ class WorkerRun:
         cfg = self.cfg = self.resumed.config if self.resumed else self.cfg
         self.data = plan.data or load_data(cfg.data, cfg.data_dir, tuple(cfg.synthetic_shape), cfg.synthetic_size,
                                            cfg.seed)
+        self.marks.mark("data")
         self.global_batch = cfg.batch_size * plan.layout.shards
         # This rank's share of every global step (None: it reads no data, e.g. a parameter server).
         self.batches = None if self.me.shard is None else ShardedBatches(
@@ -71,12 +75,15 @@ class WorkerRun:
         if resumed:  # before any strategy wraps it: the plain model's names are the checkpoint's
             check_fits(resumed, model, resumed["path"])
         self.compiled = compile_blocks(model) if cfg.compile else 0  # in place: before any strategy wraps it
+        self.marks.mark("model")
         # Before the runtime: calibrating shares every rank's compute time (a collective).
         self.straggle = Straggle.start(cfg.straggler, ctx, self.me.shard, model, example, plan.task.loss_fn,
                                        cfg.accumulate, cfg.seed)
+        self.marks.mark("calibration")
         build = Build(ctx, plan.layout, model, self._make_optimizer, plan.task.loss_fn, cfg.steps, cfg.accumulate, example,
                       cfg.hang_timeout_s, Precision(cfg.precision, ctx.device.type))
         self.runtime = cfg.strategy.runtime(build)
+        self.marks.mark("strategy")
         self.schedule = Schedule(cfg.lr_schedule, cfg.lr_decay_every, cfg.lr_decay_factor, cfg.staircase,
                                  cfg.warmup_steps, cfg.steps)
         # A parameter server's workers never step their own optimizer (the server does): torch
@@ -139,6 +146,7 @@ class WorkerRun:
             progress.at(self.step + 1, "the training step")
             x, y = next(inputs)
             loss = self.runtime.train_step(x, y)
+            self.marks.mark("first_step")  # (the first call counts; on a GPU: when the step was queued)
             self.straggle.after_step()
             self.scheduler.step()
             following = self.runtime.next_step(self.step)
@@ -395,7 +403,7 @@ class WorkerRun:
                    "precision": self.cfg.precision, "compiled_blocks": self.compiled,
                    "watch_cpu_seconds": round(self.ctx.progress.cpu_seconds, 4),
                    "memory_bytes": mine.as_dict(), **({"memory_bytes_max": most.as_dict()} if most else {}),
-                   **report.fields}
+                   "startup_seconds": self.marks.seconds, **report.fields}
         self.reporter.record("summary", **summary)
         self.reporter.close()
         if stopped:
@@ -410,6 +418,8 @@ class WorkerRun:
             self.reporter.say(line)
         for line in report.lines:
             self.reporter.say(line)
+        if self.cfg.profile_startup:
+            self.reporter.say(self.marks.line())
         self.reporter.say(f"checkpoint {self.last_checkpoint}")
         self.reporter.say(f"metrics {self.cfg.metrics}")
         return summary

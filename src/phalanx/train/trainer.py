@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from .. import shaped_link
+from .. import shaped_link, startup
 from ..data import DataBundle
 from ..devices import backend_for, resolve_devices
 from ..errors import JobHung, PhalanxError, Stopped, WorkerFailed
@@ -44,6 +45,9 @@ class Plan:
     workers: int  #: the workers the user asked for (a parameter server adds one process)
     run_id: str = ""  #: the run this job is (written in every checkpoint and the metrics file)
     remove: tuple = ()  #: --overwrite: another run's files, removed once the directory is locked
+    #: start-up marks: when the command began, and seconds from then until the plan was ready
+    began: float = 0.0
+    planned: float = 0.0
 
 
 class Trainer:
@@ -77,8 +81,10 @@ class Trainer:
             config = dataclasses.replace(config, optimizer=label(optimizer))
         self.config = config
 
-    def plan(self) -> Plan:
-        """Every check that can be made before a process starts; nothing is written."""
+    def plan(self, began: Optional[float] = None) -> Plan:
+        """Every check that can be made before a process starts; nothing is written. ``began``: when
+        the run began (for its start-up marks; default: now)."""
+        began = time.time() if began is None else began
         task = self.task
         cfg = self.config.resolved(task.model_name)
         facts = checks.data_facts(cfg, task.data)
@@ -113,11 +119,13 @@ class Trainer:
         run_id = resumed or claim.run_id
         remove = claim.remove + rundir.check_metrics(cfg, run_id, new=cfg.resume is None and not claim.restarted)
         return Plan(cfg, layout, dataclasses.replace(task, data=None), facts.bundle, resume_path,
-                    self.config.recipe_line(task.model_name), len(devices), run_id, remove)
+                    self.config.recipe_line(task.model_name), len(devices), run_id, remove, began,
+                    round(time.time() - began, 4))
 
     def fit(self) -> dict[str, Any]:
+        began = startup.take()
         try:
-            plan = self.plan()
+            plan = self.plan(began)
         except rundir.RunComplete as done:  # a restarted attempt after the run's last checkpoint
             if launcher_rank() == 0:
                 print(done, flush=True)

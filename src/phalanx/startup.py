@@ -1,0 +1,64 @@
+"""Where a run's first seconds go: its start-up phases, timed from the moment the command began.
+
+The parent marks when the command began (:func:`begin`, first thing in the CLI; each
+``Trainer.fit`` takes that mark, or, in a process that fits again, its own call's time) and when its plan was ready; rank 0 marks when its process group was
+joined and then each phase of its own preparation. The summary and the metrics file hold the
+marks (``startup_seconds``: seconds since the command began, per phase, in order); under
+``--profile-startup`` rank 0 prints them as one line. Wall-clock times (``time.time()``), since
+the marks are taken in different processes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+#: The phases, in order, and what each one ends.
+PHASES = {
+    "plan": "imports and the parent's checks",
+    "joined": "workers started and joined the process group",
+    "data": "data loaded",
+    "model": "model built",
+    "calibration": "straggler calibration",
+    "strategy": "strategy set up (wrappers, first broadcast)",
+    "first_step": "first training step",
+}
+
+_began: Optional[float] = None  #: when the CLI command began, until a run takes it
+
+
+def begin() -> None:
+    """The command begins now (the CLI's first line)."""
+    global _began
+    _began = time.time()
+
+
+def take() -> float:
+    """When this run began: the command's beginning for its first run, now for any later one."""
+    global _began
+    began, _began = (_began if _began is not None else time.time()), None
+    return began
+
+
+class Marks:
+    """Phase -> seconds since the command began, in the order they were reached."""
+
+    def __init__(self, began: float, **already: float):
+        self.began = began
+        self.seconds: dict[str, float] = dict(already)
+
+    def mark(self, phase: str) -> None:
+        assert phase in PHASES, phase
+        self.seconds.setdefault(phase, round(time.time() - self.began, 4))
+
+    def line(self) -> str:
+        """``start-up 2.41 s to the first step: imports and the parent's checks 1.52 s, workers ... +0.61 s, ...``"""
+        parts, before = [], 0.0
+        for phase, at in self.seconds.items():
+            parts.append(f"{PHASES[phase]} {'+' if parts else ''}{at - before:.2f} s")
+            before = at
+        total = self.seconds.get("first_step", before)
+        return f"start-up {total:.2f} s to the first step: " + ", ".join(parts)
+
+
+__all__ = ["Marks", "PHASES", "begin", "take"]
