@@ -192,7 +192,8 @@ def launch(
 ) -> Any:
     """Run ``fn(ctx, *args)`` on one worker per entry of ``devices``; return rank 0's result.
 
-    ``fn`` and ``args`` must be picklable (workers start as forks of a fresh fork server: see :func:`start_method`).
+    ``fn`` and ``args`` must be picklable: workers start as forks of the fork server (see
+    :mod:`phalanx.forkserver`), which imported torch and phalanx but not this caller's objects.
     Inside torchrun or srun this process is the worker: ``devices`` is indexed by its local rank.
     A rank for which ``tolerate(rank)`` holds may die without ending the job. With
     ``hang_timeout_s`` > 0 the parent watches every rank's progress and ends a job in which no
