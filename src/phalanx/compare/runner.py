@@ -4,7 +4,8 @@ Who runs what: this process (the parent) makes one :class:`~phalanx.train.TrainC
 the shared training flags (model, data, batch, recipe, devices: the same for every run), the
 strategy and the scenario; checks every (strategy, scenario) before the first run starts (a token
 that cannot run is one line, nothing trained); then trains the runs one after another through
-``Trainer.fit``, each spawning its own workers. A run stops at the first evaluation that reaches the
+``Trainer.fit``, each with fresh workers forked by this process's fork server (warm after the first
+run: a run's start-up is milliseconds of forking, then its rendezvous; :mod:`phalanx.forkserver`). A run stops at the first evaluation that reaches the
 target (``stop_at_accuracy``) or after ``max_steps``; its figures are read back from the metrics
 file its loop wrote (``results.py``).
 
