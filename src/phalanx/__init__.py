@@ -5,6 +5,7 @@ refused at parse time, and the start of a job's worker server do not wait for to
 """
 
 import importlib
+import importlib.util
 
 __version__ = "0.2.0"
 
@@ -25,8 +26,10 @@ __all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
+    if name not in _WHERE:  # a submodule by attribute (phalanx.devices.cuda_count()), as an eager package had it
+        if importlib.util.find_spec(f"{__name__}.{name}") is None:
+            raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
+        return importlib.import_module(f".{name}", __name__)
     value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
     globals()[name] = value  # once: later lookups do not come here
     return value
