@@ -25,6 +25,7 @@ from typing import Optional
 from ..errors import PhalanxError, Stopped
 from ..options import add_flags, declared, given, option
 from ..train import TrainConfig
+from ..train.config import SECTIONS
 from . import plots, report
 from .runner import Interrupted, Run, Setup, check, run_all, schedule
 from .results import RunResult
@@ -33,7 +34,7 @@ from .tokens import parse_scenarios, parse_strategies
 DEFAULT_STRATEGIES = "sync,ps,ssp:2,local-sgd:8,hogwild,backup:1"
 
 #: TrainConfig fields a comparison sets for each run (the rest are the problem's, shared by every run).
-PER_RUN = {"strategy", "straggler", "steps", "eval_every", "stop_at_accuracy", "metrics", "checkpoint_dir",
+PER_RUN = {"strategy", "straggler", "steps", "eval_every", "stop_at", "stop_at_accuracy", "metrics", "checkpoint_dir",
            "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "progress", "log_every",
            "link"}  # a link is a scenario (link:RATE), not a flag shared by every run
 
@@ -90,8 +91,6 @@ def shared_fields() -> list[str]:
 
 
 def add_compare_flags(p: argparse.ArgumentParser) -> None:
-    from ..cli import SECTIONS
-
     add_flags(p.add_argument_group("the comparison"), CompareOptions)
     shared = set(shared_fields())
     for title, names in SECTIONS.items():
