@@ -5,12 +5,13 @@ target is a measure of the disease's progression a year later. Float targets mak
 phalanx trains with MSE and reports the loss (and MSE) on the test set. Run from this folder:
 
     phalanx train --model diabetes:Net --data diabetes:load --optimizer adam --lr 0.01 \\
-        --steps 200 --batch-size 16 --eval-every 50 --log-every 50
+        --steps 150 --batch-size 16 --eval-every 50 --log-every 50
     phalanx train --strategy ps ...   (the same flags: a parameter server and 2 workers)
 
 Inputs and targets are standardised with the training part's mean and deviation, so predicting
 the training mean for every patient scores a test MSE of about 1 (``baseline()`` computes it);
-a model that learns ends near 0.5 (a linear model explains about half the variance here).
+this one ends near 0.54 with sync and with ps (a linear model explains about half the variance
+here; tests/test_diabetes_example.py checks it ends below 0.75 of the baseline).
 """
 
 from __future__ import annotations
