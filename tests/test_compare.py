@@ -98,7 +98,7 @@ def run_main(argv, capsys):
     (["--strategies", "ps", "--scenarios", "slow:0:2"],
      "ps under scenario slow:0:2: --straggler 0:2 names the parameter server (rank 0), which computes no gradients"),
     (["--strategies", "backup:2", "--workers", "2"], "backup:2: --backup-workers 2 leaves no gradient to average"),
-    (["--target", "1.5"], "--target must be a test accuracy in (0, 1]"),
+    (["--target", "1.5"], "--target 1.5: an accuracy is in (0, 1]"),
     (["--max-steps", "10", "--eval-every", "20"], "--eval-every 20 is more than --max-steps 10"),
     (["--momentum", "0.5", "--optimizer", "adam"], "--momentum applies to --optimizer sgd"),
     (["--strategies", ""], "--strategies '' has an empty entry"),  # not "the default strategies"

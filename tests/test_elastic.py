@@ -123,7 +123,7 @@ def test_every_strategy_resumes_another_strategys_checkpoint_on_another_worker_c
         # The step after the resume starts from the checkpoint's model, not a fresh one (ln 10 = 2.3 on
         # ten digits): the load path worked.
         assert int(first) == step + 1 and float(loss) < 1.2, f"{strategy} on {workers}: {out.stdout}"
-        accuracy = float(re.search(r"test accuracy ([\d.]+) after", out.stdout).group(1))
+        accuracy = float(re.search(r"test accuracy (\d\.\d+)[^\n]* after", out.stdout).group(1))
         assert accuracy > 0.5, f"{strategy} on {workers}: {out.stdout}"
         checkpoint, step = where / f"step-{step + 3:08d}.pt", step + 3
         assert load_checkpoint(checkpoint)["step"] == step

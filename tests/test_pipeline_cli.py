@@ -24,7 +24,7 @@ def run(*args: str, cwd) -> subprocess.CompletedProcess:
 
 
 def accuracy(stdout: str) -> float:
-    return float(re.search(r"test accuracy (\d\.\d+) after", stdout).group(1))
+    return float(re.search(r"test accuracy (\d\.\d+)[^\n]* after", stdout).group(1))
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ def test_every_built_in_model_reaches_090_on_digits_with_its_recipe(model, strat
         out = run_cli("train", "--model", "lstm", "--log-every", "1000", cwd=tmp_path)
         assert out.returncode == 0, out.stderr[-2000:]
         assert "recipe: adam, lr 0.01, 300 steps (lstm default; any flag overrides)" in out.stdout.splitlines()
-        accuracy = float(re.search(r"test accuracy (\d\.\d+) after 300 steps", out.stdout).group(1))
+        accuracy = float(re.search(r"test accuracy (\d\.\d+)[^\n]* after 300 steps", out.stdout).group(1))
     else:
         config = TrainConfig(model=model, strategy=strategy, workers=2, devices="cpu", progress="none",
                              log_every=1000, checkpoint_dir=str(tmp_path / "c"))

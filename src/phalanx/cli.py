@@ -23,22 +23,6 @@ from . import __version__, startup
 from .errors import PhalanxError, Stopped, TrainingDiverged, WorkerFailed
 from .options import add_flags, declared, field_flag, given
 
-#: How ``phalanx train --help`` groups the training flags (every TrainConfig field appears once).
-SECTIONS = {
-    "parallelism": ("strategy", "devices", "strict_devices", "workers", "threads", "master_addr", "link"),
-    "faults": ("timeout_s", "hang_timeout_s", "max_restarts"),
-    "speed": ("precision", "compile"),
-    "model and data": ("model", "data", "loss", "validation_split", "data_dir", "synthetic_shape",
-                       "synthetic_size"),
-    "optimisation (unset: the model's recipe)": (
-        "steps", "batch_size", "accumulate", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
-        "lr_decay_every", "lr_decay_factor", "staircase", "warmup_steps", "lr_base_batch", "seed", "straggler"),
-    "observation and checkpoints": ("log_every", "eval_every", "stop_at_accuracy", "metrics", "checkpoint_dir",
-                                    "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "keep_global_batch",
-                                    "progress", "profile_startup", "prefetch"),
-}
-
-
 class Parser(argparse.ArgumentParser):
     """Usage errors as one line, like every other bad input."""
 
@@ -59,6 +43,7 @@ def strategy_fields() -> dict[str, tuple[type, list[str]]]:
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
     from .train import TrainConfig
+    from .train.config import SECTIONS
 
     for title, names in SECTIONS.items():
         add_flags(p.add_argument_group(title), TrainConfig, names)

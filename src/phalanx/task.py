@@ -19,7 +19,7 @@ import importlib
 import inspect
 import os
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,19 +27,9 @@ from torch import nn
 
 from .data import DataBundle
 from .errors import PhalanxError
+from .metrics import BUILT_IN, CLASSIFICATION, REGRESSION, Metric, check_target, mse_loss, user_metric, with_loss
 from .models import build_model
 
-
-@dataclasses.dataclass(frozen=True)
-class Metric:
-    """A number the run reports on the test (or validation) set, and which way is better."""
-
-    name: str
-    higher_is_better: bool
-
-
-ACCURACY = Metric("accuracy", higher_is_better=True)
-LOSS = Metric("loss", higher_is_better=False)
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
@@ -55,7 +45,8 @@ class Task:
     data: Optional[DataBundle] = None  #: train and test sets in memory (None: a built-in set each worker loads)
     data_name: str = "digits"  #: how the header and the checkpoint name the data
     loss_fn: Callable = F.cross_entropy
-    metrics: tuple[Metric, ...] = (ACCURACY, LOSS)
+    #: what evaluation reports (the loss always among them), each with its direction (see metrics.py)
+    metrics: tuple[Metric, ...] = CLASSIFICATION
     make_optimizer: Optional[OptimizerFactory] = None
 
     def optimizer(self, params: Any) -> torch.optim.Optimizer:
@@ -146,14 +137,62 @@ def copy_of(model: nn.Module, input_shape: tuple, num_classes: int) -> nn.Module
 
 
 def task_from(cfg: Any, *, model: Optional[nn.Module] = None, train_data: Any = None, test_data: Any = None,
-              loss_fn: Optional[Callable] = None, optimizer: Optional[OptimizerFactory] = None) -> Task:
+              loss_fn: Optional[Callable] = None, optimizer: Optional[OptimizerFactory] = None,
+              metrics: Optional[Sequence[Any]] = None) -> Task:
     """The Task of a run (``cfg``: its TrainConfig): what the API was given first, else the config's
-    names (built-in, or import paths resolved here, in the parent, so that nothing starts if one fails)."""
+    names (built-in, or import paths resolved here, in the parent, so that nothing starts if one fails).
+    Float targets make a regression: MSE unless a loss is given, and loss and mse reported."""
     if optimizer is not None and cfg.optimizer is not None:
         raise PhalanxError(f"optimizer= and --optimizer {cfg.optimizer} both name the optimizer: give one")
-    task = _task_parts(cfg.model, cfg.optimizer, cfg.loss, model, loss_fn, optimizer)
-    task.data, task.data_name = _task_data(cfg, train_data, test_data)
+    if metrics is not None and cfg.metric is not None:
+        raise PhalanxError(f"metrics= and --metric {cfg.metric} both name the metrics: give one")
+    data, data_name = _task_data(cfg, train_data, test_data)
+    regression = data is not None and data.train.y.is_floating_point()
+    task = _task_parts(cfg.model, cfg.optimizer, cfg.loss, model, loss_fn, optimizer, regression)
+    task.data, task.data_name = data, data_name
+    task.metrics = _metrics(cfg, metrics, regression)
     return task
+
+
+def _metrics(cfg: Any, given: Optional[Sequence[Any]], regression: bool) -> tuple[Metric, ...]:
+    """The metrics asked for (``metrics=`` or ``--metric``; else the task's kind's), the loss after them,
+    and the stopping target's metric where it is a built-in one not yet among them."""
+    flag = "--metric"
+    if given is None and cfg.metric is not None:
+        given = [part.strip() for part in cfg.metric.split(",") if part.strip()]
+    elif given is not None:
+        flag = "metrics="
+        given = [given] if isinstance(given, (str, Metric)) or callable(given) else list(given)
+    chosen = [metric_of(m, flag) for m in given] if given else list(REGRESSION if regression else CLASSIFICATION)
+    names = [m.name for m in chosen]
+    if len(set(names)) != len(names):
+        raise PhalanxError(f"{flag}: two metrics are named {next(n for n in names if names.count(n) > 1)}; "
+                           "give each metric once")
+    target = cfg.target
+    if target is not None and target.metric not in names and target.metric in BUILT_IN:
+        chosen.append(BUILT_IN[target.metric])
+    if regression and any(m.name == "accuracy" for m in chosen):
+        raise PhalanxError(f"{flag} accuracy: the targets are floats (a regression), and accuracy counts classes; "
+                           "use mse, rmse or mae, or give integer class targets")
+    chosen = with_loss(chosen)
+    if target is not None:
+        check_target(target, chosen, "--stop-at")
+    return chosen
+
+
+def metric_of(spec: Any, flag: str = "--metric") -> Metric:
+    """A Metric from a built-in name, an import path, a function (sum, count) or a Metric."""
+    if isinstance(spec, Metric):
+        return spec
+    if isinstance(spec, str) and spec in BUILT_IN:
+        return BUILT_IN[spec]
+    if is_import_path(spec):
+        fn = resolve(spec, flag, "a metric (outputs, targets) -> (sum, count)")
+        return user_metric(fn, spec.partition(":")[2].split(".")[-1])
+    if callable(spec) and not isinstance(spec, str):
+        return user_metric(spec)
+    raise PhalanxError(f"{flag} {spec}: unknown metric; choose one of {', '.join(BUILT_IN)}, or MODULE:CALLABLE "
+                       "returning (sum, count) for a batch")
 
 
 def _task_data(cfg: Any, train: Any, test: Any) -> tuple[Optional[DataBundle], str]:
@@ -182,7 +221,7 @@ def _task_data(cfg: Any, train: Any, test: Any) -> tuple[Optional[DataBundle], s
 
 def _task_parts(model_name: str, optimizer_name: Optional[str], loss_name: Optional[str],
                 model: Optional[nn.Module], loss_fn: Optional[Callable],
-                optimizer: Optional[OptimizerFactory]) -> Task:
+                optimizer: Optional[OptimizerFactory], regression: bool = False) -> Task:
     if model is not None:
         make_model, name = functools.partial(copy_of, model), label(model)
     elif is_import_path(model_name):
@@ -192,7 +231,7 @@ def _task_parts(model_name: str, optimizer_name: Optional[str], loss_name: Optio
         make_model, name = functools.partial(build_model, model_name), model_name
     if loss_fn is None:
         loss_fn = resolve(loss_name, "--loss", "a loss (outputs, targets) -> scalar tensor") if loss_name \
-            else F.cross_entropy
+            else (mse_loss if regression else F.cross_entropy)
     if optimizer is None and is_import_path(optimizer_name):
         optimizer = resolve(optimizer_name, "--optimizer", "a callable params -> torch.optim.Optimizer")
     return Task(make_model, name, loss_fn=loss_fn, make_optimizer=optimizer)

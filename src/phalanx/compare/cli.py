@@ -14,17 +14,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import shlex
 import signal
 import threading
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from ..errors import PhalanxError, Stopped
+from ..metrics import parse_target
 from ..options import add_flags, declared, given, option
 from ..train import TrainConfig
+from ..train.config import SECTIONS
 from . import plots, report
 from .runner import Interrupted, Run, Setup, check, run_all, schedule
 from .results import RunResult
@@ -33,7 +36,7 @@ from .tokens import parse_scenarios, parse_strategies
 DEFAULT_STRATEGIES = "sync,ps,ssp:2,local-sgd:8,hogwild,backup:1"
 
 #: TrainConfig fields a comparison sets for each run (the rest are the problem's, shared by every run).
-PER_RUN = {"strategy", "straggler", "steps", "eval_every", "stop_at_accuracy", "metrics", "checkpoint_dir",
+PER_RUN = {"strategy", "straggler", "steps", "eval_every", "stop_at", "stop_at_accuracy", "metrics", "checkpoint_dir",
            "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "progress", "log_every",
            "link"}  # a link is a scenario (link:RATE), not a flag shared by every run
 
@@ -45,7 +48,9 @@ class CompareOptions:
     strategies: Optional[str] = option(None, "strategies to compare, each with its main option after a colon "
                                              "(ssp:K, local-sgd:H, backup:B)", parse=lambda text: _checked(text),
                                        show=f"{DEFAULT_STRATEGIES}; on GPUs without hogwild, which needs the CPU")
-    target: float = option(0.95, "the test accuracy each run trains to")
+    target: Union[str, float] = option(0.95, "what each run trains to: accuracy>=0.95, loss<=0.30, perplexity<=5, or "
+                                             "a --metric's name with >= or <=; a bare number is an accuracy",
+                                       parse=lambda text: _target(text))
     scenarios: str = option("none,slow:1:2,pauses:0.1:4",
                             "scenarios: none, slow:RANK:FACTOR (that rank's compute FACTOR times as long "
                             "every step), pauses:P:FACTOR (every step, each worker FACTOR times as slow with "
@@ -65,8 +70,7 @@ class CompareOptions:
             _checked(self.strategies)
         if self.out is not None:
             _named_folder(self.out)
-        if not (isinstance(self.target, (int, float)) and 0 < self.target <= 1):
-            raise PhalanxError(f"--target must be a test accuracy in (0, 1], e.g. 0.95, got {self.target}")
+        _target(self.target)
         for name in ("repeats", "max_steps", "eval_every"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -77,6 +81,12 @@ def _checked(strategies: str) -> str:
     """The --strategies text, once every entry in it parses (at parse time, before anything runs)."""
     parse_strategies(strategies)
     return strategies
+
+
+def _target(text):
+    """The --target as given, once it parses (the metric it names is checked with the problem's metrics)."""
+    parse_target(text, "--target")
+    return text
 
 
 def _named_folder(out: str) -> str:
@@ -90,8 +100,6 @@ def shared_fields() -> list[str]:
 
 
 def add_compare_flags(p: argparse.ArgumentParser) -> None:
-    from ..cli import SECTIONS
-
     add_flags(p.add_argument_group("the comparison"), CompareOptions)
     shared = set(shared_fields())
     for title, names in SECTIONS.items():
@@ -115,7 +123,8 @@ def setup_from(options: CompareOptions, train: TrainConfig) -> Setup:
         raise PhalanxError(f"--eval-every {eval_every} is more than --max-steps {max_steps}: no evaluation would "
                            "happen before the end; lower --eval-every")
     strategies = parse_strategies(options.strategies if options.strategies is not None else default_strategies(train))
-    return Setup(train, tuple(strategies), tuple(parse_scenarios(options.scenarios)), float(options.target),
+    return Setup(train, tuple(strategies), tuple(parse_scenarios(options.scenarios)),
+                 parse_target(options.target, "--target"),
                  options.repeats, max_steps, eval_every)
 
 
@@ -131,7 +140,8 @@ def _progress(total: int):
                 bar.set_description(run.label)
             return
         outcome = (f"reached the target at step {result.steps_to_target} ({report.seconds(result.seconds_to_target)})"
-                   if result.reached else f"not reached (best {result.best_accuracy:.3f})")
+                   if result.reached else f"not reached (best {'' if result.metric == 'accuracy' else result.metric + ' '}"
+                                          f"{result.best if result.best is not None else math.nan:.3f})")
         line = f"run {i + 1}/{total}: {run.label}: {outcome}"
         if bar is not None:
             bar.write(line)
@@ -150,7 +160,7 @@ def compare(options: CompareOptions, train: TrainConfig, command: Optional[str] 
     checked = check(setup)
     total = len(schedule(setup))
     print(f"phalanx compare: {len(setup.strategies)} strategies x {len(setup.scenarios)} scenarios x "
-          f"{setup.repeats} repeats = {total} runs, each to {setup.target:g} test accuracy or {setup.max_steps} "
+          f"{setup.repeats} repeats = {total} runs, each to {report.target_words(setup.target)} or {setup.max_steps} "
           f"steps (evaluated every {setup.eval_every}); {checked.workers} workers, {train.model} on {train.data}",
           flush=True)
     out = Path(options.out) if options.out is not None else None

@@ -54,27 +54,30 @@ def _panels(n: int):
 
 
 def curves(setup: Setup, runs: list[RunResult], out: Path, x: str) -> dict[str, Any]:
-    """Accuracy against training time (``x="seconds"``) or steps (``x="step"``)."""
+    """The target's metric (accuracy, loss ...) against training time (``x="seconds"``) or steps (``x="step"``)."""
     colours = _colours(setup)
+    metric = setup.target.metric
     fig, axes = _panels(len(setup.scenarios))
     for ax, scenario in zip(axes, setup.scenarios):
         for strategy in setup.strategies:
             mine = [r for r in runs if r.scenario == scenario.token and r.strategy == strategy.token]
             for i, r in enumerate(mine):
-                ax.plot([p[x] for p in r.curve], [p["accuracy"] for p in r.curve], color=colours[strategy.token],
+                ax.plot([p[x] for p in r.curve], [p[metric] for p in r.curve],
+                        color=colours[strategy.token],
                         alpha=0.85 if i == 0 else 0.45, lw=1.4, marker=".", ms=3,
                         label=strategy.token if i == 0 else None)
-        ax.axhline(setup.target, color="0.4", ls="--", lw=1)
+        ax.axhline(setup.target.value, color="0.4", ls="--", lw=1)
         ax.set_title(scenario.token)
         ax.set_xlabel("training time (s)" if x == "seconds" else "steps")
-        ax.set_ylabel("test accuracy")
-        ax.set_ylim(0, 1.02)
+        ax.set_ylabel(f"test {metric}")
+        if metric == "accuracy":
+            ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-    axes[-1].legend(fontsize=8, loc="lower right")
+    axes[-1].legend(fontsize=8, loc="lower right" if setup.target.higher else "upper right")
     what = "training time" if x == "seconds" else "steps"
-    name = "accuracy-vs-time.png" if x == "seconds" else "accuracy-vs-steps.png"
-    fig.suptitle(f"test accuracy against {what} (target {setup.target:g})")
-    return _save(fig, out / name, f"test accuracy against {what}")
+    name = f"{metric}-vs-time.png" if x == "seconds" else f"{metric}-vs-steps.png"
+    fig.suptitle(f"test {metric} against {what} (target {setup.target})")
+    return _save(fig, out / name, f"test {metric} against {what}")
 
 
 def bars(setup: Setup, table: dict[str, list[Figures]], out: Path) -> dict[str, Any]:
@@ -98,7 +101,7 @@ def bars(setup: Setup, table: dict[str, list[Figures]], out: Path) -> dict[str, 
                    yerr=[[low], [high]], capsize=3, edgecolor="black" if f.winner else "none")
     ax.set_ylim(0, 1.15 * tallest)
     ax.set_xticks(range(len(setup.scenarios)), [s.token for s in setup.scenarios])
-    ax.set_ylabel(f"training time to {setup.target:g} accuracy (s)")
+    ax.set_ylabel(f"training time to {setup.target} (s)")
     ax.set_title("time to target: median, min-max over repeats (x: not reached)")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, ncols=min(n, 4))

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ..metrics import Target
 from .results import Figures, RunResult, figures, rank
 from .runner import Checked, Setup
 from .tokens import Scenario
@@ -44,14 +45,36 @@ def tables(setup: Setup, runs: list[RunResult]) -> dict[str, list[Figures]]:
 # --------------------------------------------------------------------------- cells
 
 
+def target_words(target: Target) -> str:
+    """``0.95 test accuracy`` as before for an accuracy; ``test loss<=0.3`` for any other metric."""
+    return f"{target.value:g} test accuracy" if target.metric == "accuracy" and target.higher else f"test {target}"
+
+
+def short(target: Target) -> str:
+    """``0.95`` for an accuracy, as before; ``loss<=0.3`` for any other metric."""
+    return f"{target.value:g}" if target.metric == "accuracy" and target.higher else str(target)
+
+
+def _final(r: RunResult) -> str:
+    value = r.final if r.final is not None else r.final_accuracy
+    return "-" if value is None else f"{value:.4f}"
+
+
 def seconds(value: float) -> str:
     return f"{value:.2f} s" if value < 10 else f"{value:.1f} s"
+
+
+def best(f: Figures, digits: int = 2) -> str:
+    """The best value of the target's metric any repeat reached: ``0.93``; ``loss 0.41`` for another metric."""
+    value = f.best if f.best is not None else f.best_accuracy
+    text = "-" if value is None else f"{value:.{digits}f}"
+    return text if f.metric == "accuracy" else f"{f.metric} {text}"
 
 
 def time_cell(f: Figures) -> str:
     """``4.12 s (3.90-4.40)``; ``not reached in 600 steps (best 0.93)``; partial successes say how many."""
     if not f.any_reached:
-        return f"not reached in {f.max_steps} steps (best {f.best_accuracy:.2f})"
+        return f"not reached in {f.max_steps} steps (best {best(f)})"
     spread = f"{seconds(min(f.seconds))}-{seconds(max(f.seconds))}".replace(" s-", "-") if f.runs > 1 else ""
     if math.isinf(f.median_seconds):
         return f"reached in {f.reached} of {f.runs} runs only ({spread or seconds(f.seconds[0])})"
@@ -77,7 +100,7 @@ def _headers(setup: Setup) -> list[str]:
 
 
 def _title(setup: Setup, checked: Checked, scenario: Scenario) -> str:
-    return (f"{scenario.token} ({scenario.describe()}): time to {setup.target:g} test accuracy, "
+    return (f"{scenario.token} ({scenario.describe()}): time to {target_words(setup.target)}, "
             f"{checked.workers} workers, {setup.repeats} repeat{'s' * (setup.repeats != 1)}")
 
 
@@ -113,10 +136,12 @@ def scenario_sentence(setup: Setup, scenario: Scenario, rows: list[Figures]) -> 
     base = next((f for f in rows if f.strategy == baseline(setup)), None)
     missed = [f for f in rows if not f.any_reached]
     if winner is None:
-        best = max(rows, key=lambda f: f.best_accuracy)
-        return (f"{name}, no strategy reached {setup.target:g} in {setup.max_steps} steps in most runs (the best "
-                f"accuracy was {best.best_accuracy:.3f}, by {best.strategy}).")
-    text = f"{name}, **{winner.strategy}** reached {setup.target:g} first, in {seconds(winner.median_seconds)}"
+        known = [f for f in rows if (f.best if f.best is not None else f.best_accuracy) is not None]
+        top = (max if setup.target.higher else min)(
+            known, key=lambda f: f.best if f.best is not None else f.best_accuracy) if known else rows[0]
+        return (f"{name}, no strategy reached {short(setup.target)} in {setup.max_steps} steps in most runs (the best "
+                f"{setup.target.metric} was {best(top, 3).split()[-1]}, by {top.strategy}).")
+    text = f"{name}, **{winner.strategy}** reached {short(setup.target)} first, in {seconds(winner.median_seconds)}"
     if base is not None and base is not winner and base.ratio is not None and winner.ratio:
         text += f", {1 / winner.ratio:.2f}x as fast as {base.strategy} ({seconds(base.median_seconds)})"
         text += _why(winner, base)
@@ -125,7 +150,7 @@ def scenario_sentence(setup: Setup, scenario: Scenario, rows: list[Figures]) -> 
         if others:
             text += f"; the next, {others[0].strategy}, took {others[0].ratio:.2f}x as long" + _why(others[0], winner)
     if missed:
-        text += "; " + ", ".join(f"{f.strategy} never reached it (best {f.best_accuracy:.3f})" for f in missed)
+        text += "; " + ", ".join(f"{f.strategy} never reached it (best {best(f, 3)})" for f in missed)
     return text + "."
 
 
@@ -146,8 +171,8 @@ def answer(setup: Setup, checked: Checked, table: dict[str, list[Figures]]) -> s
             for n, s in reversed(champions)) + "."
     else:
         close = "No strategy reached the target: raise --max-steps, or lower --target."
-    lead = (f"Problem: {model} on {setup.train.data}, {checked.workers} workers, target {setup.target:g} test "
-            f"accuracy, medians of {setup.repeats} repeat{'s' * (setup.repeats != 1)}.")
+    lead = (f"Problem: {model} on {setup.train.data}, {checked.workers} workers, target {target_words(setup.target)}, "
+            f"medians of {setup.repeats} repeat{'s' * (setup.repeats != 1)}.")
     return " ".join([lead] + sentences + [close])
 
 
@@ -177,7 +202,7 @@ def machine() -> dict[str, Any]:
 def setup_dict(setup: Setup, checked: Checked, command: Optional[str]) -> dict[str, Any]:
     train = setup.train.resolved()
     return {"command": command, "strategies": [s.token for s in setup.strategies],
-            "scenarios": [s.token for s in setup.scenarios], "target": setup.target, "repeats": setup.repeats,
+            "scenarios": [s.token for s in setup.scenarios], "target": str(setup.target), "repeats": setup.repeats,
             "max_steps": setup.max_steps, "eval_every": setup.eval_every, "workers": checked.workers,
             "model": train.model, "data": train.data, "batch_size": train.batch_size,
             "global_batch": checked.global_batch, "optimizer": train.optimizer, "lr": train.lr,
@@ -186,7 +211,7 @@ def setup_dict(setup: Setup, checked: Checked, command: Optional[str]) -> dict[s
 
 def markdown(setup: Setup, checked: Checked, table: dict[str, list[Figures]], runs: list[RunResult],
              plots: list[dict[str, Any]], info: dict[str, Any], command: Optional[str]) -> str:
-    lines = ["# phalanx compare: which strategy reaches the target accuracy first", "",
+    lines = [f"# phalanx compare: which strategy reaches {target_words(setup.target)} first", "",
              answer(setup, checked, table), ""]
     for scenario in setup.scenarios:
         lines += [f"## {_title(setup, checked, scenario)}", "",
@@ -205,11 +230,11 @@ def markdown(setup: Setup, checked: Checked, table: dict[str, list[Figures]], ru
     lines += [f"- {k}: {v}" for k, v in setup_dict(setup, checked, None).items() if k != "command"]
     lines += ["", "## Machine and versions", ""] + [f"- {k}: {v}" for k, v in info.items()]
     lines += ["", "## Every run", "", "| scenario | strategy | repeat | reached at step | time to target | "
-              "final accuracy | training s | evaluation s | start-up s | examples/s |", "|" + "---|" * 10]
+              f"final {setup.target.metric} | training s | evaluation s | start-up s | examples/s |", "|" + "---|" * 10]
     for r in runs:
         lines.append(f"| {r.scenario} | {r.strategy} | {r.repeat + 1} | "
                      f"{r.steps_to_target if r.reached else ('diverged' if r.diverged else 'not reached')} | "
-                     f"{seconds(r.seconds_to_target) if r.reached else '-'} | {r.final_accuracy:.4f} | "
+                     f"{seconds(r.seconds_to_target) if r.reached else '-'} | {_final(r)} | "
                      f"{r.train_seconds:.2f} | {r.eval_seconds:.2f} | {r.startup_seconds:.2f} | "
                      f"{r.examples_per_sec:,.0f} |")
     return "\n".join(lines) + "\n"

@@ -3,14 +3,14 @@
 A run's figures come from the JSON-lines metrics file its training loop wrote (rank 0's), so the
 report can always be checked against the files:
 
-- the *eval* events: step, test accuracy, ``train_seconds`` (training time so far, evaluation
+- the *eval* events: step, the test metrics (``metrics``; ``accuracy`` in older files), ``train_seconds`` (training time so far, evaluation
   excluded) and, for the parameter-server family, the gradients applied so far;
 - the *summary* event: steps, final accuracy, training and evaluation seconds, throughput,
   staleness, gradients applied and dropped;
 - the *straggle* event: each rank's calibrated compute time;
 - the *link* event (``link:RATE`` scenarios): the bytes that crossed the shaped link, per step.
 
-Time to target is the training time at the first evaluation whose accuracy reached the target
+Time to target is the training time at the first evaluation whose target metric reached the target
 (evaluations every ``--eval-every`` steps: the time is that coarse). Examples to target count the
 examples in the updates applied by then: steps x global batch, or, where the server reports them,
 gradients applied x batch (a ``backup`` update averages W - B gradients, not W). Throughput counts
@@ -24,7 +24,9 @@ import json
 import math
 import statistics
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
+
+from ..metrics import Target, parse_target
 
 
 @dataclasses.dataclass
@@ -49,10 +51,14 @@ class RunResult:
     staleness: Optional[dict[str, Any]]  #: mean, p95, max, histogram (strategies that have one)
     dropped: Optional[dict[str, Any]]  #: total, of (gradients pushed), by_worker (the parameter-server family)
     calibrated_compute_s: dict[str, float]  #: rank -> seconds (where a straggler scenario calibrated)
-    curve: list[dict[str, float]]  #: every evaluation: step, seconds (training time), accuracy
+    curve: list[dict[str, float]]  #: every evaluation: step, seconds (training time), the target's metric
     metrics: str  #: the metrics file it was read from
     link_bytes: Optional[int] = None  #: link:RATE: what crossed the shaped loopback (its kernel counters)
     link_bytes_per_step: Optional[float] = None
+    metric: str = "accuracy"  #: the target's metric: best and final are its values
+    higher: bool = True  #: higher is better for it
+    best: Optional[float] = None  #: its best value at any evaluation
+    final: Optional[float] = None  #: its value at the end
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -62,31 +68,45 @@ def read_events(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def value_of(event: dict[str, Any], metric: str) -> Optional[float]:
+    """A metric's value in an eval event (or a summary): under ``metrics`` (``accuracy`` in older files)."""
+    found = event.get("metrics") or event.get("test_metrics") or {}
+    if metric in found:
+        return found[metric]
+    return event.get("accuracy", event.get("test_accuracy")) if metric == "accuracy" else None
+
+
 def from_events(events: list[dict[str, Any]], *, strategy: str, scenario: str, repeat: int, seed: int,
-                target: float, batch_size: int, global_batch: int, wall_seconds: float, metrics: str,
-                diverged: bool = False) -> RunResult:
-    """The figures of one run, from its metrics events."""
+                target: Union[float, str, Target], batch_size: int, global_batch: int, wall_seconds: float,
+                metrics: str, diverged: bool = False) -> RunResult:
+    """The figures of one run, from its metrics events; ``target``: a Target, or an accuracy."""
+    target = parse_target(target, "--target")
     evals = [e for e in events if e["event"] == "eval"]
     summary = next((e for e in reversed(events) if e["event"] == "summary"), None) or _diverged(events, evals)
     straggle = next((e for e in events if e["event"] == "straggle"), {})
     link = next((e for e in reversed(events) if e["event"] == "link"), {})
-    first = next((e for e in evals if e["accuracy"] >= target), None)
+    first = next((e for e in evals if target.reached({target.metric: value_of(e, target.metric)})), None)
+    seen = [v for v in (value_of(e, target.metric) for e in evals) if v is not None]
+    final = value_of(summary, target.metric)
+    best = (max if target.higher else min)(seen, default=final)
     train, evaluation = summary["train_seconds"], summary["eval_seconds"]
     return RunResult(
         strategy=strategy, scenario=scenario, repeat=repeat, seed=seed, reached=first is not None, diverged=diverged,
         steps_to_target=first["step"] if first else None,
         seconds_to_target=first["train_seconds"] if first else None,
         examples_to_target=_examples_applied(first, batch_size, global_batch) if first else None,
-        best_accuracy=max((e["accuracy"] for e in evals), default=summary["test_accuracy"]),
-        final_accuracy=summary["test_accuracy"], steps=summary["steps"], train_seconds=train,
+        best_accuracy=max((e["accuracy"] for e in evals if "accuracy" in e), default=summary.get("test_accuracy")),
+        final_accuracy=summary.get("test_accuracy"), steps=summary["steps"], train_seconds=train,
         eval_seconds=evaluation, wall_seconds=wall_seconds,
         startup_seconds=max(wall_seconds - train - evaluation, 0.0),
         examples_per_sec=_examples_computed(summary, batch_size) / max(train, 1e-9) if "gradients_applied_total"
         in summary else summary["examples_per_sec"],
         staleness=_staleness(summary), dropped=_dropped(summary),
         calibrated_compute_s=straggle.get("calibrated_compute_s", {}),
-        curve=[{"step": e["step"], "seconds": e["train_seconds"], "accuracy": e["accuracy"]} for e in evals],
+        curve=[{"step": e["step"], "seconds": e["train_seconds"], target.metric: value_of(e, target.metric)}
+               for e in evals],
         metrics=metrics, link_bytes=link.get("link_bytes"), link_bytes_per_step=link.get("link_bytes_per_step"),
+        metric=target.metric, higher=target.higher, best=best, final=final,
     )
 
 
@@ -94,7 +114,8 @@ def _diverged(events: list[dict[str, Any]], evals: list[dict[str, Any]]) -> dict
     """A run the NaN guard stopped writes no summary: what its last events say instead."""
     stop = next(e for e in reversed(events) if e["event"] == "diverged")
     steps = [e for e in events if e["event"] == "step"]
-    return {"steps": stop["step"], "test_accuracy": evals[-1]["accuracy"] if evals else 0.0,
+    return {"steps": stop["step"], "test_accuracy": evals[-1].get("accuracy") if evals else None,
+            "test_metrics": evals[-1].get("metrics") if evals else None,
             "train_seconds": evals[-1]["train_seconds"] if evals else 0.0,
             "eval_seconds": sum(e["eval_seconds"] for e in evals),
             "examples_per_sec": steps[-1]["examples_per_sec"] if steps else 0.0}
@@ -141,12 +162,14 @@ class Figures:
     median_steps: Optional[float]
     median_examples: Optional[float]
     examples_per_sec: float  #: median
-    best_accuracy: float  #: the best any repeat reached
+    best_accuracy: Optional[float]  #: the best accuracy any repeat reached (None: not reported)
     max_steps: int
     staleness_mean: Optional[float]
     dropped_fraction: Optional[float]
     ratio: Optional[float] = None  #: median time / the baseline's (None: either not reached)
     winner: bool = False
+    metric: str = "accuracy"  #: the target's metric
+    best: Optional[float] = None  #: its best value any repeat reached (the highest, or the lowest)
 
     @property
     def any_reached(self) -> bool:
@@ -172,11 +195,18 @@ def figures(runs: list[RunResult], max_steps: int) -> Figures:
         median_steps=statistics.median(r.steps_to_target for r in reached) if reached else None,
         median_examples=statistics.median(r.examples_to_target for r in reached) if reached else None,
         examples_per_sec=statistics.median(r.examples_per_sec for r in runs),
-        best_accuracy=max(r.best_accuracy for r in runs), max_steps=max_steps,
+        best_accuracy=max((r.best_accuracy for r in runs if r.best_accuracy is not None), default=None),
+        max_steps=max_steps, metric=runs[0].metric,
+        best=_best([r.best if r.best is not None else r.best_accuracy for r in runs], runs[0].higher),
         staleness_mean=statistics.mean(staleness) if staleness else None,
         dropped_fraction=sum(d["total"] for d in dropped) / max(sum(d["of"] for d in dropped), 1) if dropped
         else None,
     )
+
+
+def _best(values: list[Optional[float]], higher: bool) -> Optional[float]:
+    known = [v for v in values if v is not None and not math.isnan(v)]
+    return (max if higher else min)(known) if known else None
 
 
 def rank(table: list[Figures], baseline: str) -> list[Figures]:

@@ -1,12 +1,13 @@
-"""Train every strategy to the target accuracy under every scenario, interleaved; read back what each measured.
+"""Train every strategy to the target under every scenario, interleaved; read back what each measured.
 
 Who runs what: this process (the parent) makes one :class:`~phalanx.train.TrainConfig` per run from
 the shared training flags (model, data, batch, recipe, devices: the same for every run), the
 strategy and the scenario; checks every (strategy, scenario) before the first run starts (a token
 that cannot run is one line, nothing trained); then trains the runs one after another through
 ``Trainer.fit``, each with fresh workers forked by this process's fork server (warm after the first
-run: a run's start-up is milliseconds of forking, then its rendezvous; :mod:`phalanx.forkserver`). A run stops at the first evaluation that reaches the
-target (``stop_at_accuracy``) or after ``max_steps``; its figures are read back from the metrics
+run: a run's start-up is milliseconds of forking, then its rendezvous; :mod:`phalanx.forkserver`).
+A run stops at the first evaluation that reaches the target (``stop_at``: ``accuracy>=0.95``,
+``loss<=0.3``) or after ``max_steps``; its figures are read back from the metrics
 file its loop wrote (``results.py``).
 
 Order: within each repeat every scenario runs every strategy, and the strategies' order rotates
@@ -25,6 +26,7 @@ from typing import Callable, Optional
 
 from ..errors import PhalanxError, Stopped, TrainingDiverged
 from ..train import TrainConfig, Trainer
+from ..metrics import Target
 from .results import RunResult, from_events, read_events
 from .tokens import Scenario, StrategyToken
 
@@ -36,7 +38,7 @@ class Setup:
     train: TrainConfig  #: the shared training flags (strategy, straggler, steps and observation are set per run)
     strategies: tuple[StrategyToken, ...]
     scenarios: tuple[Scenario, ...]
-    target: float  #: test accuracy to reach
+    target: Target  #: the test metric's value to reach (``accuracy>=0.95``, ``loss<=0.3``)
     repeats: int
     max_steps: int
     eval_every: int
@@ -76,7 +78,7 @@ def config_for(setup: Setup, run: Run, checkpoint_dir: str, metrics: Optional[st
     return dataclasses.replace(
         setup.train, strategy=run.strategy.options, straggler=run.scenario.slowness, link=run.scenario.link,
         seed=run.seed,
-        steps=setup.max_steps, eval_every=setup.eval_every, stop_at_accuracy=setup.target,
+        steps=setup.max_steps, eval_every=setup.eval_every, stop_at=str(setup.target), stop_at_accuracy=None,
         log_every=setup.eval_every, checkpoint_dir=checkpoint_dir, checkpoint_every=0, keep_checkpoints=1,
         metrics=metrics or f"{checkpoint_dir}/metrics.jsonl", progress="none", resume=None,
         overwrite=True)  # a compare run replaces the same run of an earlier compare in the same --out

@@ -1,5 +1,8 @@
 """The user's data as an in-memory :class:`ArrayDataset` pair: tensors, numpy arrays, any map-style Dataset.
 
+Targets are class indices (a classifier), one per example or one per position (a sequence model),
+or floats (regression: :class:`Examples` keeps them; the built-in sets' ArrayDataset wants labels).
+
 Sharding is by index (deterministic per epoch, exact resume), so a dataset must be indexable: an
 ``IterableDataset`` is refused. A general ``Dataset`` is materialised here into two tensors, one
 ``dataset[i]`` at a time: fine for the sizes a CPU job trains on, and it keeps the fast path (one
@@ -19,6 +22,28 @@ from .datasets import ArrayDataset, DataBundle
 
 #: The fraction held out for validation when no test set is given.
 DEFAULT_VALIDATION_SPLIT = 0.1
+
+
+class Examples(ArrayDataset):
+    """The user's examples: integer targets are class indices (any shape: one per example, or one per
+    position), float targets are regression targets, kept as they are."""
+
+    def __post_init__(self) -> None:
+        if len(self.x) != len(self.y):
+            raise PhalanxError(f"data set has {len(self.x)} inputs but {len(self.y)} targets")
+        if self.y.is_complex() or self.y.dtype == torch.bool:
+            raise PhalanxError(f"targets are {str(self.y.dtype).replace('torch.', '')}: give integer class indices "
+                               "or float regression targets")
+        if not self.y.is_floating_point():
+            if len(self.y) and int(self.y.min()) < 0:
+                raise PhalanxError(f"integer targets are class indices 0..C-1, and {int(self.y.min())} is negative; "
+                                   "for regression give float targets (y.float())")
+            self.y = self.y.long()
+
+
+def regression(data: ArrayDataset) -> bool:
+    """Float targets: a regression (MSE by default), not a classifier."""
+    return data.y.is_floating_point()
 
 
 def as_arrays(value: Any, name: str) -> ArrayDataset:
@@ -53,7 +78,7 @@ def _pair(value: Any, name: str) -> ArrayDataset:
     x, y = (_tensor(v, name) for v in value)
     if len(y) == 0:
         raise PhalanxError(f"{name} is empty: give at least one example")
-    return ArrayDataset(x, y)
+    return Examples(x, y)
 
 
 def _materialise(dataset: Any, name: str) -> ArrayDataset:
@@ -70,7 +95,7 @@ def _materialise(dataset: Any, name: str) -> ArrayDataset:
         y = torch.stack([_tensor(item[1], name) for item in items])
     except RuntimeError as e:
         raise PhalanxError(f"{name}: items must all have the same shape ({str(e).splitlines()[0][:120]})") from None
-    return ArrayDataset(x, y)
+    return Examples(x, y)
 
 
 def user_bundle(train: Any, test: Any, validation_split: Optional[float] = None, seed: int = 0,
@@ -94,8 +119,19 @@ def user_bundle(train: Any, test: Any, validation_split: Optional[float] = None,
     if tuple(test_ds.x.shape[1:]) != tuple(train_ds.x.shape[1:]):
         raise PhalanxError(f"test_data examples have shape {tuple(test_ds.x.shape[1:])} but train_data examples "
                            f"{tuple(train_ds.x.shape[1:])}: give both sets the same example shape")
-    classes = int(max(train_ds.y.max(), test_ds.y.max())) + 1
-    return DataBundle(name, train_ds, test_ds, tuple(train_ds.x.shape[1:]), max(classes, 2), held_out=held_out)
+    if regression(train_ds) != regression(test_ds):
+        raise PhalanxError(f"train targets are {str(train_ds.y.dtype).replace('torch.', '')} but test targets "
+                           f"{str(test_ds.y.dtype).replace('torch.', '')}: give both float (regression) or both "
+                           "integer (classes)")
+    return DataBundle(name, train_ds, test_ds, tuple(train_ds.x.shape[1:]), _outputs(train_ds, test_ds),
+                      held_out=held_out)
+
+
+def _outputs(train: ArrayDataset, test: ArrayDataset) -> int:
+    """What ``num_classes`` tells a model factory: the classes, or for regression the values per example."""
+    if regression(train):
+        return max(1, int(torch.tensor(train.y.shape[1:]).prod()))
+    return max(int(max(train.y.max(), test.y.max())) + 1, 2)
 
 
 def _split(data: ArrayDataset, fraction: float, seed: int) -> tuple[ArrayDataset, ArrayDataset]:
@@ -106,16 +142,22 @@ def _split(data: ArrayDataset, fraction: float, seed: int) -> tuple[ArrayDataset
                            "fraction that leaves at least one example on each side (0.1 is usual)")
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))
     keep, out = order[n_out:], order[:n_out]
-    return ArrayDataset(data.x[keep], data.y[keep]), ArrayDataset(data.x[out], data.y[out])
+    return Examples(data.x[keep], data.y[keep]), Examples(data.x[out], data.y[out])
 
 
 def cast_inputs(bundle: DataBundle, dtype: torch.dtype) -> DataBundle:
-    """Floating inputs in the model's parameter dtype (scikit-learn gives float64), said once in the header."""
-    x = bundle.train.x
-    if not x.is_floating_point() or x.dtype == dtype:
-        return bundle
-    bundle.train = ArrayDataset(x.to(dtype), bundle.train.y)
-    bundle.test = ArrayDataset(bundle.test.x.to(dtype), bundle.test.y)
-    bundle.notes = bundle.notes + (f"inputs {str(x.dtype).replace('torch.', '')} cast to "
-                                   f"{str(dtype).replace('torch.', '')} (the model's parameter dtype)",)
+    """Floating inputs (and regression targets) in the model's parameter dtype (scikit-learn gives float64),
+    said once in the header."""
+    notes = []
+    for part in ("inputs", "targets"):
+        have = (bundle.train.x if part == "inputs" else bundle.train.y)
+        if not have.is_floating_point() or have.dtype == dtype:
+            continue
+        for name in ("train", "test"):
+            data = getattr(bundle, name)
+            x, y = (data.x.to(dtype), data.y) if part == "inputs" else (data.x, data.y.to(dtype))
+            setattr(bundle, name, Examples(x, y))
+        notes.append(f"{part} {str(have.dtype).replace('torch.', '')} cast to {str(dtype).replace('torch.', '')} "
+                     "(the model's parameter dtype)")
+    bundle.notes = bundle.notes + tuple(notes)
     return bundle

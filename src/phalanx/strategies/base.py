@@ -13,7 +13,7 @@
       loss = runtime.train_step(x, y)       # forward, backward, update (micro-batched)
       step = runtime.next_step(step)        # the global step now (None: this rank is done)
       losses = runtime.global_losses(losses)  # the per-step losses every rank agrees on (at log steps)
-      correct, total = runtime.evaluate(batches)
+      sums = runtime.evaluate(batches, totals)  # metrics' (sum, count)s over every rank's part
       runtime.state_dict() / runtime.load_state_dict(state)    # checkpoints
       runtime.finish(); runtime.report(final); runtime.close()
 
@@ -32,11 +32,14 @@ from torch import nn
 
 from ..errors import PhalanxError
 from ..launcher import WorkerContext
+from ..metrics import ACCURACY, Totals, add_up
 from ..precision import Precision
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]
+#: What ``evaluate`` adds up when given nothing else: (correct, total).
+COUNT_CORRECT = Totals((ACCURACY,))
 
 
 # --------------------------------------------------------------------------- the layout (parent)
@@ -244,13 +247,14 @@ class Runtime:
         return None
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[Batch]) -> tuple[int, int]:
-        """(correct, total) over every rank's part of the test set (a collective)."""
-        counts = count_correct(self.module, batches, self.ctx.device)
+    def evaluate(self, batches: Iterable[Batch], totals: Totals = COUNT_CORRECT) -> tuple[float, ...]:
+        """The sums and counts of ``totals`` (see ``metrics.py``) over every rank's part of the test set,
+        added over the ranks (a collective); by default (correct, total)."""
+        sums = add_up(self.module, batches, self.ctx.device, totals)
         if self.ctx.distributed:
-            counts = counts.to(self.ctx.device)
-            dist.all_reduce(counts)
-        return int(counts[0]), int(counts[1])
+            sums = sums.to(self.ctx.device)
+            dist.all_reduce(sums)
+        return tuple(sums.tolist())
 
     def state_dict(self) -> Optional[dict[str, Any]]:
         """Model and optimizer state to save (called on every rank; rank 0's result is written)."""
@@ -307,17 +311,6 @@ def nonfinite_values(x: Optional[torch.Tensor]) -> str:
     return "NaN" if bool(torch.isnan(x).any()) else "infinity"
 
 
-@torch.no_grad()
-def count_correct(model: nn.Module, batches: Iterable[Batch], device: torch.device) -> torch.Tensor:
-    """float64 [correct, total] of ``model``'s predictions over ``batches`` (in eval mode)."""
-    was_training = model.training
-    model.eval()
-    counts = torch.zeros(2, dtype=torch.float64)
-    for x, y in batches:
-        predicted = model(x.to(device)).argmax(1).cpu()
-        counts += torch.tensor([(predicted == y).sum().item(), len(y)], dtype=torch.float64)
-    model.train(was_training)
-    return counts
 
 
 def load_model_state(module: nn.Module, state: dict[str, Any]) -> None:

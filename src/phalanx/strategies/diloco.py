@@ -34,7 +34,7 @@ from ..costs import DiLoCoCost, register
 from ..errors import PhalanxError
 from ..options import option
 from ..pipeline.balance import bounds, partition
-from .base import Build, Job, Layout, Options, Report, Runtime, data_parallel
+from .base import COUNT_CORRECT, Build, Job, Layout, Options, Report, Runtime, data_parallel
 from .replicas import verify_replicas
 
 PRECISIONS = ("fp32", "bf16", "int8")
@@ -269,10 +269,10 @@ class DiLoCoRuntime(Runtime):
                 for p, saved in zip(self.params, local):
                     p.copy_(saved)
 
-    def evaluate(self, batches):
+    def evaluate(self, batches, totals=COUNT_CORRECT):
         # The model DiLoCo trains is the global one; between syncs each rank's local weights differ.
         with self._global_weights():
-            return super().evaluate(batches)
+            return super().evaluate(batches, totals)
 
     # ---- checkpoints ----
     def state_dict(self) -> Optional[dict[str, Any]]:

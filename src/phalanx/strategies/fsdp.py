@@ -43,7 +43,8 @@ from ..costs import FSDPCost, register
 from ..errors import PhalanxError
 from ..models import model_blocks_by_default
 from ..options import option
-from .base import Batch, Build, Job, Layout, Options, Report, Runtime, count_correct, data_parallel
+from ..metrics import FORWARD_ONLY, Totals, add_up
+from .base import COUNT_CORRECT, Batch, Build, Job, Layout, Options, Report, Runtime, data_parallel
 from .replicas import verify_replicas
 
 
@@ -154,29 +155,29 @@ class FSDPRuntime(Runtime):
 
     # ---- evaluation ----
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[Batch]) -> tuple[int, int]:
-        """(correct, total) over every rank's part of the test set.
+    def evaluate(self, batches: Iterable[Batch], totals: Totals = COUNT_CORRECT) -> tuple[float, ...]:
+        """The sums and counts of ``totals`` over every rank's part of the test set.
 
         Every forward all-gathers each block (a collective), so every rank runs as many forwards
         as the rank with the most batches: a rank with fewer runs one-example forwards, uncounted.
         """
         if not self.sharded:
-            return super().evaluate(batches)
+            return super().evaluate(batches, totals)
         batches = list(batches)
         most = torch.tensor([len(batches)], device=self.ctx.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        counts = count_correct(self.model, batches, self.ctx.device)
+        sums = add_up(self.model, batches, self.ctx.device, totals)
         filler = batches[0][0][:1] if batches else (self.build.example[0][:1] if self.build.example else None)
         missing = int(most) - len(batches)
         if missing and filler is None:
             raise PhalanxError("fsdp evaluation: this rank has no test batch and no example batch to keep in step "
                                "with the others; give every rank a part of the test set")
         if missing:
-            count_correct(self.model, [(filler, torch.zeros(1, dtype=torch.long))] * missing, self.ctx.device)
+            add_up(self.model, [(filler, None)] * missing, self.ctx.device, FORWARD_ONLY)
         self._reshard()
-        counts = counts.to(self.ctx.device)
-        dist.all_reduce(counts)
-        return int(counts[0]), int(counts[1])
+        sums = sums.to(self.ctx.device)
+        dist.all_reduce(sums)
+        return tuple(sums.tolist())
 
     def _reshard(self) -> None:
         """Free gathered parameters that a forward without backward left behind (eval, no reshard option)."""

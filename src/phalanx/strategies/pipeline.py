@@ -46,7 +46,8 @@ from ..pipeline.plan import StagePlan
 from ..pipeline.messages import interpolate, time_messages
 from ..pipeline.profile import agree, describe, profile_order, time_blocks
 from ..pipeline.split import StageModule, model_blocks, parameter_counts
-from .base import Batch, Build, Job, Layout, Options, RankPlan, Report, Runtime, require_positive
+from ..metrics import Totals
+from .base import COUNT_CORRECT, Batch, Build, Job, Layout, Options, RankPlan, Report, Runtime, require_positive
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -299,30 +300,29 @@ class PipelineRuntime(Runtime):
 
     # ---- evaluation ----
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[Batch]) -> tuple[int, int]:
-        """(correct, total) over every replica's part of the test set.
+    def evaluate(self, batches: Iterable[Batch], totals: Totals = COUNT_CORRECT) -> tuple[float, ...]:
+        """The sums and counts of ``totals`` over every replica's part of the test set.
 
         Every stage of one replica must be given the same batches; replicas evaluate their parts
-        independently (no collective between them until the counts are summed).
+        independently (no collective between them until the sums are added).
         """
         if self._stage is None:
-            return super().evaluate(batches)
+            return super().evaluate(batches, totals)
         was_training = self.model.training
         self.model.eval()
-        counts = torch.zeros(2, dtype=torch.float64)
+        sums = totals.zeros()
         for x, y in batches:
             schedule = self._eval_schedule(tuple(x.shape), x.dtype)
             if self.is_first:
                 schedule.eval(x.to(self.ctx.device))
             elif self.is_last:
-                predicted = schedule.eval().argmax(1).cpu()
-                counts += torch.tensor([(predicted == y).sum().item(), len(y)], dtype=torch.float64)
+                sums += totals(schedule.eval(), y)
             else:
                 schedule.eval()
         self.model.train(was_training)
-        counts = counts.to(self.ctx.device)
-        dist.all_reduce(counts)  # the last stage of every replica counted its part; the others hold zeros
-        return int(counts[0]), int(counts[1])
+        sums = sums.to(self.ctx.device)
+        dist.all_reduce(sums)  # the last stage of every replica added its part; the others hold zeros
+        return tuple(sums.tolist())
 
     def _eval_schedule(self, shape: tuple, dtype: torch.dtype):
         """A forward-only schedule for batches of this shape (the engine fixes shapes at first use)."""

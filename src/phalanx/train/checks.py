@@ -16,7 +16,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from torch import nn
 from ..data import DataBundle, load_data
 from ..data.datasets import DATASETS, CIFAR_CROP, cifar10_sizes, check_cifar10_files
 from ..errors import PhalanxError
+from ..metrics import Metric, Totals
 from ..models import MODELS
 from ..strategies import Layout
 from ..task import Task, label
@@ -109,10 +110,12 @@ def check_straggler(cfg: TrainConfig, layout: Layout) -> None:
                            f"the workers instead (ranks {computing[0]}..{computing[-1]})")
 
 
-def check_model(model: nn.Module, facts: DataFacts, loss_fn: Callable) -> None:
-    """One forward pass (and the loss) on two examples, in the parent: shapes and classes, or one clear line."""
+def check_model(model: nn.Module, facts: DataFacts, loss_fn: Callable, metrics: Sequence[Metric] = ()) -> None:
+    """One forward pass, the loss and every metric on two examples, in the parent: shapes and classes
+    (a classifier), or outputs that match the targets (a regression), or one clear line."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     x, y = facts.example[0].to(device), facts.example[1].to(device)
+    regression = y.is_floating_point()
     was_training = model.training
     model.eval()  # eval: no BatchNorm statistics move, no dropout
     try:
@@ -120,19 +123,42 @@ def check_model(model: nn.Module, facts: DataFacts, loss_fn: Callable) -> None:
             out = _first_line_of_failure(lambda: model(x), f"the model fails on an example batch of shape "
                                          f"{tuple(x.shape)}", f"make it accept inputs of shape (batch, "
                                          f"{', '.join(map(str, facts.input_shape))})")
-            if not isinstance(out, torch.Tensor) or out.dim() != 2:
-                shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                raise PhalanxError(f"the model returns {shape} for a batch of {len(x)}; phalanx trains "
-                                   "classifiers: return scores of shape (batch, classes)")
-            if out.shape[1] < facts.num_classes:
-                raise PhalanxError(f"the model outputs {out.shape[1]} class scores but the labels go up to "
-                                   f"{facts.num_classes - 1}; make its last layer output {facts.num_classes}")
+            if regression:
+                _check_regression_outputs(out, y)
+            else:
+                _check_class_scores(out, y, facts.num_classes)
+            takes = "(outputs, float targets)" if regression else "(scores, integer labels)"
             loss = _first_line_of_failure(lambda: loss_fn(out, y), f"loss_fn fails on the model's output of "
-                                          f"shape {tuple(out.shape)}", "make it take (scores, integer labels)")
+                                          f"shape {tuple(out.shape)}", f"make it take {takes}")
+            _first_line_of_failure(lambda: Totals(metrics, loss_fn)(out, y),
+                                   f"a metric ({', '.join(m.name for m in metrics)}) fails on the model's output "
+                                   f"of shape {tuple(out.shape)}", "make it return (sum, count) for the batch")
     finally:
         model.train(was_training)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise PhalanxError("loss_fn must return one number (a mean over the batch), as F.cross_entropy does")
+
+
+def _check_class_scores(out: Any, y: torch.Tensor, num_classes: int) -> None:
+    """A classifier returns (batch, classes) scores, or a score per class and position for sequence targets."""
+    per_position = y.dim() > 1
+    if not isinstance(out, torch.Tensor) or (out.dim() != 2 and not per_position):
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise PhalanxError(f"the model returns {shape} for a batch of {len(y)}; integer targets make a classifier: "
+                           "return scores of shape (batch, classes), or give float targets for a regression")
+    classes = out.shape[-1] if per_position and tuple(out.shape[:-1]) == tuple(y.shape) else out.shape[1]
+    if classes < num_classes:
+        raise PhalanxError(f"the model outputs {classes} class scores but the labels go up to "
+                           f"{num_classes - 1}; make its last layer output {num_classes}")
+
+
+def _check_regression_outputs(out: Any, y: torch.Tensor) -> None:
+    """A regression returns one value per target: shaped like the targets ((batch, 1) also for (batch,))."""
+    if not isinstance(out, torch.Tensor) or out.numel() != y.numel():
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise PhalanxError(f"the model returns {shape} for targets of shape {tuple(y.shape)}: float targets make a "
+                           f"regression, so return one value per target (shape {tuple(y.shape)}, or "
+                           f"{(len(y), 1)}); for classes give integer targets")
 
 
 def check_optimizer(task: Task, model: nn.Module) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 
 from ..data.datasets import DATASETS
 from ..errors import PhalanxError
+from ..metrics import Target, parse_target
 from ..models import MODELS, RECIPES, USER_RECIPE, Recipe
 from ..options import option
 from ..precision import PRECISIONS
@@ -46,6 +47,22 @@ ONLY_FOR: dict[str, tuple[str, tuple[str, ...], Any]] = {
 }
 
 
+#: How ``phalanx train --help`` groups the training flags (every TrainConfig field appears once).
+SECTIONS = {
+    "parallelism": ("strategy", "devices", "strict_devices", "workers", "threads", "master_addr", "link"),
+    "faults": ("timeout_s", "hang_timeout_s", "max_restarts"),
+    "speed": ("precision", "compile"),
+    "model and data": ("model", "data", "loss", "metric", "validation_split", "data_dir", "synthetic_shape",
+                       "synthetic_size"),
+    "optimisation (unset: the model's recipe)": (
+        "steps", "batch_size", "accumulate", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
+        "lr_decay_every", "lr_decay_factor", "staircase", "warmup_steps", "lr_base_batch", "seed", "straggler"),
+    "observation and checkpoints": ("log_every", "eval_every", "stop_at", "stop_at_accuracy", "metrics",
+                                    "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "overwrite",
+                                    "keep_global_batch", "progress", "profile_startup", "prefetch"),
+}
+
+
 def parse_shape(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(p) for p in text.lower().replace("x", ",").split(","))
@@ -68,8 +85,13 @@ class TrainConfig:
                         choices=tuple(MODELS) + ("MODULE:CALLABLE",))
     data: str = option("digits", "a built-in data set, or MODULE:CALLABLE returning (train, test) datasets, test may "
                                  "be None; data given to Trainer replaces it", choices=DATASETS + ("MODULE:CALLABLE",))
-    loss: Optional[str] = option(None, "MODULE:CALLABLE: the loss, (outputs, targets) -> a scalar tensor",
-                                 show="cross-entropy")
+    loss: Optional[str] = option(None, "MODULE:CALLABLE: the loss, (outputs, targets) -> a scalar tensor (a mean "
+                                       "over the batch)", show="cross-entropy; MSE for float targets")
+    metric: Optional[str] = option(None, "what evaluation reports, besides the loss: built-in names or "
+                                         "MODULE:CALLABLE ((outputs, targets) -> (sum, count) for a batch), "
+                                         "comma-separated", choices=("accuracy", "loss", "perplexity", "mse", "rmse",
+                                                                     "mae", "MODULE:CALLABLE"),
+                                   show="accuracy; loss and mse for float targets")
     validation_split: Optional[float] = option(None, "without a test set: the fraction of the training data held "
                                                      "out (seeded) for validation", show="0.1")
     data_dir: Optional[str] = option(None, "cifar10: the directory holding the CIFAR-10 binary files")
@@ -106,8 +128,10 @@ class TrainConfig:
     # --- observation and safety ---
     log_every: int = option(20, "progress line every N steps")
     eval_every: int = option(0, "evaluate on the test set every N steps (0: only at the end)")
-    stop_at_accuracy: Optional[float] = option(None, "stop once an evaluation (every --eval-every steps) reaches "
-                                                     "this test accuracy, e.g. 0.95")
+    stop_at: Optional[str] = option(None, "stop once an evaluation (every --eval-every steps) reaches this target: "
+                                          "accuracy>=0.95, loss<=0.30, perplexity<=5, or a --metric's name with >= "
+                                          "or <=; a bare number is an accuracy")
+    stop_at_accuracy: Optional[float] = option(None, "the same as --stop-at accuracy>=VALUE, e.g. 0.95")
     metrics: Optional[str] = option(None, "JSON-lines metrics file", show="CHECKPOINT_DIR/metrics.jsonl")
     checkpoint_dir: str = option("checkpoints", "where step-*.pt checkpoints go: one run per directory")
     checkpoint_every: int = option(100, "save every N steps (0: only at the end)")
@@ -221,9 +245,12 @@ class TrainConfig:
         if self.stop_at_accuracy is not None:
             if not (isinstance(self.stop_at_accuracy, (int, float)) and 0 < self.stop_at_accuracy <= 1):
                 raise PhalanxError(f"--stop-at-accuracy must be in (0, 1], e.g. 0.95, got {self.stop_at_accuracy}")
-            if not self.eval_every:
-                raise PhalanxError("--stop-at-accuracy needs evaluations during training: add --eval-every N "
-                                   "(e.g. 20)")
+            if self.stop_at is not None:
+                raise PhalanxError(f"--stop-at {self.stop_at} and --stop-at-accuracy {self.stop_at_accuracy:g} both "
+                                   "set a target: give one")
+        if self.target is not None and not self.eval_every:
+            flag = "--stop-at" if self.stop_at is not None else "--stop-at-accuracy"
+            raise PhalanxError(f"{flag} needs evaluations during training: add --eval-every N (e.g. 20)")
         if not 0 < self.timeout_s < math.inf:
             raise PhalanxError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
         if not 0 <= self.hang_timeout_s < math.inf:
@@ -248,6 +275,13 @@ class TrainConfig:
                                f"{applies_to[0]}")
 
     # ---- what a run uses ----
+    @property
+    def target(self) -> Optional[Target]:
+        """What stops the run early (--stop-at, or --stop-at-accuracy); None: it runs every step."""
+        if self.stop_at is not None:
+            return parse_target(self.stop_at, "--stop-at")
+        return None if self.stop_at_accuracy is None else Target("accuracy", True, float(self.stop_at_accuracy))
+
     def recipe(self, model: Optional[str] = None) -> tuple[Recipe, str]:
         """The recipe the unset fields come from, and how the header names it; ``model``: the task's
         name for its model (a model object or an import path has none of the built-in recipes)."""

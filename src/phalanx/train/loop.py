@@ -8,7 +8,6 @@ strategy; the loop calls its few methods (see ``strategies/base.py``) the same w
 from __future__ import annotations
 
 import itertools
-import math
 import time
 import warnings
 from typing import Any, Iterator, Optional
@@ -22,6 +21,7 @@ from ..data.loader import Position, advance
 from ..errors import TrainingDiverged
 from ..launcher import WorkerContext
 from ..memory import Held, describe, held, largest
+from ..metrics import Totals, said
 from ..task import is_import_path, resolve
 from ..precision import Precision, compile_blocks
 from ..startup import Marks
@@ -102,6 +102,9 @@ class WorkerRun:
                                                            last_epoch=self.step - 1)
         self.straggle.begin(self.step)
         self.eval_seconds = 0.0  # evaluation time, kept out of the training time
+        # What evaluation adds up: every metric's (sum, count), over every rank (exact, see metrics.py).
+        self.totals = Totals(plan.task.metrics, plan.task.loss_fn)
+        self.target = cfg.target  # what stops the run early (None: nothing)
         self.reporter = Reporter(ctx.is_main, cfg.progress, cfg.metrics, cfg.steps, self.step,
                                  resumed_from=plan.resume_path, run_id=plan.run_id)
         self.prefetcher: Optional[Prefetcher] = None
@@ -164,7 +167,8 @@ class WorkerRun:
                 self._log(value, self.step - mark_step, now - mark)
                 mark, mark_step = now, self.step
             if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.steps:
-                reached = self._evaluate(start) >= (self.cfg.stop_at_accuracy or math.inf)
+                values = self._evaluate(start)
+                reached = self.target is not None and self.target.reached(values)
             if saving:
                 self._save()
         if len(window):  # every rank stops at the same step, holding the same steps
@@ -173,10 +177,10 @@ class WorkerRun:
         self.runtime.finish()
         elapsed = time.perf_counter() - start - self.eval_seconds
         stopped = self.stop_name if self.stop_at is not None and self.step >= self.stop_at else None
-        accuracy = None if stopped else self._evaluate(start, final=True)  # a stop asked for speed: save, go
+        values = None if stopped else self._evaluate(start, final=True)  # a stop asked for speed: save, go
         if self.last_checkpoint is None or not self.last_checkpoint.endswith(f"{self.step:08d}.pt"):
             self._save()
-        return self._summary(accuracy, self.step - first_step, elapsed, reached, stopped)
+        return self._summary(values, self.step - first_step, elapsed, reached, stopped)
 
     def _stopping(self) -> bool:
         """Whether this rank stops before the next step: a stop was requested (SIGTERM, SIGINT to any
@@ -271,22 +275,24 @@ class WorkerRun:
         self.reporter.record("step", step=self.step, loss=loss, lr=self.scheduler.get_last_lr()[0],
                              examples_per_sec=rate, sec_per_batch=per_batch, **self.runtime.report().fields)
 
-    def _evaluate(self, start: float, final: bool = False) -> float:
-        """Test accuracy now; its time is kept out of the training time (``train_seconds``: so far)."""
+    def _evaluate(self, start: float, final: bool = False) -> dict[str, float]:
+        """Every metric on the test set now, over every rank's part; its time is kept out of the training
+        time (``train_seconds``: so far). The metrics file has them under ``metrics`` (and ``accuracy``
+        where it is one, as before)."""
         self.ctx.progress.at(self.step, "evaluation")
         began = time.perf_counter()
         part = self.me.evaluates
         batches = eval_batches(self.data.test, 256, *part) if part is not None else iter(())
-        correct, total = self.runtime.evaluate(batches)
-        accuracy = correct / max(total, 1)
+        values = self.totals.values(self.runtime.evaluate(batches, self.totals))
         seconds = time.perf_counter() - began
-        self.reporter.record("eval", step=self.step, accuracy=accuracy, examples=total,
+        accuracy = {"accuracy": values["accuracy"]} if "accuracy" in values else {}
+        self.reporter.record("eval", step=self.step, **accuracy, metrics=values, held_out=self.data.held_out,
                              train_seconds=began - start - self.eval_seconds, eval_seconds=seconds,
                              **self.runtime.report().fields)
         self.eval_seconds += seconds
         if not final:  # the summary says the final one
-            self.reporter.say(f"step {self.step}, {self.data.held_out} accuracy = {accuracy:.4f}")
-        return accuracy
+            self.reporter.say(f"step {self.step}, {self.data.held_out} {said(values)}")
+        return values
 
     # ---- checkpoints ----
     def _save(self) -> None:
@@ -390,14 +396,16 @@ class WorkerRun:
             return f"{self.cfg.batch_size} per worker x {shards} workers"
         return f"{self.cfg.batch_size} per replica x {shards} replicas, each read by {readers // shards} ranks"
 
-    def _summary(self, accuracy: Optional[float], steps: int, seconds: float, reached: bool,
+    def _summary(self, values: Optional[dict[str, float]], steps: int, seconds: float, reached: bool,
                  stopped: Optional[str] = None) -> dict[str, Any]:
         rate = steps * self.global_batch / max(seconds, 1e-9)
         report = self.runtime.report(final=True)
         mine, most = self._memory()
-        summary = {"steps": self.step, "test_accuracy": accuracy, "examples_per_sec": rate,
+        summary = {"steps": self.step, "test_accuracy": (values or {}).get("accuracy"), "test_metrics": values,
+                   "held_out": self.data.held_out, "examples_per_sec": rate,
                    "train_seconds": seconds, "eval_seconds": self.eval_seconds,
-                   "stopped_at_accuracy": reached, "checkpoint": self.last_checkpoint,
+                   "target": None if self.target is None else str(self.target),
+                   "stopped_at_target": reached, "stopped_at_accuracy": reached, "checkpoint": self.last_checkpoint,
                    "metrics": self.cfg.metrics, "stopped_by": stopped,
                    "world_size": self.ctx.world_size, "strategy": self.cfg.strategy.name,
                    "precision": self.cfg.precision, "compiled_blocks": self.compiled,
@@ -410,9 +418,9 @@ class WorkerRun:
             self.reporter.say(f"stopped at step {self.step} by {stopped}")
         else:
             if reached:
-                self.reporter.say(f"stopped at step {self.step}: {self.data.held_out} accuracy reached --stop-at-accuracy "
-                                  f"{self.cfg.stop_at_accuracy:g}")
-            self.reporter.say(f"{self.data.held_out} accuracy {accuracy:.4f} after {self.step} steps")
+                self.reporter.say(f"stopped at step {self.step}: {self.data.held_out} {self.target.metric} reached "
+                                  f"the target {self.target}")
+            self.reporter.say(f"{self.data.held_out} {said(values)} after {self.step} steps")
         self.reporter.say(f"throughput {rate:.1f} examples/sec (global), training time {seconds:.1f} s")
         for line in describe(mine, most):
             self.reporter.say(line)

@@ -56,8 +56,11 @@ class Trainer:
     Bring your own model and data: ``Trainer(config, model=net, train_data=(x, y),
     test_data=(x_test, y_test), loss_fn=F.cross_entropy, optimizer=lambda p: AdamW(p, 1e-3))``.
     ``model`` is copied to every worker (it must be picklable); data is a pair of tensors or numpy
-    arrays (inputs, integer labels), a map-style torch ``Dataset`` of (input, target) items (a
-    ``TensorDataset``), or an ``ArrayDataset``; without ``test_data`` a validation part is held out.
+    arrays (inputs, targets: integer classes, or floats for a regression, MSE by default), a map-style
+    torch ``Dataset`` of (input, target) items (a ``TensorDataset``), or an ``ArrayDataset``; without
+    ``test_data`` a validation part is held out. ``metrics``: names (``"mae"``), functions
+    ``(outputs, targets) -> (sum, count)`` or :class:`~phalanx.metrics.Metric` (see ``metrics.py``);
+    the loss is always reported too.
     ``optimizer``: a picklable ``params -> torch.optim.Optimizer`` (module level, not a lambda, when
     workers are spawned). All of it becomes one :class:`~phalanx.task.Task`.
     A script that calls ``fit()`` must do so under ``if __name__ == "__main__":`` (workers are
@@ -66,7 +69,7 @@ class Trainer:
 
     def __init__(self, config: Optional[TrainConfig] = None, *, model: Optional[nn.Module] = None,
                  train_data: Any = None, test_data: Any = None, loss_fn: Optional[Callable] = None,
-                 optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None):
+                 optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None, metrics: Any = None):
         if config is not None and not isinstance(config, TrainConfig):
             raise PhalanxError(f"config must be a phalanx.TrainConfig, got {type(config).__name__}")
         if model is not None and not isinstance(model, nn.Module):
@@ -76,7 +79,7 @@ class Trainer:
                                f"{type(optimizer).__name__}")
         config = config or TrainConfig()
         self.task = task_from(config, model=model, train_data=train_data, test_data=test_data, loss_fn=loss_fn,
-                              optimizer=optimizer)
+                              optimizer=optimizer, metrics=metrics)
         if optimizer is not None:  # the header, the checkpoint's settings and --resume name it
             config = dataclasses.replace(config, optimizer=label(optimizer))
         self.config = config
@@ -93,7 +96,7 @@ class Trainer:
         if task.data is not None:  # float64 numpy inputs meet float32 parameters: cast once, here
             dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
             facts = checks.data_facts(cfg, cast_inputs(task.data, dtype))
-        checks.check_model(model, facts, task.loss_fn)
+        checks.check_model(model, facts, task.loss_fn, task.metrics)
         checks.check_optimizer(task, model)
         devices = worker_devices(cfg)
         job = Job(tuple(devices), cfg.batch_size, cfg.accumulate, processes=launcher_world_size(),

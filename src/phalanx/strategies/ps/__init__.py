@@ -34,7 +34,8 @@ import torch
 from ...costs import ParameterServerCost, register
 from ...errors import PhalanxError
 from ...options import option
-from ..base import Build, Job, Layout, Options, RankPlan, Report, Runtime, count_correct
+from ...metrics import Totals, add_up
+from ..base import COUNT_CORRECT, Build, Job, Layout, Options, RankPlan, Report, Runtime
 from ..sync import Sync
 from .aggregate import Asynchronous, Rounds, Rule
 from .server import Server
@@ -178,9 +179,8 @@ class ServerRuntime(Runtime):
     def global_losses(self, losses: torch.Tensor) -> torch.Tensor:
         return losses  # the server heard every worker's loss: it alone guards against divergence
 
-    def evaluate(self, batches) -> tuple[int, int]:
-        counts = count_correct(self.module, batches, self.ctx.device)  # the whole test set, no collective
-        return int(counts[0]), int(counts[1])
+    def evaluate(self, batches, totals: Totals = COUNT_CORRECT) -> tuple[float, ...]:
+        return tuple(add_up(self.module, batches, self.ctx.device, totals).tolist())  # the whole set, no collective
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)

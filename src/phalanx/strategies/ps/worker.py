@@ -16,7 +16,8 @@ from typing import Optional
 import torch
 from torch.nn.utils import vector_to_parameters
 
-from ..base import Build, Runtime, nonfinite_values
+from ...metrics import Totals
+from ..base import COUNT_CORRECT, Build, Runtime, nonfinite_values
 from .protocol import WorkerChannel, buffer_count, buffers_to_vector, vector_to_buffers
 
 
@@ -65,8 +66,8 @@ class WorkerRuntime(Runtime):
         # The server sees every pushed loss and guards against divergence; workers do not judge.
         return torch.zeros_like(losses)
 
-    def evaluate(self, batches) -> tuple[int, int]:
-        return 0, 0  # the server evaluates; workers are not in step with it
+    def evaluate(self, batches, totals: Totals = COUNT_CORRECT) -> tuple[float, ...]:
+        return tuple(totals.zeros().tolist())  # the server evaluates; workers are not in step with it
 
     def state_dict(self):
         return None  # the server's parameters are the model

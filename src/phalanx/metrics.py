@@ -1,0 +1,238 @@
+"""What an evaluation reports, exactly over every rank, and which way is better; and targets to stop at.
+
+A metric is a function ``(outputs, targets) -> (sum, count)`` over one batch: its value on a whole
+set is the sum of the sums over the sum of the counts. Ranks each evaluate their part of the test
+set and add their vectors of sums and counts (one all-reduce), so the value over 2 or 64 ranks is
+the single-process value on the whole set, never an average of per-rank averages (which weighs a
+rank's smaller last batch as much as a full one).
+
+Built-in metrics, by name (``--metric NAME``):
+
+- ``accuracy`` (higher is better): the fraction of targets whose class has the highest score
+  (outputs ``(N, C)``, or ``(N, T, C)`` / ``(N, C, T)`` for a target per position);
+- ``loss`` (lower is better): the run's own loss, taken as a mean over the target's elements
+  (torch's ``reduction="mean"``), so a batch adds ``loss x targets.numel()``;
+- ``perplexity`` (lower is better): ``exp`` of that loss over the whole set (a language model's);
+- ``mse``, ``rmse``, ``mae`` (lower is better): squared, root-mean-squared and absolute errors.
+
+A metric of your own (``--metric mymetrics:f1`` or ``Trainer(metrics=[f1])``): a module-level
+function ``fn(outputs, targets) -> (sum, count)`` returning this batch's sum of per-example (or
+per-element) values and how many it summed, as numbers or one-element tensors; its name is the
+function's name and lower is better unless it has an attribute ``higher_is_better = True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .errors import PhalanxError
+
+Tally = Callable[[torch.Tensor, torch.Tensor], tuple[Any, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """A number the evaluation reports, which way is better, and how a batch adds to it."""
+
+    name: str
+    higher_is_better: bool
+    tally: Optional[Tally] = None  #: (outputs, targets) -> (sum, count); None: the run's loss
+    finish: Optional[Callable[[float], float]] = None  #: applied to sum / count (perplexity: exp)
+
+    def value(self, total: float, count: float) -> float:
+        mean = total / count if count else math.nan
+        return self.finish(mean) if self.finish is not None and math.isfinite(mean) else mean
+
+
+# --------------------------------------------------------------------------- the built-in metrics
+
+
+def _predicted(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The class with the highest score, per target: scores last (N, T, C) or second (N, C) / (N, C, T)."""
+    if outputs.dim() == targets.dim() + 1 and tuple(outputs.shape[:-1]) == tuple(targets.shape):
+        return outputs.argmax(-1)
+    return outputs.argmax(1)
+
+
+def correct(outputs: torch.Tensor, targets: torch.Tensor) -> tuple[Any, int]:
+    return (_predicted(outputs, targets) == targets).sum(), targets.numel()
+
+
+def _aligned(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Outputs in the targets' shape where only a trailing 1 differs ((N, 1) against (N,)): broadcasting
+    those two would compare every output with every target, silently."""
+    if outputs.shape != targets.shape and outputs.numel() == targets.numel():
+        return outputs.reshape(targets.shape)
+    return outputs
+
+
+def squared_error(outputs: torch.Tensor, targets: torch.Tensor) -> tuple[Any, int]:
+    return (_aligned(outputs, targets) - targets).double().pow(2).sum(), targets.numel()
+
+
+def absolute_error(outputs: torch.Tensor, targets: torch.Tensor) -> tuple[Any, int]:
+    return (_aligned(outputs, targets) - targets).double().abs().sum(), targets.numel()
+
+
+def mse_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The default loss for float targets: mean squared error, outputs (N, 1) taken as (N,) when the
+    targets are (N,) (``F.mse_loss`` would broadcast them to (N, N) with only a warning)."""
+    return F.mse_loss(_aligned(outputs, targets), targets)
+
+
+ACCURACY = Metric("accuracy", True, correct)
+LOSS = Metric("loss", False)
+PERPLEXITY = Metric("perplexity", False, None, math.exp)
+MSE = Metric("mse", False, squared_error)
+RMSE = Metric("rmse", False, squared_error, math.sqrt)
+MAE = Metric("mae", False, absolute_error)
+BUILT_IN = {m.name: m for m in (ACCURACY, LOSS, PERPLEXITY, MSE, RMSE, MAE)}
+
+#: What is reported when no metric is named: classifiers (integer targets), regression (float ones).
+CLASSIFICATION, REGRESSION = (ACCURACY, LOSS), (LOSS, MSE)
+
+
+def user_metric(fn: Callable, name: Optional[str] = None) -> Metric:
+    """A function ``(outputs, targets) -> (sum, count)`` as a Metric (see the module docstring)."""
+    name = name or getattr(fn, "__name__", None) or type(fn).__name__
+    higher = getattr(fn, "higher_is_better", False)
+    if not isinstance(higher, bool):
+        raise PhalanxError(f"metric {name}: higher_is_better is {higher!r}; set it to True or False")
+    return Metric(name, higher, fn)
+
+
+def with_loss(metrics: Sequence[Metric]) -> tuple[Metric, ...]:
+    """The metrics asked for, and the loss after them: an evaluation always reports the loss."""
+    metrics = tuple(metrics)
+    return metrics if any(m.name == "loss" for m in metrics) else metrics + (LOSS,)
+
+
+# --------------------------------------------------------------------------- adding up batches
+
+
+class Totals:
+    """Per batch, the float64 vector [sum, count] of the loss (where a metric is made of it) and of
+    every other metric: the vector a rank adds to, and the ranks add together (one all-reduce)."""
+
+    def __init__(self, metrics: Sequence[Metric], loss_fn: Optional[Callable] = None):
+        self.metrics = tuple(metrics)
+        self.loss_fn = loss_fn if any(m.tally is None for m in self.metrics) else None
+        self.tallies = [m.tally for m in self.metrics if m.tally is not None]
+        self.size = 2 * (len(self.tallies) + (self.loss_fn is not None))
+
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros(self.size, dtype=torch.float64)
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not self.size:
+            return self.zeros()
+        targets = targets.to(outputs.device)
+        pairs = []
+        if self.loss_fn is not None:
+            pairs.append((self.loss_fn(outputs, targets).double() * targets.numel(), targets.numel()))
+        for tally in self.tallies:
+            made = tally(outputs, targets)
+            if not isinstance(made, (tuple, list)) or len(made) != 2:
+                raise PhalanxError(f"metric {getattr(tally, '__name__', tally)} returned {type(made).__name__}; "
+                                   "a metric returns (sum, count) for the batch, e.g. (errors.sum(), len(targets))")
+            pairs.append(made)
+        return torch.tensor([float(v) for pair in pairs for v in pair], dtype=torch.float64)
+
+    def values(self, sums: Sequence[float]) -> dict[str, float]:
+        """Each metric's value from the summed vector, in the metrics' order."""
+        out, at = {}, 2 if self.loss_fn is not None else 0
+        for m in self.metrics:
+            if m.tally is None:
+                out[m.name] = m.value(sums[0], sums[1])
+            else:
+                out[m.name] = m.value(sums[at], sums[at + 1])
+                at += 2
+        return out
+
+
+#: Adds nothing: forwards whose outputs are not counted (a rank keeping in step with the others).
+FORWARD_ONLY = Totals(())
+
+
+def add_up(model: torch.nn.Module, batches: Iterable, device: torch.device, totals: Totals) -> torch.Tensor:
+    """``totals`` summed over ``batches`` of ``model``'s outputs (in eval mode, no gradients)."""
+    was_training = model.training
+    model.eval()
+    sums = totals.zeros()
+    try:
+        with torch.no_grad():
+            for x, y in batches:
+                sums += totals(model(x.to(device)), y)
+    finally:
+        model.train(was_training)
+    return sums
+
+
+def said(values: dict[str, float]) -> str:
+    """``accuracy 0.9722, loss 0.0912``."""
+    return ", ".join(f"{name} {value:.4f}" for name, value in values.items())
+
+
+# --------------------------------------------------------------------------- targets
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A value of one metric to reach: ``accuracy>=0.95``, ``loss<=0.30``."""
+
+    metric: str
+    higher: bool  #: reached going up (>=) or down (<=)
+    value: float
+
+    def reached(self, values: dict[str, float]) -> bool:
+        got = values.get(self.metric, math.nan)
+        return got >= self.value if self.higher else got <= self.value
+
+    def __str__(self) -> str:
+        return f"{self.metric}{'>=' if self.higher else '<='}{self.value:g}"
+
+
+_TARGET = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(>=|<=)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
+_EXAMPLES = "e.g. accuracy>=0.95, loss<=0.30 or perplexity<=5 (a bare number means accuracy)"
+
+
+def parse_target(text: Any, flag: str = "--stop-at") -> Target:
+    """A target from its text; a bare number (or a float) is an accuracy."""
+    if isinstance(text, Target):
+        return text
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        text = repr(float(text))
+    if not isinstance(text, str):
+        raise PhalanxError(f"{flag} {text!r}: write METRIC>=VALUE or METRIC<=VALUE, {_EXAMPLES}")
+    try:
+        target = Target("accuracy", True, float(text))
+    except ValueError:
+        found = _TARGET.match(text)
+        if not found:
+            raise PhalanxError(f"{flag} {text}: write METRIC>=VALUE or METRIC<=VALUE, {_EXAMPLES}") from None
+        target = Target(found.group(1), found.group(2) == ">=", float(found.group(3)))
+    if target.metric == "accuracy" and not 0 < target.value <= 1:
+        raise PhalanxError(f"{flag} {text}: an accuracy is in (0, 1], e.g. accuracy>=0.95")
+    return target
+
+
+def check_target(target: Target, metrics: Sequence[Metric], flag: str = "--stop-at") -> None:
+    """The target names a reported metric and goes its better way; else one line naming the fix."""
+    metric = next((m for m in metrics if m.name == target.metric), None)
+    if metric is None:
+        names = ", ".join(m.name for m in metrics)
+        raise PhalanxError(f"{flag} {target}: no metric is named {target.metric} (this run reports {names}); "
+                           f"name a built-in one ({', '.join(BUILT_IN)}) or add --metric MODULE:{target.metric}")
+    if metric.higher_is_better != target.higher:
+        better, op = ("higher", ">=") if metric.higher_is_better else ("lower", "<=")
+        fix = "" if metric.name in BUILT_IN else \
+            f" (or give {metric.name} higher_is_better = {not metric.higher_is_better})"
+        raise PhalanxError(f"{flag} {target}: a {better} {metric.name} is better, so its target is reached going "
+                           f"{'up' if metric.higher_is_better else 'down'}: write {metric.name}{op}{target.value:g}"
+                           f"{fix}")
