@@ -59,13 +59,13 @@ class World:
         self.staleness: Optional[StalenessStats] = None  #: set by rules whose gradients can be stale
         self.outcome = Outcome()
         self.stopped = False
+        self.final: Optional[torch.Tensor] = None  #: the trained model's parameters, flat (set by the rule)
         self.began = time.perf_counter()
 
     # ---- what a real run is made of ----
     def fresh_model(self) -> nn.Module:
         """The run's initial model (its seed), a copy of its own."""
-        model = self.problem.model(self.seed)
-        return model
+        return self.problem.model(self.seed)
 
     @property
     def global_batch(self) -> int:
