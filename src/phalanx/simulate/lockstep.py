@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .registry import SimulatedRule
-from .params import flat_of, set_grads
 
 if TYPE_CHECKING:
     from .world import World
@@ -21,25 +20,24 @@ if TYPE_CHECKING:
 class Lockstep(SimulatedRule):
     def run(self, options: Any, world: "World") -> None:
         step_seconds = world.prediction(options).step
-        model = world.fresh_model()
-        params = list(model.parameters())
-        optimizer = world.optimizer(params)
+        params = world.stepped()
+        optimizer = world.optimizer(params.tensors)
         scheduler = world.scheduler(optimizer)
         reader = world.global_reader()
         now = 0.0
         for step in range(1, world.max_steps + 1):
             x, y = next(reader)
             shards = list(zip(x.chunk(world.workers), y.chunk(world.workers)))
-            grad, loss = world.grads.mean(flat_of(params), shards)
-            set_grads(params, grad)
+            grad, loss = world.grads.mean(params.vector(), shards)
+            params.set_grad(grad)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             now += step_seconds + world.slowest_delay(step - 1)
-            accuracy = world.evaluate(flat_of(params)) if world.due(step) else None
+            accuracy = world.evaluate(params.vector()) if world.due(step) else None
             if world.step_done(step, now, accuracy, loss):
                 break
-        world.final = flat_of(params)
+        world.final = params.snapshot()
 
 
 LOCKSTEP = Lockstep()

@@ -25,7 +25,6 @@ import torch
 
 from ..costs.ps import message_seconds, predict_ps, worker_work
 from .registry import SimulatedRule
-from .params import flat_of, set_grads
 
 if TYPE_CHECKING:
     from .world import World
@@ -45,9 +44,8 @@ class Server(SimulatedRule):
         message = [m * pace for m in message_seconds(compute, problem.facts, problem.network, W)]
         rule, gate = options.aggregation(W), Gate(range(W), options.bound)
         world.staleness = StalenessStats(options.bound)
-        model = world.fresh_model()
-        params = list(model.parameters())
-        optimizer = world.optimizer(params)
+        params = world.stepped()
+        optimizer = world.optimizer(params.tensors)
         scheduler = world.scheduler(optimizer)
         readers = [world.reader(w) for w in range(W)]
         state = _State(world, params)
@@ -82,7 +80,8 @@ class Server(SimulatedRule):
                 pending.clear()
                 for _, used in taken:
                     world.staleness.record(updates - used)
-                set_grads(params, torch.stack([g for g, _ in taken]).sum(0) * rule.weight(len(taken)))
+                total = taken[0][0] if len(taken) == 1 else torch.stack([g for g, _ in taken]).sum(0)
+                params.set_grad(total * rule.weight(len(taken)))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 state.moved()
@@ -103,11 +102,11 @@ class Server(SimulatedRule):
                 reply(v, now)
             server = now
             if stepped or not math.isfinite(loss):
-                accuracy = world.evaluate(flat_of(params)) if stepped and world.due(step) else None
+                accuracy = world.evaluate(params.vector()) if stepped and world.due(step) else None
                 world.outcome.applied, world.outcome.dropped = applied, dropped
                 world.step_done(step, now, accuracy, loss)
         state.close()
-        world.final = flat_of(params)
+        world.final = params.snapshot()
 
 
 class _State:
@@ -123,7 +122,7 @@ class _State:
     def begin(self, worker: int, batch) -> None:
         versions = self.world.versions
         if not versions.has(self.version):
-            versions.add(flat_of(self.params), self.version)
+            versions.add(self.params.snapshot(), self.version)
         else:
             versions.add(None, self.version)  # one more holder of the same copy
         self.begun[worker] = (self.version, batch)

@@ -67,6 +67,12 @@ class World:
         """The run's initial model (its seed), a copy of its own."""
         return self.problem.model(self.seed)
 
+    def stepped(self):
+        """The run's initial parameters as one optimizer steps them (:class:`~phalanx.simulate.params.Stepped`)."""
+        from .params import Stepped
+
+        return Stepped(self.fresh_model(), elementwise=self.problem.task.make_optimizer is None)
+
     @property
     def global_batch(self) -> int:
         return self.cfg.batch_size * self.workers
