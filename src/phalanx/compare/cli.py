@@ -100,8 +100,20 @@ def shared_fields() -> list[str]:
 
 
 def add_compare_flags(p: argparse.ArgumentParser) -> None:
-    add_flags(p.add_argument_group("the comparison"), CompareOptions)
-    shared = set(shared_fields())
+    from ..estimate.units import parse_workers
+    from ..options import _argparse_type
+    from ..simulate.options import SimulateOptions
+
+    group = p.add_argument_group("the comparison")
+    add_flags(group, CompareOptions)
+    # --workers is TrainConfig's, and --simulate takes several counts: one flag, read in run()
+    group.add_argument("--workers", dest="workers", default=None, metavar="WORKERS",
+                       type=_argparse_type(parse_workers, "--workers"),
+                       help="worker processes (default: one per GPU; on CPU, 2); with --simulate, the worker counts "
+                            "to simulate, e.g. 8,64,256 (default: 8,64,256)")
+    add_flags(p.add_argument_group("the simulation (--simulate: no process runs; the answer at worker counts "
+                                   "this machine lacks)"), SimulateOptions)
+    shared = set(shared_fields()) - {"workers"}
     for title, names in SECTIONS.items():
         names = [n for n in names if n in shared]
         if names:
@@ -154,8 +166,16 @@ def _progress(total: int):
     return update
 
 
-def compare(options: CompareOptions, train: TrainConfig, command: Optional[str] = None) -> dict:
-    """Run the comparison; print the tables; with ``options.out``, write the report and plots there."""
+def compare(options: CompareOptions, train: TrainConfig, command: Optional[str] = None, simulation=None,
+            workers: Optional[tuple[int, ...]] = None) -> dict:
+    """Run the comparison; print the tables; with ``options.out``, write the report and plots there.
+
+    ``simulation`` (:class:`~phalanx.simulate.options.SimulateOptions` with ``simulate``): compute it by
+    event simulation at the worker counts ``workers`` instead (``phalanx.simulate``)."""
+    if simulation is not None and simulation.simulate:
+        from ..simulate.compare import compare_simulated
+
+        return compare_simulated(options, train, simulation, workers, command)
     setup = setup_from(options, train)
     checked = check(setup)
     total = len(schedule(setup))
@@ -226,8 +246,18 @@ def _writable(out: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..simulate.options import SimulateOptions
+
     options = CompareOptions(**given(args, [f.name for f in declared(CompareOptions)]))
-    train = TrainConfig(**given(args, shared_fields()))
+    simulation = SimulateOptions(**given(args, [f.name for f in declared(SimulateOptions)]))
+    counts = args.workers
+    if counts is not None and len(counts) > 1 and not simulation.simulate:
+        raise PhalanxError(f"--workers {','.join(map(str, counts))} lists several worker counts: a real comparison "
+                           "runs one (give one), --simulate compares several (add --simulate)")
+    shared = given(args, [name for name in shared_fields() if name != "workers"])
+    if counts is not None and not simulation.simulate:
+        shared["workers"] = counts[0]
+    train = TrainConfig(**shared)
     command = "phalanx " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["compare"] else None
-    compare(options, train, command)
+    compare(options, train, command, simulation, counts)
     return 0

@@ -76,7 +76,7 @@ def curves(setup: Setup, runs: list[RunResult], out: Path, x: str) -> dict[str, 
     axes[-1].legend(fontsize=8, loc="lower right" if setup.target.higher else "upper right")
     what = "training time" if x == "seconds" else "steps"
     name = f"{metric}-vs-time.png" if x == "seconds" else f"{metric}-vs-steps.png"
-    fig.suptitle(f"test {metric} against {what} (target {setup.target})")
+    fig.suptitle(f"{'simulated: ' if setup.simulated else ''}test {metric} against {what} (target {setup.target})")
     return _save(fig, out / name, f"test {metric} against {what}")
 
 
@@ -102,7 +102,7 @@ def bars(setup: Setup, table: dict[str, list[Figures]], out: Path) -> dict[str, 
     ax.set_ylim(0, 1.15 * tallest)
     ax.set_xticks(range(len(setup.scenarios)), [s.token for s in setup.scenarios])
     ax.set_ylabel(f"training time to {setup.target} (s)")
-    ax.set_title("time to target: median, min-max over repeats (x: not reached)")
+    ax.set_title(f"{'simulated ' if setup.simulated else ''}time to target: median, min-max over repeats (x: not reached)")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, ncols=min(n, 4))
     return _save(fig, out / "time-to-target.png", "time to target")
@@ -136,7 +136,7 @@ def staleness(setup: Setup, runs: list[RunResult], out: Path) -> dict[str, Any] 
         ax.set_ylabel("fraction of gradients applied")
         ax.grid(axis="y", alpha=0.3)
     axes[-1].legend(fontsize=8)
-    fig.suptitle("staleness of the gradients applied")
+    fig.suptitle(f"{'simulated: ' if setup.simulated else ''}staleness of the gradients applied")
     return _save(fig, out / "staleness.png", "staleness histograms")
 
 

@@ -100,7 +100,8 @@ def _headers(setup: Setup) -> list[str]:
 
 
 def _title(setup: Setup, checked: Checked, scenario: Scenario) -> str:
-    return (f"{scenario.token} ({scenario.describe()}): time to {target_words(setup.target)}, "
+    return (f"{'simulated: ' if setup.simulated else ''}{scenario.token} ({scenario.describe()}): time to "
+            f"{target_words(setup.target)}, "
             f"{checked.workers} workers, {setup.repeats} repeat{'s' * (setup.repeats != 1)}")
 
 
@@ -114,7 +115,7 @@ def terminal(setup: Setup, checked: Checked, table: dict[str, list[Figures]]) ->
         lines = ["  ".join(c.ljust(w) if i in (0, 1) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                  for r in rows]
         blocks.append("\n".join([_title(setup, checked, scenario)] + lines))
-    legend = (f"* reached the target first. Time is training time (start-up and evaluations excluded), measured "
+    legend = (f"* reached the target first. Time is {'simulated ' if setup.simulated else ''}training time (start-up and evaluations excluded), measured "
               f"at evaluations every {setup.eval_every} steps; 'vs {baseline(setup)}' is the ratio of median times.")
     return "\n\n".join(blocks + [legend])
 
@@ -171,7 +172,8 @@ def answer(setup: Setup, checked: Checked, table: dict[str, list[Figures]]) -> s
             for n, s in reversed(champions)) + "."
     else:
         close = "No strategy reached the target: raise --max-steps, or lower --target."
-    lead = (f"Problem: {model} on {setup.train.data}, {checked.workers} workers, target {target_words(setup.target)}, "
+    lead = (f"{'Simulated (an event simulation, not a run). ' if setup.simulated else ''}Problem: {model} on "
+            f"{setup.train.data}, {checked.workers} workers, target {target_words(setup.target)}, "
             f"medians of {setup.repeats} repeat{'s' * (setup.repeats != 1)}.")
     return " ".join([lead] + sentences + [close])
 
@@ -211,7 +213,8 @@ def setup_dict(setup: Setup, checked: Checked, command: Optional[str]) -> dict[s
 
 def markdown(setup: Setup, checked: Checked, table: dict[str, list[Figures]], runs: list[RunResult],
              plots: list[dict[str, Any]], info: dict[str, Any], command: Optional[str]) -> str:
-    lines = [f"# phalanx compare: which strategy reaches {target_words(setup.target)} first", "",
+    heading = "phalanx compare --simulate" if setup.simulated else "phalanx compare"
+    lines = [f"# {heading}: which strategy reaches {target_words(setup.target)} first", "",
              answer(setup, checked, table), ""]
     for scenario in setup.scenarios:
         lines += [f"## {_title(setup, checked, scenario)}", "",
@@ -221,7 +224,9 @@ def markdown(setup: Setup, checked: Checked, table: dict[str, list[Figures]], ru
             cells[0] = f"**{f.strategy}** (fastest)" if f.winner else f.strategy
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-    lines += ["Time is training time: worker start-up and evaluations are excluded (each run's are in "
+    lines += [("Every figure is simulated: time is the simulation's clock (the cost models of phalanx estimate), "
+               "learning is real (each worker's gradients of the model, in the simulated order). "
+               if setup.simulated else "") + "Time is training time: worker start-up and evaluations are excluded (each run's are in "
               f"report.json), measured at evaluations every {setup.eval_every} steps. Examples/s counts every "
               "example a worker computed a gradient on, dropped ones included. Staleness: mean updates behind; "
               "dropped: late gradients a backup strategy did not apply.", ""]

@@ -42,6 +42,7 @@ class Setup:
     repeats: int
     max_steps: int
     eval_every: int
+    simulated: bool = False  #: computed by ``phalanx.simulate``, not run: every figure is marked so
 
 
 @dataclasses.dataclass(frozen=True)

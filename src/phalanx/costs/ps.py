@@ -78,16 +78,28 @@ def steady_state(groups: list[tuple[int, float, float, float]], apply: float, un
     return workers / rate
 
 
+def worker_work(compute: Compute) -> float:
+    """A worker's seconds from having the parameters to having a gradient ready to push."""
+    return compute.forward + compute.backward + compute.loop + compute.pack
+
+
+def message_seconds(compute: Compute, facts: ModelFacts, net: Network, workers: int) -> list[float]:
+    """Each worker's push (or reply): a header message and the vector, received into a newly allocated
+    buffer; the first ``per_node`` workers share the server's machine, the others reach it over ``inter``."""
+    near, far = (link.alpha + link.message(facts.param_bytes) + compute.fresh for link in (net.intra, net.inter))
+    local = min(workers, net.per_node)
+    return [near] * local + [far] * (workers - local)
+
+
 def predict_ps(compute: Compute, facts: ModelFacts, net: Network, workers: int) -> Prediction:
     """W workers and one server on node 0 (the server shares node 0 with the first workers)."""
     nbytes = facts.param_bytes
     local = min(workers, net.per_node)  # workers on node 0, with the server; the rest reach it over inter
-    work = compute.forward + compute.backward + compute.loop + compute.pack
-    # Each way, a header message and the vector, received into a newly allocated buffer.
-    near, far = (link.alpha + link.message(nbytes) + compute.fresh for link in (net.intra, net.inter))
+    work = worker_work(compute)
+    messages = message_seconds(compute, facts, net, workers)
+    near, far = messages[0], messages[-1]
     slowest = far if workers > local else near
     if workers <= SIMULATED_UP_TO:
-        messages = [near] * local + [far] * (workers - local)
         timeline = simulate(workers, [work] * workers, messages, messages, compute.apply, compute.unpack, compute.loop)
     else:
         timeline = steady_state([(local, work, near, near), (workers - local, work, far, far)], compute.apply,

@@ -31,6 +31,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..costs import DiLoCoCost, register
+from ..simulate import DILOCO, simulated
 from ..errors import PhalanxError
 from ..options import option
 from ..pipeline.balance import bounds, partition
@@ -90,6 +91,7 @@ class DiLoCo(Options):
 
 
 register(DiLoCo, DiLoCoCost())  # its cost model, for phalanx estimate (costs/diloco.py)
+simulated(DiLoCo, DILOCO)  # its simulated rule, for phalanx compare --simulate (simulate/periodic.py)
 
 
 def fragment_bounds(numels: Sequence[int], fragments: int) -> list[tuple[int, int]]:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..costs import FSDPCost, register
+from ..simulate import LOCKSTEP, simulated
 from ..errors import PhalanxError
 from ..models import model_blocks_by_default
 from ..options import option
@@ -116,6 +117,7 @@ class FSDP(Options):
 
 
 register(FSDP, FSDPCost())  # its cost model, for phalanx estimate (costs/fsdp.py)
+simulated(FSDP, LOCKSTEP)  # each step computes what sync computes: simulated as sync, timed as fsdp
 
 
 class FSDPRuntime(Runtime):

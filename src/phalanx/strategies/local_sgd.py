@@ -15,6 +15,7 @@ import torch
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 from ..costs import LocalSGDCost, register
+from ..simulate import LOCAL_SGD, simulated
 from ..options import option
 from ..errors import PhalanxError
 from .base import Build, Options, Runtime
@@ -40,6 +41,7 @@ class LocalSGD(Options):
 
 
 register(LocalSGD, LocalSGDCost())  # its cost model, for phalanx estimate (costs/local_sgd.py)
+simulated(LocalSGD, LOCAL_SGD)  # its simulated rule, for phalanx compare --simulate (simulate/periodic.py)
 
 
 class LocalSGDRuntime(Runtime):

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..costs import SyncCost, register
+from ..simulate import LOCKSTEP, simulated
 from ..errors import PhalanxError
 from ..options import option
 from ..reduce import COMPRESSIONS, REDUCTIONS, apply_reduction, parse_islands, validate_islands
@@ -77,6 +78,7 @@ class Sync(Options):
 
 
 register(Sync, SyncCost())  # its cost model, for phalanx estimate (costs/sync.py)
+simulated(Sync, LOCKSTEP)  # its simulated rule, for phalanx compare --simulate (simulate/lockstep.py)
 
 
 class SyncRuntime(Runtime):

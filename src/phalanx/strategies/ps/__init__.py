@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from ...costs import ParameterServerCost, register
+from ...simulate import SERVER, simulated
 from ...errors import PhalanxError
 from ...options import option
 from ...metrics import Totals, add_up
@@ -145,6 +146,9 @@ class Backup(ParameterServer):
 # Its cost model, for phalanx estimate (costs/ps.py); the advice compares it with sync. ssp and backup have
 # none yet: the registry is keyed by the exact class, so they do not inherit this one.
 register(ParameterServer, ParameterServerCost(instead=Sync))
+# One simulated rule for the family (simulate/server.py): each asks its options for its gate and aggregation.
+for _family in (ParameterServer, SSP, Backup):
+    simulated(_family, SERVER)
 
 
 class ServerRuntime(Runtime):

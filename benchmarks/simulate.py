@@ -1,0 +1,150 @@
+"""Is ``phalanx compare --simulate`` right where it can be checked, and fast where it cannot?
+
+Two parts, each printed with medians and saved with the machine:
+
+1. **validation at W = 2**: the same comparison run for real (``Trainer`` runs, real gloo workers)
+   and simulated (the compute and the link measured here, as ``phalanx estimate`` measures them),
+   every strategy and scenario ``--repeats`` times; per (scenario, strategy) the median steps to
+   target and the median time to target of each, and simulated / real. The issue's goal: steps
+   within ±20%, time within ±25%.
+2. **scale**: ``--scale-workers`` (256) simulated workers x every simulated strategy x scenarios, one
+   repeat each, with ``--step-time`` and a given link (the target machine's figures): the wall time
+   of each simulated run and of the whole, and the peak memory of this process.
+
+    python3 benchmarks/simulate.py                                   # validation (3 repeats) and 256 workers
+    python3 benchmarks/simulate.py --repeats 1 --scale-steps 40      # a quick look
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from phalanx import TrainConfig
+from phalanx.compare.cli import CompareOptions, setup_from
+from phalanx.compare.results import RunResult
+from phalanx.compare.runner import check, run_all
+from phalanx.simulate.compare import simulate_compare
+from phalanx.simulate.options import SimulateOptions
+
+from _common import parser, save_result
+
+GOALS = {"steps": 0.20, "seconds": 0.25}
+
+
+def setup(strategies: str, scenarios: str, repeats: int, max_steps: int, eval_every: int, target: float,
+          batch_size: int, model: str):
+    train = TrainConfig(model=model, devices="cpu", workers=2, batch_size=batch_size)
+    options = CompareOptions(strategies=strategies, scenarios=scenarios, repeats=repeats, max_steps=max_steps,
+                             eval_every=eval_every, target=target)
+    return setup_from(options, train)
+
+
+def medians(runs: list[RunResult]) -> dict[tuple[str, str], dict]:
+    """(scenario, strategy) -> median steps and seconds to target over the repeats that reached it."""
+    out: dict[tuple[str, str], dict] = {}
+    for key in sorted({(r.scenario, r.strategy) for r in runs}):
+        mine = [r for r in runs if (r.scenario, r.strategy) == key and r.reached]
+        out[key] = {"reached": len(mine), "runs": sum((r.scenario, r.strategy) == key for r in runs),
+                    "steps": statistics.median(r.steps_to_target for r in mine) if mine else None,
+                    "seconds": statistics.median(r.seconds_to_target for r in mine) if mine else None}
+    return out
+
+
+def validate(args) -> dict:
+    s = setup(args.strategies, args.scenarios, args.repeats, args.max_steps, args.eval_every, args.target,
+              args.batch_size, args.model)
+    print(f"validation at 2 workers: {args.strategies} under {args.scenarios}, {args.repeats} repeats, {args.model}, "
+          f"target {args.target}", flush=True)
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        real = run_all(s, check(s), Path(tmp))
+    real_wall = time.perf_counter() - began
+    began = time.perf_counter()
+    sim = SimulateOptions(simulate=True)  # compute and link measured here, as the estimate measures them
+    problem, simulated = simulate_compare(dataclasses.replace(s, simulated=True), (2,), sim,
+                                          lambda line: print(line, file=sys.stderr, flush=True))
+    sim_wall = time.perf_counter() - began
+    r, m = medians(real), medians(simulated[2])
+    rows = []
+    print(f"\n{'scenario':<12} {'strategy':<12} {'real steps':>10} {'sim steps':>10} {'ratio':>6}   "
+          f"{'real s':>7} {'sim s':>7} {'ratio':>6}")
+    for key in r:
+        row = {"scenario": key[0], "strategy": key[1], "real": r[key], "simulated": m[key]}
+        for what in ("steps", "seconds"):
+            a, b = r[key][what], m[key][what]
+            row[f"{what}_ratio"] = b / a if a and b else None
+        rows.append(row)
+        fmt = lambda v, f: f"{v:{f}}" if v is not None else "-"  # noqa: E731
+        print(f"{key[0]:<12} {key[1]:<12} {fmt(r[key]['steps'], '10.0f')} {fmt(m[key]['steps'], '10.0f')} "
+              f"{fmt(row['steps_ratio'], '6.2f')}   {fmt(r[key]['seconds'], '7.2f')} {fmt(m[key]['seconds'], '7.2f')} "
+              f"{fmt(row['seconds_ratio'], '6.2f')}")
+    within = {what: [abs(row[f"{what}_ratio"] - 1) <= goal for row in rows if row[f"{what}_ratio"] is not None]
+              for what, goal in GOALS.items()}
+    print(f"within goal: steps {sum(within['steps'])}/{len(within['steps'])} (±20%), time "
+          f"{sum(within['seconds'])}/{len(within['seconds'])} (±25%); real runs took {real_wall:.0f} s, "
+          f"the simulation {sim_wall:.0f} s (its measurements included)")
+    return {"rows": rows, "clock": list(problem.clock_notes), "real_wall_s": real_wall, "simulated_wall_s": sim_wall}
+
+
+def scale(args) -> dict:
+    n = args.scale_workers
+    s = setup(args.scale_strategies, args.scale_scenarios, 1, args.scale_steps, args.scale_eval_every, args.target,
+              args.scale_batch_size, args.model)
+    s = dataclasses.replace(s, simulated=True)
+    sim = SimulateOptions(simulate=True, step_time=args.step_time, link_bandwidth=args.link_bandwidth,
+                          link_latency=args.link_latency)
+    print(f"\nscale: {n} workers x {args.scale_strategies} x {args.scale_scenarios}, batch {args.scale_batch_size} "
+          f"per worker, up to {args.scale_steps} steps", flush=True)
+    walls = []
+
+    def progress(i, total, run, result):
+        walls.append({"strategy": run.strategy.token, "scenario": run.scenario.token, "wall_s": result.wall_seconds,
+                      "reached": result.reached, "steps": result.steps, "simulated_s": result.train_seconds,
+                      "best_accuracy": result.best_accuracy})
+        print(f"  {run.scenario.token:<14} {run.strategy.token:<12} {result.wall_seconds:7.1f} s wall, "
+              f"{'reached at step ' + str(result.steps_to_target) if result.reached else 'not reached'} "
+              f"({result.train_seconds:.3g} s simulated)", flush=True)
+
+    began = time.perf_counter()
+    simulate_compare(s, (n,), sim, lambda line: None, progress)
+    total = time.perf_counter() - began
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux -> GiB
+    print(f"{len(walls)} runs of {n} workers simulated in {total:.0f} s (median {statistics.median(w['wall_s'] for w in walls):.1f} s "
+          f"a run); peak memory of this process {peak:.2f} GiB")
+    return {"workers": n, "runs": walls, "total_wall_s": total, "peak_memory_gib": peak}
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--model", default="mlp")
+    p.add_argument("--strategies", default="sync,ps,local-sgd:8")
+    p.add_argument("--scenarios", default="none,slow:1:2")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-steps", type=int, default=300)
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--target", type=float, default=0.9)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--scale-workers", type=int, default=256)
+    p.add_argument("--scale-strategies", default="sync,ps,ssp:2,backup:8,local-sgd:8,diloco:8")
+    p.add_argument("--scale-scenarios", default="none,slow:1:2,pauses:0.1:4")
+    p.add_argument("--scale-steps", type=int, default=100)
+    p.add_argument("--scale-eval-every", type=int, default=10)
+    p.add_argument("--scale-batch-size", type=int, default=4)
+    p.add_argument("--step-time", type=float, default=0.010)
+    p.add_argument("--link-bandwidth", type=float, default=1.25e9, help="bytes/s (default 10 Gb/s)")
+    p.add_argument("--link-latency", type=float, default=20e-6)
+    p.add_argument("--skip-validation", action="store_true")
+    args = p.parse_args()
+    validation = None if args.skip_validation else validate(args)
+    scaled = scale(args)
+    save_result("simulate", args, validation=validation, scale=scaled)
+
+
+if __name__ == "__main__":
+    main()

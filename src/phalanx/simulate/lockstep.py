@@ -1,0 +1,43 @@
+"""Simulated ``sync`` (and every strategy that computes what sync computes each step: ``fsdp``).
+
+Every step every worker computes its gradient on the one common set of parameters; the mean of
+the W gradients is applied once (DDP's all-reduce, then the same optimizer step on every rank).
+The W batches are computed together as one batch of W x B (:meth:`Gradients.mean`), so the
+parameters are exactly a real run's. Time: a step takes what the strategy's cost model predicts
+at W workers, plus the slowest worker's straggler delay of that step (lockstep waits for it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .registry import SimulatedRule
+
+if TYPE_CHECKING:
+    from .world import World
+
+
+class Lockstep(SimulatedRule):
+    def run(self, options: Any, world: "World") -> None:
+        step_seconds = world.prediction(options).step
+        params = world.stepped()
+        optimizer = world.optimizer(params.tensors)
+        scheduler = world.scheduler(optimizer)
+        reader = world.global_reader()
+        now = 0.0
+        for step in range(1, world.max_steps + 1):
+            x, y = next(reader)
+            shards = list(zip(x.chunk(world.workers), y.chunk(world.workers)))
+            grad, loss = world.grads.mean(params.vector(), shards)
+            params.set_grad(grad)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            now += step_seconds + world.slowest_delay(step - 1)
+            accuracy = world.evaluate(params.vector()) if world.due(step) else None
+            if world.step_done(step, now, accuracy, loss):
+                break
+        world.final = params.snapshot()
+
+
+LOCKSTEP = Lockstep()

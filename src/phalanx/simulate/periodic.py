@@ -1,0 +1,171 @@
+"""Simulated periodic averaging: ``local-sgd`` (H) and ``diloco`` (H, outer optimizer, fragments).
+
+Every worker steps its own copy of the parameters with its own optimizer state on its own shard;
+the copies meet every H steps. The W copies are one stacked tensor per parameter (W, ...), so one
+optimizer over the stacks is W independent optimizers for element-wise optimizers (SGD, Adam,
+AdamW: each element's update reads only its own state), and the W gradients, each on its own copy,
+are one batched call (:meth:`Gradients.each`). At a meeting:
+
+- local SGD: the copies are replaced by their mean (torch's ``PeriodicModelAverager``, after steps
+  1, H+1, 2H+1, ...); optimizer states stay local;
+- DiLoCo: the pseudo-gradients (global - local) are averaged (in the outer precision on the wire),
+  the outer Nesterov SGD steps the global copy, every local copy restarts from it; fragments meet at
+  their own staggered steps, and the run's last step syncs them all (``strategies/diloco.py``).
+
+Time: each worker's own steps (the measured step plus its straggler delays) until a meeting, where
+all wait for the slowest, plus the round's cost from the strategy's cost model. An evaluation is a
+collective in a real run: the workers meet there too.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .registry import SimulatedRule
+
+if TYPE_CHECKING:
+    from .world import World
+
+
+class Periodic(SimulatedRule):
+    def run(self, options: Any, world: "World") -> None:
+        W = world.workers
+        model = world.fresh_model()
+        stacks = [p.detach().unsqueeze(0).repeat(W, *([1] * p.dim())).requires_grad_(True) for p in model.parameters()]
+        optimizer = world.optimizer(stacks)
+        scheduler = world.scheduler(optimizer)
+        readers = [world.reader(w) for w in range(W)]
+        meeting = self.meeting(options, world, stacks)
+        predicted = world.prediction(options)
+        rounds = meeting.rounds_per_cycle
+        round_seconds = max(predicted.step - predicted.compute, 0.0) * options.sync_every / rounds
+        base = world.problem.compute.step
+        clocks = [0.0] * W
+        for step in range(1, world.max_steps + 1):
+            batches = [next(r) for r in readers]
+            grads, losses = world.grads.each(_matrix(stacks), batches)
+            _set_stacked_grads(stacks, grads)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            clocks = [c + base + world.delay(w, step - 1, w) for w, c in enumerate(clocks)]
+            if meeting.after(step - 1, last=step == world.max_steps):
+                clocks = [max(clocks) + round_seconds] * W
+            evaluating = world.due(step)
+            if evaluating:
+                clocks = [max(clocks)] * W
+            accuracy = meeting.evaluate(world) if evaluating else None
+            if world.step_done(step, clocks[0], accuracy, sum(losses) / W):
+                break
+        world.final = meeting.model_flat()
+
+    def meeting(self, options: Any, world: "World", stacks: list[torch.Tensor]) -> "Averaging":
+        raise NotImplementedError
+
+
+def _matrix(stacks: list[torch.Tensor]) -> torch.Tensor:
+    """Every worker's parameters as one (W, P) matrix, a row each (a copy)."""
+    W = stacks[0].shape[0]
+    return torch.cat([s.detach().reshape(W, -1) for s in stacks], dim=1)
+
+
+def _set_stacked_grads(stacks: list[torch.Tensor], grads: torch.Tensor) -> None:
+    offset = 0
+    for s in stacks:
+        n = s[0].numel()
+        s.grad = grads[:, offset:offset + n].reshape(s.shape)  # a view of this step's gradient matrix
+        offset += n
+
+
+class Averaging:
+    """Local SGD's meeting: the copies replaced by their mean every H steps."""
+
+    rounds_per_cycle = 1
+
+    def __init__(self, options: Any, stacks: list[torch.Tensor]):
+        self.every, self.stacks = options.sync_every, stacks
+
+    def after(self, index: int, last: bool) -> bool:
+        if index % self.every:
+            return False
+        with torch.no_grad():
+            for s in self.stacks:
+                s.copy_(s.mean(0, keepdim=True).expand_as(s))
+        return True
+
+    def evaluate(self, world: "World") -> float:
+        return world.evaluate_parts(list(_matrix(self.stacks).unbind(0)))  # each replica on its part, as a real run does
+
+    def model_flat(self) -> torch.Tensor:
+        return torch.cat([s.detach()[0].reshape(-1) for s in self.stacks])
+
+
+class LocalSGDRule(Periodic):
+    def meeting(self, options, world, stacks):
+        return Averaging(options, stacks)
+
+
+class OuterRounds(Averaging):
+    """DiLoCo's meeting: the averaged pseudo-gradient through the outer optimizer, fragment by fragment."""
+
+    def __init__(self, options: Any, stacks: list[torch.Tensor]):
+        from ..strategies.diloco import fragment_bounds, fragment_offsets
+
+        super().__init__(options, stacks)
+        self.options = options
+        self.fragments = fragment_bounds([s[0].numel() for s in stacks], options.fragments)
+        self.offsets = fragment_offsets(options.sync_every, options.fragments)
+        self.rounds_per_cycle = options.fragments
+        self.globals = [s.detach()[0].clone() for s in stacks]
+        self.outer = torch.optim.SGD(self.globals, lr=options.outer_lr, momentum=options.outer_momentum,
+                                     nesterov=options.outer_momentum > 0)
+
+    def after(self, index: int, last: bool) -> bool:
+        from ..strategies.diloco import due
+
+        fragments = range(len(self.fragments)) if last else due(index, self.every, self.offsets)
+        indices = [i for f in fragments for i in range(*self.fragments[f])]
+        if not indices:
+            return False
+        with torch.no_grad():
+            for i in indices:
+                pseudo = self.globals[i].unsqueeze(0) - self.stacks[i]  # (W, ...): every worker's
+                self.globals[i].grad = _mean_on_the_wire(pseudo, self.options.outer_precision)
+            self.outer.step()
+            self.outer.zero_grad(set_to_none=True)
+            for i in indices:
+                self.stacks[i].copy_(self.globals[i].unsqueeze(0).expand_as(self.stacks[i]))
+        return True
+
+    def evaluate(self, world: "World") -> float:
+        return world.evaluate(self.model_flat())  # the global model, which every rank evaluates
+
+    def model_flat(self) -> torch.Tensor:
+        return torch.cat([g.reshape(-1) for g in self.globals])
+
+
+def _mean_on_the_wire(pseudo: torch.Tensor, precision: str) -> torch.Tensor:
+    """The mean over workers (dim 0) as ``strategies/diloco.average`` reduces it in each precision."""
+    W = pseudo.shape[0]
+    if precision == "bf16":  # each divided by W and cast, summed in bf16
+        parts = (pseudo / W).to(torch.bfloat16)
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return total.float()
+    if precision == "int8":  # each quantized with its own max-abs scale, summed in fp32
+        from ..strategies.diloco import dequantize_int8, quantize_int8
+
+        return sum(dequantize_int8(*quantize_int8(p)) for p in pseudo) / W
+    return pseudo.sum(0) / W
+
+
+class DiLoCoRule(Periodic):
+    def meeting(self, options, world, stacks):
+        return OuterRounds(options, stacks)
+
+
+LOCAL_SGD = LocalSGDRule()
+DILOCO = DiLoCoRule()

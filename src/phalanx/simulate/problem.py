@@ -1,0 +1,110 @@
+"""The user's problem, read once for a whole simulated comparison: the task, the data, the clock's inputs.
+
+The clock's inputs are the estimate's: a worker's step measured on this machine under the
+conditions it would run in (``estimate/profile.py``: the same probe ``phalanx estimate`` runs),
+or ``--step-time`` for a device that is not here; the model's sizes (``estimate/facts.py``); the
+link within a machine (measured here, as the estimate measures it) and between machines
+(``--link-bandwidth``/``--link-latency``). Every strategy's cost model prices its steps from these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ..costs import Compute, Link, ModelFacts, Network
+from ..data import DataBundle, load_data
+from ..data.user import cast_inputs
+from ..task import Task, task_from
+from ..train import TrainConfig
+
+
+@dataclasses.dataclass
+class Problem:
+    config: TrainConfig  #: resolved: the recipe's optimizer, lr and steps filled in
+    task: Task
+    compute: Compute
+    facts: ModelFacts
+    network: Network
+    clock_notes: tuple[str, ...] = ()  #: where the compute and the link figures come from
+    _data: dict = dataclasses.field(default_factory=dict)
+
+    def data(self, seed: int) -> DataBundle:
+        """The data a real run of ``seed`` trains on (a built-in set's split depends on the seed)."""
+        if seed not in self._data:
+            cfg = self.config
+            bundle = self.task.data or load_data(cfg.data, cfg.data_dir, tuple(cfg.synthetic_shape),
+                                                 cfg.synthetic_size, seed)
+            self._data[seed] = bundle
+        return self._data[seed]
+
+    def model(self, seed: int) -> nn.Module:
+        """The model a real run of ``seed`` starts from (every worker builds it after seeding)."""
+        data = self.data(seed)
+        torch.manual_seed(seed)
+        model = self.task.make_model(data.input_shape, data.num_classes)
+        cast_inputs(data, next(model.parameters()).dtype)
+        return model
+
+
+def compute_from_step_time(seconds: float, block_count: int) -> Compute:
+    """A worker's step given as one figure (``--step-time``, for a device that is not here): a third
+    forward, two thirds backward (the usual ratio), the optimizer and loop inside it, nothing CPU-bound."""
+    return Compute(forward=seconds / 3, backward=2 * seconds / 3, optimizer=0.0, loop=0.0, slowest=seconds,
+                   cpu=seconds, processes=1, threads=1, cores=None,
+                   block_seconds=tuple([seconds / max(block_count, 1)] * block_count))
+
+
+def build_problem(train: TrainConfig, workers: tuple[int, ...], per_node: Optional[int], step_time: Optional[float],
+                  link: Optional[Link], say: Callable[[str], None]) -> Problem:
+    """Read the task and the model; measure (or take) the step and the links."""
+    from ..estimate.facts import model_facts
+    from ..estimate.link import describe_link, measure_link
+    from ..launch import available_cores
+    from ..devices import resolve_devices
+    from ..train.checks import data_facts
+
+    task = task_from(train)
+    cfg = train.resolved(task.model_name)
+    problem = Problem(cfg, task, None, None, None)  # type: ignore[arg-type]
+    data = problem.data(cfg.seed)
+    model = problem.model(cfg.seed)
+    example = data_facts(cfg, data).example[0]
+    facts = model_facts(model, example, cfg.batch_size)
+    device = resolve_devices(cfg.devices)[0]
+    per_node = per_node or (torch.cuda.device_count() if device.type == "cuda" else 2)
+    notes = []
+    if step_time is not None:
+        compute = compute_from_step_time(step_time, len(facts.block_names))
+        notes.append(f"compute: --step-time {step_time * 1e3:.3g} ms per worker step")
+    else:
+        compute = _measured(cfg, device, min(max(workers), per_node), available_cores(), say)
+        notes.append(f"compute: measured here, {compute.processes} worker process(es) at once, {compute.threads} "
+                     f"thread(s) each: {compute.step * 1e3:.3g} ms per step")
+    if link is not None:
+        intra = inter = link
+    else:
+        say("measuring the link: all-reduces between 2 local gloo ranks ...")
+        intra = measure_link("cpu")[0] if device.type == "cpu" else Link(0.0, 1e-18, "not modelled")
+        inter = dataclasses.replace(intra, shared_copy=False,
+                                    source="assumed equal to the link within a machine: give --link-bandwidth and "
+                                           "--link-latency for your network")
+    notes.append(f"link: {describe_link(inter)}; {per_node} workers per machine")
+    problem.compute, problem.facts, problem.network = compute, facts, Network(intra, inter, per_node)
+    problem.clock_notes = tuple(notes)
+    return problem
+
+
+def _measured(cfg: TrainConfig, device: torch.device, local: int, cores: int, say) -> Compute:
+    from ..estimate.profile import Conditions, ProbeSpec, measure
+
+    if device.type == "cuda":
+        conditions = Conditions(1, cfg.threads or max(1, cores // local), "cuda:0")
+    else:
+        conditions = Conditions(local, cfg.threads or max(1, cores // local), "cpu")
+    say(f"measuring compute: {conditions.processes} worker process(es) at once, {conditions.threads} thread(s) "
+        f"each, on {conditions.device} ...")
+    return measure(ProbeSpec(cfg, 20), conditions)

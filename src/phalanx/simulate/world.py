@@ -1,0 +1,176 @@
+"""One simulated run: the problem at W workers, its clock, its evaluations, and what it measured.
+
+A :class:`World` is what a strategy's simulated rule plays on. It hands the rule what a real run
+has and a rule should not rebuild: the model's initial weights (the run's seed), each worker's
+shard of the data (the same :class:`~phalanx.data.ShardedBatches` a real worker reads, so worker
+r's k-th batch is the real one), the run's optimizer and learning-rate schedule (as the training
+loop builds them), the gradient engine, the parameter versions, the straggler delay of a worker's
+step (the scenario's pure pause schedule), and the strategy's cost-model prediction at W workers.
+The rule advances the simulated clock and reports each global step (:meth:`World.step_done`); the
+world evaluates when a real run would and says when to stop (the target reached, or the last step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+from ..costs import Prediction, cost_model
+from ..data import ShardedBatches, eval_batches
+from ..strategies.staleness import StalenessStats
+from ..train.schedules import Schedule, scaled_lr
+from ..train.straggle import Slowness
+from .gradients import Gradients
+from .problem import Problem
+from .versions import Versions
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one simulated run measured (in simulated seconds), for the comparison's report."""
+
+    curve: list[dict[str, float]] = dataclasses.field(default_factory=list)  #: step, seconds, accuracy
+    steps: int = 0
+    seconds: float = 0.0  #: simulated training time
+    examples: int = 0  #: examples a worker computed a gradient on (dropped ones included)
+    applied: Optional[int] = None  #: gradients applied (the parameter-server family)
+    dropped: Optional[int] = None
+    diverged: bool = False
+    wall_seconds: float = 0.0  #: what simulating it took here
+    peak_versions: int = 0
+
+
+class World:
+    def __init__(self, problem: Problem, options: Any, workers: int, slowness: Optional[Slowness], seed: int,
+                 max_steps: int, eval_every: int, target: float):
+        self.problem, self.options, self.workers = problem, options, workers
+        self.slowness, self.seed = slowness, seed
+        self.max_steps, self.eval_every, self.target = max_steps, eval_every, target
+        self.cfg = problem.config
+        self.data = problem.data(seed)
+        self.template = problem.model(seed)
+        self.grads = Gradients(self.template, problem.task.loss_fn)
+        self.versions = Versions()
+        self.staleness: Optional[StalenessStats] = None  #: set by rules whose gradients can be stale
+        self.outcome = Outcome()
+        self.stopped = False
+        self.final: Optional[torch.Tensor] = None  #: the trained model's parameters, flat (set by the rule)
+        self.began = time.perf_counter()
+
+    # ---- what a real run is made of ----
+    def fresh_model(self) -> nn.Module:
+        """The run's initial model (its seed), a copy of its own."""
+        return self.problem.model(self.seed)
+
+    def stepped(self):
+        """The run's initial parameters as one optimizer steps them (:class:`~phalanx.simulate.params.Stepped`)."""
+        from .params import Stepped
+
+        return Stepped(self.fresh_model(), elementwise=self.problem.task.make_optimizer is None)
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.batch_size * self.workers
+
+    def optimizer(self, params) -> torch.optim.Optimizer:
+        """The run's optimizer, as the training loop makes it (the linear scaling rule on the global batch)."""
+        task, cfg = self.problem.task, self.cfg
+        if task.make_optimizer is not None:
+            return task.optimizer(params)
+        lr = scaled_lr(cfg.lr, self.global_batch, cfg.lr_base_batch)
+        if cfg.optimizer in ("adam", "adamw"):
+            make = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+            return make(params, lr=lr, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+    def scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        cfg = self.cfg
+        schedule = Schedule(cfg.lr_schedule, cfg.lr_decay_every, cfg.lr_decay_factor, cfg.staircase,
+                            cfg.warmup_steps, self.max_steps)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+    def reader(self, worker: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Worker ``worker``'s batches, its own step after step (data shard ``worker`` of W)."""
+        return ShardedBatches(self.data.train, self.cfg.batch_size, worker, self.workers, self.cfg.seed)(0)
+
+    def global_reader(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Every worker's batch of a step at once: the W shards, in order, are one slice of the epoch's shuffle."""
+        return ShardedBatches(self.data.train, self.global_batch, 0, 1, self.cfg.seed)(0)
+
+    def prediction(self, options: Any = None) -> Prediction:
+        """The strategy's cost model at W workers: its step time and where the time goes."""
+        options = options or self.options
+        return cost_model(options).predict(options, self.problem.compute, self.problem.facts,
+                                           self.problem.network, self.workers)
+
+    # ---- the clock ----
+    @property
+    def compute_seconds(self) -> float:
+        """Forward + backward of one worker's batch: what a straggler's factor multiplies (as ``straggle.py``)."""
+        c = self.problem.compute
+        return c.forward + c.backward
+
+    def delay(self, worker: int, own_step: int, rank: int) -> float:
+        """Seconds a straggler adds to ``worker``'s own step ``own_step`` (``rank``: its process's rank)."""
+        if self.slowness is None:
+            return 0.0
+        factor = self.slowness.factor_at(self.seed, own_step, rank, worker)
+        return (factor - 1.0) * self.compute_seconds
+
+    def slowest_delay(self, step: int, first_rank: int = 0) -> float:
+        """The largest delay over every worker at a step all of them take together."""
+        if self.slowness is None:
+            return 0.0
+        return max(self.delay(w, step, w + first_rank) for w in range(self.workers))
+
+    # ---- evaluations, and when to stop ----
+    def evaluate(self, flat: torch.Tensor) -> float:
+        """Accuracy of the parameters ``flat`` on the whole test set."""
+        correct = total = 0
+        for x, y in eval_batches(self.data.test, 256):
+            correct += self.grads.correct(flat, x, y)
+            total += len(y)
+        return correct / max(total, 1)
+
+    def evaluate_parts(self, flats: list[torch.Tensor]) -> float:
+        """Each worker's own parameters on its part of the test set, the counts summed (a real run's
+        collective evaluation, where replicas differ between averagings)."""
+        correct = total = 0
+        for part, flat in enumerate(flats):
+            for x, y in eval_batches(self.data.test, 256, part, len(flats)):
+                correct += self.grads.correct(flat, x, y)
+                total += len(y)
+        return correct / max(total, 1)
+
+    def due(self, step: int) -> bool:
+        """Whether a real run evaluates after global step ``step`` (every --eval-every steps, and the last)."""
+        return step >= self.max_steps or step % self.eval_every == 0
+
+    def step_done(self, step: int, seconds: float, accuracy: Optional[float] = None, loss: float = 0.0) -> bool:
+        """Global step ``step`` ended at simulated ``seconds``; ``accuracy`` where the rule evaluated
+        (it must when :meth:`due`). True: stop here (the target reached, the last step, or divergence)."""
+        self.outcome.steps, self.outcome.seconds = step, seconds
+        if not math.isfinite(loss):
+            self.outcome.diverged = True
+            self.stopped = True
+            return True
+        if accuracy is not None:
+            self.outcome.curve.append({"step": step, "seconds": seconds, "accuracy": accuracy})
+            if accuracy >= self.target:
+                self.stopped = True
+        if step >= self.max_steps:
+            self.stopped = True
+        return self.stopped
+
+    def finish(self) -> Outcome:
+        out = self.outcome
+        out.examples = self.grads.computed * self.cfg.batch_size
+        out.wall_seconds = time.perf_counter() - self.began
+        out.peak_versions = self.versions.peak
+        return out
+
