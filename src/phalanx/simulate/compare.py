@@ -139,7 +139,7 @@ def _threads(given: Optional[int]):
     """torch threads for the simulation: --threads, else half the cores. Its many small element-wise ops
     (an update, a version's copy) run ~7x slower split over threads that other processes keep waiting
     (measured on a shared 2-core machine: 240 us against 34 us for an 85 k-element add)."""
-    from ..launch import available_cores
+    from ..launcher import available_cores
 
     before = torch.get_num_threads()
     torch.set_num_threads(given or max(1, available_cores() // 2))

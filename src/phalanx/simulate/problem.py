@@ -63,7 +63,7 @@ def build_problem(train: TrainConfig, workers: tuple[int, ...], per_node: Option
     """Read the task and the model; measure (or take) the step and the links."""
     from ..estimate.facts import model_facts
     from ..estimate.link import describe_link, measure_link
-    from ..launch import available_cores
+    from ..launcher import available_cores
     from ..devices import resolve_devices
     from ..train.checks import data_facts
 
