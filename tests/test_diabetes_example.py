@@ -5,7 +5,6 @@ and compare runs to a loss target."""
 import json
 import re
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from phalanx import SSP, Backup, ParameterServer, PhalanxError, Sync, TrainConfig, Trainer
+from phalanx import SSP, Backup, ParameterServer, Sync, TrainConfig, Trainer
 from phalanx.cli import main
 from phalanx.costs import Link
 from phalanx.simulate import simulated_rule

@@ -67,7 +67,7 @@ def terminal(setup, by_workers) -> str:
 def scaling_plot(setup, by_workers, out: Path) -> dict[str, Any]:
     """Median time to target against worker count, one panel per scenario, one line per strategy
     (x on the line's count axis where it was not reached)."""
-    plt = plots._pyplot()
+    plots._pyplot()  # (matplotlib with its file backend, before the panels)
     colours = plots._colours(setup)
     counts = sorted(by_workers)
     fig, axes = plots._panels(len(setup.scenarios))
