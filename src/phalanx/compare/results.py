@@ -10,6 +10,10 @@ report can always be checked against the files:
 - the *straggle* event: each rank's calibrated compute time;
 - the *link* event (``link:RATE`` scenarios): the bytes that crossed the shaped link, per step.
 
+Bytes on the wire are the summary's: what every rank sent in the training steps, priced by the
+collectives' algorithms (``wire.py``), per step; bytes to target are that per step x the steps to
+target (a DiLoCo round's bytes fall on its sync steps: exact to within one round).
+
 Time to target is the training time at the first evaluation whose accuracy reached the target
 (evaluations every ``--eval-every`` steps: the time is that coarse). Examples to target count the
 examples in the updates applied by then: steps x global batch, or, where the server reports them,
@@ -53,6 +57,8 @@ class RunResult:
     metrics: str  #: the metrics file it was read from
     link_bytes: Optional[int] = None  #: link:RATE: what crossed the shaped loopback (its kernel counters)
     link_bytes_per_step: Optional[float] = None
+    wire_bytes_per_step: Optional[float] = None  #: what every rank sent per training step (the summary's)
+    wire_bytes_to_target: Optional[float] = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -72,6 +78,7 @@ def from_events(events: list[dict[str, Any]], *, strategy: str, scenario: str, r
     link = next((e for e in reversed(events) if e["event"] == "link"), {})
     first = next((e for e in evals if e["accuracy"] >= target), None)
     train, evaluation = summary["train_seconds"], summary["eval_seconds"]
+    per_step = summary.get("wire_bytes_per_step")
     return RunResult(
         strategy=strategy, scenario=scenario, repeat=repeat, seed=seed, reached=first is not None, diverged=diverged,
         steps_to_target=first["step"] if first else None,
@@ -87,6 +94,8 @@ def from_events(events: list[dict[str, Any]], *, strategy: str, scenario: str, r
         calibrated_compute_s=straggle.get("calibrated_compute_s", {}),
         curve=[{"step": e["step"], "seconds": e["train_seconds"], "accuracy": e["accuracy"]} for e in evals],
         metrics=metrics, link_bytes=link.get("link_bytes"), link_bytes_per_step=link.get("link_bytes_per_step"),
+        wire_bytes_per_step=per_step,
+        wire_bytes_to_target=per_step * first["step"] if first is not None and per_step is not None else None,
     )
 
 
@@ -145,6 +154,8 @@ class Figures:
     max_steps: int
     staleness_mean: Optional[float]
     dropped_fraction: Optional[float]
+    bytes_per_step: Optional[float] = None  #: median bytes on the wire per step (None: not known)
+    bytes_to_target: Optional[float] = None  #: median over the repeats that reached the target
     ratio: Optional[float] = None  #: median time / the baseline's (None: either not reached)
     winner: bool = False
 
@@ -166,6 +177,8 @@ def figures(runs: list[RunResult], max_steps: int) -> Figures:
     padded = times + [math.inf] * (len(runs) - len(reached))
     staleness = [r.staleness["mean"] for r in runs if r.staleness]
     dropped = [r.dropped for r in runs if r.dropped]
+    per_step = [r.wire_bytes_per_step for r in runs if r.wire_bytes_per_step is not None]
+    to_target = [r.wire_bytes_to_target for r in reached if r.wire_bytes_to_target is not None]
     return Figures(
         strategy=runs[0].strategy, scenario=runs[0].scenario, runs=len(runs), reached=len(reached),
         seconds=times, median_seconds=statistics.median(padded),
@@ -176,6 +189,8 @@ def figures(runs: list[RunResult], max_steps: int) -> Figures:
         staleness_mean=statistics.mean(staleness) if staleness else None,
         dropped_fraction=sum(d["total"] for d in dropped) / max(sum(d["of"] for d in dropped), 1) if dropped
         else None,
+        bytes_per_step=statistics.median(per_step) if per_step else None,
+        bytes_to_target=statistics.median(to_target) if to_target else None,
     )
 
 

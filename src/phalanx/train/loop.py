@@ -22,6 +22,8 @@ from ..data.loader import Position, advance
 from ..errors import TrainingDiverged
 from ..launch import WorkerContext
 from ..memory import Held, describe, held, largest
+from ..shaped_link import loopback_bytes
+from ..wire import Meter, metering, size
 from ..task import is_import_path, resolve
 from ..precision import Precision, compile_blocks
 from ..strategies import Build, nonfinite_values
@@ -40,18 +42,22 @@ STOP_KEY, STOP_AT_KEY = "phalanx/stop", "phalanx/stop_at"
 
 
 def run_worker(ctx: WorkerContext, plan: Plan) -> dict[str, Any]:
-    run = WorkerRun(ctx, plan)
-    try:
-        return run.train()
-    finally:
-        run.close()
+    with metering() as meter:  # every collective and message of this process, priced (wire.py)
+        run = WorkerRun(ctx, plan, meter)
+        try:
+            return run.train()
+        finally:
+            run.close()
 
 
 class WorkerRun:
     """One rank's share of the run."""
 
-    def __init__(self, ctx: WorkerContext, plan: Plan):
+    def __init__(self, ctx: WorkerContext, plan: Plan, meter: Optional[Meter] = None):
         self.ctx, self.plan, self.cfg = ctx, plan, plan.config
+        self.meter = meter or Meter()  #: this rank's bytes on the wire in the training steps
+        # On a shaped link (--link) rank 0 also reads the loopback's own counters at both ends of the steps.
+        self.link_at: list[int] = []
         self.me = plan.layout.ranks[ctx.rank]
         # A checkpoint's settings fill in what no flag gave, before anything is built from the config.
         resumed = ckpt.load_checkpoint(plan.resume_path) if plan.resume_path else None
@@ -133,6 +139,7 @@ class WorkerRun:
         # An ordinary step reads nothing on the host and runs no collective of its own: the losses
         # wait on the device until a log or checkpoint step looks at them (see losses.py).
         window = LossWindow(self.ctx.device, self.cfg.log_every)
+        self._count_wire(True)
         while self.step < self.cfg.steps and not reached:
             if self._stopping():
                 break
@@ -163,12 +170,22 @@ class WorkerRun:
             self._look(window)
         progress.at(self.step, "finishing")
         self.runtime.finish()
+        self._count_wire(False)
         elapsed = time.perf_counter() - start - self.eval_seconds
         stopped = self.stop_name if self.stop_at is not None and self.step >= self.stop_at else None
         accuracy = None if stopped else self._evaluate(start, final=True)  # a stop asked for speed: save, go
         if self.last_checkpoint is None or not self.last_checkpoint.endswith(f"{self.step:08d}.pt"):
             self._save()
         return self._summary(accuracy, self.step - first_step, elapsed, reached, stopped)
+
+    def _count_wire(self, start: bool) -> None:
+        """The training steps' window of the bytes on the wire (and of the shaped link's counters)."""
+        if self.cfg.link is not None and self.ctx.is_main:
+            self.link_at.append(loopback_bytes())
+        if start:
+            self.meter.begin()
+        else:
+            self.meter.end()
 
     def _stopping(self) -> bool:
         """Whether this rank stops before the next step: a stop was requested (SIGTERM, SIGINT to any
@@ -269,7 +286,8 @@ class WorkerRun:
         began = time.perf_counter()
         part = self.me.evaluates
         batches = eval_batches(self.data.test, 256, *part) if part is not None else iter(())
-        correct, total = self.runtime.evaluate(batches)
+        with self.meter.aside():  # not a training step's traffic
+            correct, total = self.runtime.evaluate(batches)
         accuracy = correct / max(total, 1)
         seconds = time.perf_counter() - began
         self.reporter.record("eval", step=self.step, accuracy=accuracy, examples=total,
@@ -282,6 +300,10 @@ class WorkerRun:
 
     # ---- checkpoints ----
     def _save(self) -> None:
+        with self.meter.aside():  # gathering a checkpoint is not a training step's traffic
+            self._write_checkpoint()
+
+    def _write_checkpoint(self) -> None:
         # The loss of this step was finite, but its update may not be: never save such weights.
         self.ctx.progress.at(self.step, "checkpointing")
         if not all(torch.isfinite(p).all() for p in self.runtime.module.parameters()):
@@ -386,7 +408,7 @@ class WorkerRun:
                  stopped: Optional[str] = None) -> dict[str, Any]:
         rate = steps * self.global_batch / max(seconds, 1e-9)
         report = self.runtime.report(final=True)
-        mine, most = self._memory()
+        mine, most, wire = self._gathered()
         summary = {"steps": self.step, "test_accuracy": accuracy, "examples_per_sec": rate,
                    "train_seconds": seconds, "eval_seconds": self.eval_seconds,
                    "stopped_at_accuracy": reached, "checkpoint": self.last_checkpoint,
@@ -395,7 +417,7 @@ class WorkerRun:
                    "precision": self.cfg.precision, "compiled_blocks": self.compiled,
                    "watch_cpu_seconds": round(self.ctx.progress.cpu_seconds, 4),
                    "memory_bytes": mine.as_dict(), **({"memory_bytes_max": most.as_dict()} if most else {}),
-                   **report.fields}
+                   **self._wire_fields(wire, steps), **report.fields}
         self.reporter.record("summary", **summary)
         self.reporter.close()
         if stopped:
@@ -408,20 +430,46 @@ class WorkerRun:
         self.reporter.say(f"throughput {rate:.1f} examples/sec (global), training time {seconds:.1f} s")
         for line in describe(mine, most):
             self.reporter.say(line)
+        self.reporter.say(self._wire_line(wire, steps))
         for line in report.lines:
             self.reporter.say(line)
         self.reporter.say(f"checkpoint {self.last_checkpoint}")
         self.reporter.say(f"metrics {self.cfg.metrics}")
         return summary
 
-    def _memory(self) -> tuple[Held, Optional[Held]]:
-        """This rank's parameter, gradient and optimizer bytes; the max over ranks where ranks are in step."""
+    def _gathered(self) -> tuple[Held, Optional[Held], Optional[float]]:
+        """This rank's parameter, gradient and optimizer bytes; the max over ranks; and the job's bytes
+        on the wire in the steps (what every rank sent), or None where unknown here.
+
+        Ranks in step gather both in one collective, once, after the last step. A job whose every
+        message has rank 0 at one end (a parameter server) needs none: rank 0's sent and received
+        bytes are everything that crossed. Other ranks not in step cannot gather: None."""
         mine = held(self.runtime.module, self.runtime.optimizer)
-        if not (self.ctx.distributed and self.plan.layout.lockstep):
-            return mine, None
+        layout = self.plan.layout
+        if not self.ctx.distributed:
+            return mine, None, 0.0
+        if not layout.lockstep:
+            return mine, None, self.meter.total if layout.hub == self.ctx.rank else None
         every: list = [None] * self.ctx.world_size
-        dist.all_gather_object(every, mine)
-        return mine, largest(every)
+        dist.all_gather_object(every, (mine, self.meter.sent))
+        return mine, largest([m for m, _ in every]), sum(sent for _, sent in every)
+
+    def _wire_fields(self, job: Optional[float], steps: int) -> dict[str, Any]:
+        fields = {"wire_sent_bytes": round(self.meter.sent), "wire_received_bytes": round(self.meter.received),
+                  "wire_bytes": None if job is None else round(job),
+                  "wire_bytes_per_step": None if job is None or steps < 1 else job / steps}
+        if len(self.link_at) == 2:  # the shaped link's own count over the same steps
+            fields["link_bytes_steps"] = self.link_at[1] - self.link_at[0]
+        return fields
+
+    def _wire_line(self, job: Optional[float], steps: int) -> str:
+        """``bytes on the wire: 1.20 MB per step, 12.00 MB in 10 steps (...)``."""
+        per = max(steps, 1)
+        mine = f"rank 0 sent {size(self.meter.sent / per)} and received {size(self.meter.received / per)} per step"
+        if job is None:
+            return f"bytes on the wire: {mine} (the other ranks' are not known here)"
+        return (f"bytes on the wire: {size(job / per)} per step, {size(job)} in {steps} steps (what every rank "
+                f"sent; {mine})")
 
     def close(self) -> None:
         if self.prefetcher is not None:

@@ -37,6 +37,7 @@ from ...options import option
 from ..base import Build, Job, Layout, Options, RankPlan, Report, Runtime, count_correct
 from ..sync import Sync
 from .aggregate import Asynchronous, Rounds, Rule
+from .protocol import SERVER
 from .server import Server
 from .worker import WorkerRuntime
 
@@ -71,7 +72,8 @@ class ParameterServer(Options):
         ranks = (server,) + tuple(RankPlan("worker", f"worker {r}", r - 1, None, expendable=True)
                                   for r in range(1, processes))
         # The server shares the first worker's device: it holds one copy of the model and applies updates.
-        return Layout(ranks, (job.devices[0],) + tuple(job.devices), workers, lockstep=False, stop_rule="server")
+        return Layout(ranks, (job.devices[0],) + tuple(job.devices), workers, lockstep=False, stop_rule="server",
+                      hub=SERVER)
 
     def describe(self) -> str:
         return "ps (asynchronous parameter server)"
