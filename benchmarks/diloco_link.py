@@ -20,6 +20,7 @@ Every variant runs once per repeat, interleaved (seeds 0, 1, 2 ...); medians and
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -55,22 +56,27 @@ def wide_mlp(input_shape, num_classes) -> nn.Module:
                          nn.Linear(1024, num_classes))
 
 
-def phalanx(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """``python3 -m phalanx ARGS``, with this folder importable (the workers import wide_mlp from it)."""
+def phalanx(*args: str, cwd: Path, diverging: bool = False) -> subprocess.CompletedProcess:
+    """``python3 -m phalanx ARGS``, with this folder importable (the workers import wide_mlp from it).
+    ``diverging``: a run the NaN guard stopped is a result, not a failure of the benchmark."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, "-m", "phalanx", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           stdin=subprocess.DEVNULL)
-    if done.returncode != 0:
+    if done.returncode != 0 and not (diverging and "model diverged" in done.stderr):
         raise SystemExit(f"phalanx {' '.join(args)} failed:\n{done.stderr[-3000:]}")
     return done
 
 
 def train(flags: list[str], steps: int, seed: int) -> dict:
+    """Final accuracy and bytes per step of one run; a run that diverged counts as accuracy 0."""
     with tempfile.TemporaryDirectory() as tmp:
         phalanx("train", "--devices", "cpu", "--workers", "2", "--steps", str(steps), "--seed", str(seed),
-                "--progress", "none", "--checkpoint-dir", "ck", *flags, cwd=Path(tmp))
+                "--progress", "none", "--checkpoint-dir", "ck", *flags, cwd=Path(tmp), diverging=True)
         events = [json.loads(line) for line in (Path(tmp) / "ck" / "metrics.jsonl").read_text().splitlines()]
-    summary = next(e for e in reversed(events) if e["event"] == "summary")
+    summary = next((e for e in reversed(events) if e["event"] == "summary"), None)
+    if summary is None:
+        step = next(e["step"] for e in reversed(events) if e["event"] == "diverged")
+        return {"accuracy": 0.0, "bytes_per_step": None, "diverged_at": step}
     return {"accuracy": summary["test_accuracy"], "bytes_per_step": summary["wire_bytes_per_step"],
             "train_seconds": summary["train_seconds"]}
 
@@ -81,15 +87,20 @@ def part_a(args) -> dict:
         for name, flags in TRAIN_VARIANTS.items():
             out = train(flags, args.steps, seed)
             runs[name].append(out)
-            print(f"(a) seed {seed} {name:<30} accuracy {out['accuracy']:.4f}  "
-                  f"{out['bytes_per_step'] / 1e3:9.1f} kB/step", flush=True)
-    medians = {name: {k: statistics.median(r[k] for r in rs) for k in ("accuracy", "bytes_per_step")}
+            said = f"diverged at step {out['diverged_at']}" if "diverged_at" in out else \
+                f"accuracy {out['accuracy']:.4f}  {out['bytes_per_step'] / 1e3:9.1f} kB/step"
+            print(f"(a) seed {seed} {name:<30} {said}", flush=True)
+    medians = {name: {"accuracy": statistics.median(r["accuracy"] for r in rs),
+                      "bytes_per_step": statistics.median([r["bytes_per_step"] for r in rs
+                                                           if r["bytes_per_step"] is not None] or [math.nan]),
+                      "diverged": sum("diverged_at" in r for r in rs)}
                for name, rs in runs.items()}
     verdicts = {}
     print(f"\n(a) {args.steps} steps, 2 workers, digits, cnn; medians of {args.repeats} (min-max)")
     for name, rs in runs.items():
         acc = [r["accuracy"] for r in rs]
-        print(f"  {name:<30} accuracy {medians[name]['accuracy']:.4f} ({min(acc):.4f}-{max(acc):.4f})  "
+        diverged = f", {medians[name]['diverged']} diverged (counted as 0)" if medians[name]["diverged"] else ""
+        print(f"  {name:<30} accuracy {medians[name]['accuracy']:.4f} ({min(acc):.4f}-{max(acc):.4f}{diverged})  "
               f"{medians[name]['bytes_per_step'] / 1e3:9.1f} kB/step")
     for diloco, sync in PAIRS.items():
         gap = medians[sync]["accuracy"] - medians[diloco]["accuracy"]
@@ -112,7 +123,7 @@ def part_b(args) -> dict | None:
     done = phalanx("compare", "--strategies", "sync,diloco:20", "--scenarios", f"link:{args.rate}",
                    "--model", "diloco_link:wide_mlp", "--workers", "2", "--devices", "cpu", "--target",
                    str(args.target), "--max-steps", str(args.max_steps), "--eval-every", str(args.eval_every),
-                   "--repeats", str(args.repeats), "--out", str(out), cwd=HERE)
+                   "--repeats", str(args.repeats), "--out", os.path.relpath(out, HERE), cwd=HERE)
     print("\n(b) " + done.stdout[done.stdout.rfind(f"link:{args.rate} ("):].strip())
     report = json.loads((out / "report.json").read_text())
     rows = {f["strategy"]: f for f in report["figures"][f"link:{args.rate}"]}
