@@ -43,7 +43,7 @@ import contextlib
 import dataclasses
 import inspect
 import threading
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -215,6 +215,27 @@ def metering(meter: Optional[Meter] = None) -> Iterator[Meter]:
             setattr(module, name, original)
 
 
+def summary_fields(meter: Meter, job: Optional[float], steps: int, link_at: Sequence[int] = ()) -> dict[str, Any]:
+    """The summary's figures: this rank's (rank 0's) sent and received bytes, the job's (what every rank
+    sent: None where not known) in all and per step, and, on a shaped link, the link's own count over
+    the same steps (``link_at``: its counter as the steps began and after they ended)."""
+    fields = {"wire_sent_bytes": round(meter.sent), "wire_received_bytes": round(meter.received),
+              "wire_bytes": None if job is None else round(job),
+              "wire_bytes_per_step": None if job is None or steps < 1 else job / steps}
+    if len(link_at) == 2:
+        fields["link_bytes_steps"] = link_at[1] - link_at[0]
+    return fields
+
+
+def summary_line(meter: Meter, job: Optional[float], steps: int) -> str:
+    """``bytes on the wire: 1.21 MB per step, 24.21 MB in 20 steps (what every rank sent; rank 0 ...)``."""
+    per = max(steps, 1)
+    mine = f"rank 0 sent {size(meter.sent / per)} and received {size(meter.received / per)} per step"
+    if job is None:
+        return f"bytes on the wire: {mine} (the other ranks' are not known here)"
+    return f"bytes on the wire: {size(job / per)} per step, {size(job)} in {steps} steps (what every rank sent; {mine})"
+
+
 def size(n: float) -> str:
     """``1.23 MB``: decimal units, as the link's counters are reported."""
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -223,4 +244,4 @@ def size(n: float) -> str:
     return f"{n:.0f} B"
 
 
-__all__ = ["Meter", "metering", "size", "traffic"]
+__all__ = ["Meter", "metering", "size", "summary_fields", "summary_line", "traffic"]

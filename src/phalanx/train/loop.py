@@ -23,7 +23,7 @@ from ..errors import TrainingDiverged
 from ..launch import WorkerContext
 from ..memory import Held, describe, held, largest
 from ..shaped_link import loopback_bytes
-from ..wire import Meter, metering, size
+from ..wire import Meter, metering, summary_fields, summary_line
 from ..task import is_import_path, resolve
 from ..precision import Precision, compile_blocks
 from ..strategies import Build, nonfinite_values
@@ -182,6 +182,10 @@ class WorkerRun:
         """The training steps' window of the bytes on the wire (and of the shaped link's counters)."""
         if self.cfg.link is not None and self.ctx.is_main:
             self.link_at.append(loopback_bytes())
+        if start and self.cfg.link is not None and self.ctx.distributed and self.plan.layout.lockstep:
+            # Once per run, on a shaped link only: no rank sends its first step's bytes before rank 0
+            # (which opens the metrics file and prints the header first) has read the link's counter.
+            dist.barrier()
         if start:
             self.meter.begin()
         else:
@@ -417,7 +421,7 @@ class WorkerRun:
                    "precision": self.cfg.precision, "compiled_blocks": self.compiled,
                    "watch_cpu_seconds": round(self.ctx.progress.cpu_seconds, 4),
                    "memory_bytes": mine.as_dict(), **({"memory_bytes_max": most.as_dict()} if most else {}),
-                   **self._wire_fields(wire, steps), **report.fields}
+                   **summary_fields(self.meter, wire, steps, self.link_at), **report.fields}
         self.reporter.record("summary", **summary)
         self.reporter.close()
         if stopped:
@@ -430,7 +434,7 @@ class WorkerRun:
         self.reporter.say(f"throughput {rate:.1f} examples/sec (global), training time {seconds:.1f} s")
         for line in describe(mine, most):
             self.reporter.say(line)
-        self.reporter.say(self._wire_line(wire, steps))
+        self.reporter.say(summary_line(self.meter, wire, steps))
         for line in report.lines:
             self.reporter.say(line)
         self.reporter.say(f"checkpoint {self.last_checkpoint}")
@@ -453,23 +457,6 @@ class WorkerRun:
         every: list = [None] * self.ctx.world_size
         dist.all_gather_object(every, (mine, self.meter.sent))
         return mine, largest([m for m, _ in every]), sum(sent for _, sent in every)
-
-    def _wire_fields(self, job: Optional[float], steps: int) -> dict[str, Any]:
-        fields = {"wire_sent_bytes": round(self.meter.sent), "wire_received_bytes": round(self.meter.received),
-                  "wire_bytes": None if job is None else round(job),
-                  "wire_bytes_per_step": None if job is None or steps < 1 else job / steps}
-        if len(self.link_at) == 2:  # the shaped link's own count over the same steps
-            fields["link_bytes_steps"] = self.link_at[1] - self.link_at[0]
-        return fields
-
-    def _wire_line(self, job: Optional[float], steps: int) -> str:
-        """``bytes on the wire: 1.20 MB per step, 12.00 MB in 10 steps (...)``."""
-        per = max(steps, 1)
-        mine = f"rank 0 sent {size(self.meter.sent / per)} and received {size(self.meter.received / per)} per step"
-        if job is None:
-            return f"bytes on the wire: {mine} (the other ranks' are not known here)"
-        return (f"bytes on the wire: {size(job / per)} per step, {size(job)} in {steps} steps (what every rank "
-                f"sent; {mine})")
 
     def close(self) -> None:
         if self.prefetcher is not None:
