@@ -260,9 +260,11 @@ def test_cli_trains_digits_and_reports_its_syncs(digits):
     summary = _metrics(cwd / "checkpoints")[-1]
     # fragment 0 after steps 1, 11, ..., 91; fragment 1 after 6, ..., 96; both after the last, 100
     assert summary["outer_syncs"] == 10 + 10 + 2
-    assert re.search(r"^diloco: 22 fragment syncs over 2 fragments of [\d,]+, [\d,]+ parameters, [\d,]+ bytes sent per "
-                     r"sync per worker \(fp32 pseudo-gradients\), outer SGD lr 0.7, Nesterov momentum 0.9$",
-                     out.stdout, re.M)
+    assert re.search(r"^diloco: 22 fragment syncs over 2 fragments of [\d,]+, [\d,]+ parameters, a [\d,]+-byte fp32 "
+                     r"pseudo-gradient per sync per worker, outer SGD lr 0.7, Nesterov momentum 0.9$", out.stdout, re.M)
+    # on the wire: each sync a ring all-reduce of its fragment, every rank sending one copy of it (2 ranks)
+    assert summary["wire_bytes"] == 2 * summary["outer_bytes_sent"]
+    assert re.search(r"^bytes on the wire: .+ per step, .+ in 100 steps", out.stdout, re.M)
 
 
 @pytest.mark.slow

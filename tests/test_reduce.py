@@ -8,6 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from helpers import gather, run_workers
 from phalanx.errors import PhalanxError
 from phalanx.reduce import HierarchicalState, apply_reduction, choose_reduction, validate_islands
+from phalanx.wire import metering
 
 ISLANDS = [[0, 1], [2, 3]]
 
@@ -74,19 +75,26 @@ def _bytes(ctx):
     for dtype in (None, torch.bfloat16, torch.float16):
         state = HierarchicalState.build(ISLANDS, ctx.rank, ctx.world_size, dtype)
         total = torch.arange(1000, dtype=torch.float32) * (ctx.rank + 1)
-        state.reduce(total)
-        sizes[str(dtype)] = state.bytes_sent
+        with metering() as meter:
+            meter.begin()
+            state.reduce(total)
+        sizes[str(dtype)] = (meter.sent, meter.received)
         expected = torch.arange(1000, dtype=torch.float32) * 10  # 1 + 2 + 3 + 4
         torch.testing.assert_close(total, expected, rtol=1e-2 if dtype else 0, atol=0)
     return gather(ctx, sizes)
 
 
 def test_compression_halves_the_bytes_sent():
+    """The bytes on the wire (wire.py's pricing of gloo's algorithms) of one 4,000-byte bucket, islands of 2."""
     per_rank = run_workers(_bytes, 4)
     for sizes in per_rank:
-        assert sizes["torch.bfloat16"] * 2 == sizes["None"] == sizes["torch.float16"] * 2
-    assert per_rank[0]["None"] == 3 * 4000  # a leader: reduce, all-reduce among leaders, broadcast
-    assert per_rank[1]["None"] == 2 * 4000  # a member: reduce, broadcast
+        assert tuple(2 * b for b in sizes["torch.bfloat16"]) == sizes["None"] == \
+            tuple(2 * b for b in sizes["torch.float16"])
+    # a leader: the root of its island's reduce (sends half, receives both halves), the all-reduce among
+    # the two leaders (sends and receives 4,000), the root of its island's broadcast (sends one copy)
+    assert per_rank[0]["None"] == (2000 + 4000 + 4000, 4000 + 4000 + 0)
+    # a member: sends its reduce-scatter half and its half of the sum to the leader, receives the broadcast
+    assert per_rank[1]["None"] == (4000 + 0, 2000 + 4000)
 
 
 def _degenerate_bytes(ctx):
@@ -94,14 +102,17 @@ def _degenerate_bytes(ctx):
     for islands in ([[0, 1, 2, 3]], [[0], [1], [2], [3]]):
         state = HierarchicalState.build(islands, ctx.rank, ctx.world_size)
         total = torch.ones(1000) * (ctx.rank + 1)
-        state.reduce(total)
-        out[str(islands)] = (state.bytes_sent, total[0].item())
+        with metering() as meter:
+            meter.begin()
+            state.reduce(total)
+        out[str(islands)] = (meter.sent, total[0].item())
     return out
 
 
 def test_degenerate_islands_are_one_flat_all_reduce():
     out = run_workers(_degenerate_bytes, 4)
-    assert out == {"[[0, 1, 2, 3]]": (4000, 10.0), "[[0], [1], [2], [3]]": (4000, 10.0)}  # one all-reduce each
+    # one ring all-reduce each: 2 (N - 1) / N x 4,000 bytes sent by every rank
+    assert out == {"[[0, 1, 2, 3]]": (6000, 10.0), "[[0], [1], [2], [3]]": (6000, 10.0)}
 
 
 def test_wire_buffers_are_kept_from_step_to_step():

@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from .errors import PhalanxError
 
@@ -117,8 +118,6 @@ class HierarchicalState:
     wire: Optional[WireBuffers] = None
     leaders_group: Optional[dist.ProcessGroup] = None
     leader: int = 0
-    #: bytes handed to collectives by this rank (for tests and benchmarks)
-    bytes_sent: int = 0
 
     @classmethod
     def build(cls, islands: list[list[int]], rank: int, world_size: int, dtype: Optional[torch.dtype] = None
@@ -140,18 +139,13 @@ class HierarchicalState:
         the flat all-reduce itself, so choosing hierarchical never costs there.
         """
         wire = self.wire.cast(flat) if self.wire is not None else flat
-        count = wire.numel() * wire.element_size()
         if degenerate(self.islands):
             dist.all_reduce(wire)
-            self.bytes_sent += count
             return flat.copy_(wire) if wire is not flat else flat
         dist.reduce(wire, dst=self.leader, group=self.island_group)
-        self.bytes_sent += count
         if self.rank == self.leader and len(self.islands) > 1:
             dist.all_reduce(wire, group=self.leaders_group)
-            self.bytes_sent += count
         dist.broadcast(wire, src=self.leader, group=self.island_group)
-        self.bytes_sent += count
         if wire is not flat:
             flat.copy_(wire)
         return flat
@@ -201,6 +195,10 @@ def apply_reduction(ddp_model, reduce: str, compress: Optional[str], islands: Op
             described = f"flat all-reduce (islands {islands}: {why}, nothing to reduce hierarchically)"
     if described.startswith("flat") and compress is not None:
         ddp_model.register_comm_hook(CompressState(WireBuffers(COMPRESSIONS[compress]), world_size), compress_hook)
+    elif described.startswith("flat"):
+        # torch's own hook, the same all-reduce as DDP's built-in one: through dist.all_reduce, where
+        # phalanx counts the bytes on the wire (wire.py); the C++ reducer's own call is never seen.
+        ddp_model.register_comm_hook(None, allreduce_hook)
     if compress == "fp16" and cpu:
         return described + ", fp16 on the wire (gloo adds fp16 slowly on the CPU: bf16 is faster there)"
     return described + (f", {compress} on the wire" if compress else "")

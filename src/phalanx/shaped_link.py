@@ -37,6 +37,7 @@ import time
 from typing import Any, Iterator, Optional
 
 from .errors import PhalanxError
+from .wire import size
 
 CLONE_NEWNET = 0x40000000  #: <linux/sched.h>
 
@@ -170,15 +171,9 @@ class Link:
         self.rate = rate
 
     def bytes(self) -> int:
-        """The bytes the loopback sent in this namespace: exactly the job's traffic so far, TCP/IP headers
-        included (each byte crosses it once: its transmit count equals its receive count). Its packet
-        count is not kept: segmentation offload hands the loopback up to 64 kB at a time."""
-        with open("/proc/thread-self/net/dev") as f:  # thread-self: the namespace is this thread's
-            for line in f:
-                name, _, values = line.partition(":")
-                if name.strip() == "lo":
-                    return int(values.split()[8])  # receive: 8 fields, then transmit bytes
-        raise OSError("no lo in /proc/thread-self/net/dev")
+        """The bytes the loopback sent in this namespace: exactly the job's traffic so far (see
+        :func:`loopback_bytes`)."""
+        return loopback_bytes()
 
     def record(self, summary: Optional[dict], metrics: Optional[str], steps: int) -> Optional[dict]:
         """Add the link's counters to rank 0's summary, the metrics file and the output."""
@@ -191,17 +186,23 @@ class Link:
         if metrics:
             with open(metrics, "a") as f:
                 f.write(json.dumps({"event": "link", "time": round(time.time(), 3), **fields}) + "\n")
-        each = f", {_size(per_step)} per step" if per_step is not None else ""
-        print(f"link {self.rate.text} ({self.rate.describe()}, kernel-shaped loopback): {_size(counted)} crossed it"
+        each = f", {size(per_step)} per step" if per_step is not None else ""
+        print(f"link {self.rate.text} ({self.rate.describe()}, kernel-shaped loopback): {size(counted)} crossed it"
               f"{each}", flush=True)
         return {**summary, **fields}
 
 
-def _size(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
+def loopback_bytes() -> int:
+    """The bytes this thread's loopback has sent: in a shaped link's namespace, exactly the job's
+    traffic so far, TCP/IP headers included (each byte crosses it once: its transmit count equals its
+    receive count). A worker of the job, whose whole process is in the namespace, reads the same
+    counters. Its packet count is not kept: segmentation offload hands the loopback up to 64 kB at a time."""
+    with open("/proc/thread-self/net/dev") as f:  # thread-self: the namespace is this thread's
+        for line in f:
+            name, _, values = line.partition(":")
+            if name.strip() == "lo":
+                return int(values.split()[8])  # receive: 8 fields, then transmit bytes
+    raise OSError("no lo in /proc/thread-self/net/dev")
 
 
 @contextlib.contextmanager
@@ -240,4 +241,5 @@ def probe(rate: LinkRate) -> None:
         pass
 
 
-__all__ = ["Link", "LinkRate", "LinkUnavailable", "check", "inside", "parse_rate", "probe", "shaped"]
+__all__ = ["Link", "LinkRate", "LinkUnavailable", "check", "inside", "loopback_bytes", "parse_rate", "probe",
+           "shaped"]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..metrics import Target
+from ..wire import size
 from .results import Figures, RunResult, figures, rank
 from .runner import Checked, Setup
 from .tokens import Scenario
@@ -88,11 +89,13 @@ def row(f: Figures) -> list[str]:
             f"{f.examples_per_sec:,.0f}",
             f"{f.ratio:.2f}" if f.ratio is not None else "-",
             f"{f.staleness_mean:.1f}" if f.staleness_mean is not None else "-",
-            f"{100 * f.dropped_fraction:.1f}%" if f.dropped_fraction is not None else "-"]
+            f"{100 * f.dropped_fraction:.1f}%" if f.dropped_fraction is not None else "-",
+            size(f.bytes_per_step) if f.bytes_per_step is not None else "-",
+            size(f.bytes_to_target) if f.bytes_to_target is not None else "-"]
 
 
 HEADERS = ["strategy", "time to target (median, min-max)", "steps", "examples/s", "vs {base}", "staleness",
-           "dropped"]
+           "dropped", "bytes/step", "bytes to target"]
 
 
 def _headers(setup: Setup) -> list[str]:
@@ -229,7 +232,9 @@ def markdown(setup: Setup, checked: Checked, table: dict[str, list[Figures]], ru
                if setup.simulated else "") + "Time is training time: worker start-up and evaluations are excluded (each run's are in "
               f"report.json), measured at evaluations every {setup.eval_every} steps. Examples/s counts every "
               "example a worker computed a gradient on, dropped ones included. Staleness: mean updates behind; "
-              "dropped: late gradients a backup strategy did not apply.", ""]
+              "dropped: late gradients a backup strategy did not apply. Bytes: what every rank sent over the "
+              "network in the training steps, priced by each collective's algorithm (bytes to target: per step x "
+              "steps to target).", ""]
     lines += [f"![{p['title']}]({p['file']})" for p in plots] + [""]
     lines += ["## Setup", "", f"    {command}" if command else "", ""]
     lines += [f"- {k}: {v}" for k, v in setup_dict(setup, checked, None).items() if k != "command"]

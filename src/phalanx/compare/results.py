@@ -10,6 +10,10 @@ report can always be checked against the files:
 - the *straggle* event: each rank's calibrated compute time;
 - the *link* event (``link:RATE`` scenarios): the bytes that crossed the shaped link, per step.
 
+Bytes on the wire are the summary's: what every rank sent in the training steps, priced by the
+collectives' algorithms (``wire.py``), per step; bytes to target are that per step x the steps to
+target (a DiLoCo round's bytes fall on its sync steps: exact to within one round).
+
 Time to target is the training time at the first evaluation whose target metric reached the target
 (evaluations every ``--eval-every`` steps: the time is that coarse). Examples to target count the
 examples in the updates applied by then: steps x global batch, or, where the server reports them,
@@ -59,6 +63,8 @@ class RunResult:
     higher: bool = True  #: higher is better for it
     best: Optional[float] = None  #: its best value at any evaluation
     final: Optional[float] = None  #: its value at the end
+    wire_bytes_per_step: Optional[float] = None  #: what every rank sent per training step (the summary's)
+    wire_bytes_to_target: Optional[float] = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -90,6 +96,7 @@ def from_events(events: list[dict[str, Any]], *, strategy: str, scenario: str, r
     final = value_of(summary, target.metric)
     best = (max if target.higher else min)(seen, default=final)
     train, evaluation = summary["train_seconds"], summary["eval_seconds"]
+    per_step = summary.get("wire_bytes_per_step")
     return RunResult(
         strategy=strategy, scenario=scenario, repeat=repeat, seed=seed, reached=first is not None, diverged=diverged,
         steps_to_target=first["step"] if first else None,
@@ -107,6 +114,8 @@ def from_events(events: list[dict[str, Any]], *, strategy: str, scenario: str, r
                for e in evals],
         metrics=metrics, link_bytes=link.get("link_bytes"), link_bytes_per_step=link.get("link_bytes_per_step"),
         metric=target.metric, higher=target.higher, best=best, final=final,
+        wire_bytes_per_step=per_step,
+        wire_bytes_to_target=per_step * first["step"] if first is not None and per_step is not None else None,
     )
 
 
@@ -166,6 +175,8 @@ class Figures:
     max_steps: int
     staleness_mean: Optional[float]
     dropped_fraction: Optional[float]
+    bytes_per_step: Optional[float] = None  #: median bytes on the wire per step (None: not known)
+    bytes_to_target: Optional[float] = None  #: median over the repeats that reached the target
     ratio: Optional[float] = None  #: median time / the baseline's (None: either not reached)
     winner: bool = False
     metric: str = "accuracy"  #: the target's metric
@@ -189,6 +200,8 @@ def figures(runs: list[RunResult], max_steps: int) -> Figures:
     padded = times + [math.inf] * (len(runs) - len(reached))
     staleness = [r.staleness["mean"] for r in runs if r.staleness]
     dropped = [r.dropped for r in runs if r.dropped]
+    per_step = [r.wire_bytes_per_step for r in runs if r.wire_bytes_per_step is not None]
+    to_target = [r.wire_bytes_to_target for r in reached if r.wire_bytes_to_target is not None]
     return Figures(
         strategy=runs[0].strategy, scenario=runs[0].scenario, runs=len(runs), reached=len(reached),
         seconds=times, median_seconds=statistics.median(padded),
@@ -201,6 +214,8 @@ def figures(runs: list[RunResult], max_steps: int) -> Figures:
         staleness_mean=statistics.mean(staleness) if staleness else None,
         dropped_fraction=sum(d["total"] for d in dropped) / max(sum(d["of"] for d in dropped), 1) if dropped
         else None,
+        bytes_per_step=statistics.median(per_step) if per_step else None,
+        bytes_to_target=statistics.median(to_target) if to_target else None,
     )
 
 

@@ -84,6 +84,9 @@ class Layout:
     #: how the ranks stop early when asked (SIGTERM, SIGINT): "agree" on one step boundary (ranks in
     #: step with each other), "server" (rank 0 decides and tells the others), "each" (every rank at its own)
     stop_rule: str = "agree"
+    #: the rank at one end of every message of the job (a parameter server), whose own bytes on the
+    #: wire are the job's; None: no such rank
+    hub: Optional[int] = None
 
     @property
     def world_size(self) -> int:

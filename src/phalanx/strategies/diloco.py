@@ -217,7 +217,7 @@ class DiLoCoRuntime(Runtime):
                                      nesterov=options.outer_momentum > 0)  # torch refuses Nesterov without momentum
         self.steps = 0  # inner steps taken: the loop's global step (restored from checkpoints)
         self.syncs = 0  # fragment syncs done
-        self.bytes_sent = 0  # pseudo-gradient bytes this rank put on the wire
+        self.bytes_sent = 0  # the pseudo-gradients' bytes this rank handed to the collectives
 
     @staticmethod
     def _global_copy(p: nn.Parameter, pin: bool) -> torch.Tensor:
@@ -327,7 +327,9 @@ class DiLoCoRuntime(Runtime):
             if len(sizes) > 1 else ""
         momentum = f"Nesterov momentum {self.options.outer_momentum:g}" if self.options.outer_momentum else \
             "no momentum"
-        line = (f"diloco: {self.syncs} fragment syncs{split}, {per_sync:,} bytes sent per sync per worker "
-                f"({self.options.outer_precision} pseudo-gradients), outer SGD lr {self.options.outer_lr:g}, "
+        # The pseudo-gradient's own size; what it costs on the wire (the collective's algorithm, every
+        # rank) is the summary's "bytes on the wire" line.
+        line = (f"diloco: {self.syncs} fragment syncs{split}, a {per_sync:,}-byte {self.options.outer_precision} "
+                f"pseudo-gradient per sync per worker, outer SGD lr {self.options.outer_lr:g}, "
                 f"{momentum}")
         return Report({**fields, "fragment_sizes": sizes}, [line])

@@ -22,6 +22,8 @@ from ..errors import TrainingDiverged
 from ..launcher import WorkerContext
 from ..memory import Held, describe, held, largest
 from ..metrics import Totals, said
+from ..shaped_link import loopback_bytes
+from ..wire import Meter, metering, summary_fields, summary_line
 from ..task import is_import_path, resolve
 from ..precision import Precision, compile_blocks
 from ..startup import Marks
@@ -41,20 +43,24 @@ STOP_KEY, STOP_AT_KEY = "phalanx/stop", "phalanx/stop_at"
 
 
 def run_worker(ctx: WorkerContext, plan: Plan) -> dict[str, Any]:
-    run = WorkerRun(ctx, plan)
-    try:
-        return run.train()
-    finally:
-        run.close()
+    with metering() as meter:  # every collective and message of this process, priced (wire.py)
+        run = WorkerRun(ctx, plan, meter)
+        try:
+            return run.train()
+        finally:
+            run.close()
 
 
 class WorkerRun:
     """One rank's share of the run."""
 
-    def __init__(self, ctx: WorkerContext, plan: Plan):
+    def __init__(self, ctx: WorkerContext, plan: Plan, meter: Optional[Meter] = None):
         self.ctx, self.plan, self.cfg = ctx, plan, plan.config
         self.marks = Marks(plan.began, plan=plan.planned)  # where the start-up's seconds go
         self.marks.mark("joined")
+        self.meter = meter or Meter()  #: this rank's bytes on the wire in the training steps
+        # On a shaped link (--link) rank 0 also reads the loopback's own counters at both ends of the steps.
+        self.link_at: list[int] = []
         self.me = plan.layout.ranks[ctx.rank]
         # A checkpoint's settings fill in what no flag gave, before anything is built from the config.
         resumed = ckpt.load_checkpoint(plan.resume_path) if plan.resume_path else None
@@ -143,6 +149,7 @@ class WorkerRun:
         # An ordinary step reads nothing on the host and runs no collective of its own: the losses
         # wait on the device until a log or checkpoint step looks at them (see losses.py).
         window = LossWindow(self.ctx.device, self.cfg.log_every)
+        self._count_wire(True)
         while self.step < self.cfg.steps and not reached:
             if self._stopping():
                 break
@@ -175,12 +182,26 @@ class WorkerRun:
             self._look(window)
         progress.at(self.step, "finishing")
         self.runtime.finish()
+        self._count_wire(False)
         elapsed = time.perf_counter() - start - self.eval_seconds
         stopped = self.stop_name if self.stop_at is not None and self.step >= self.stop_at else None
         values = None if stopped else self._evaluate(start, final=True)  # a stop asked for speed: save, go
         if self.last_checkpoint is None or not self.last_checkpoint.endswith(f"{self.step:08d}.pt"):
             self._save()
         return self._summary(values, self.step - first_step, elapsed, reached, stopped)
+
+    def _count_wire(self, start: bool) -> None:
+        """The training steps' window of the bytes on the wire (and of the shaped link's counters)."""
+        if self.cfg.link is not None and self.ctx.is_main:
+            self.link_at.append(loopback_bytes())
+        if start and self.cfg.link is not None and self.ctx.distributed and self.plan.layout.lockstep:
+            # Once per run, on a shaped link only: no rank sends its first step's bytes before rank 0
+            # (which opens the metrics file and prints the header first) has read the link's counter.
+            dist.barrier()
+        if start:
+            self.meter.begin()
+        else:
+            self.meter.end()
 
     def _stopping(self) -> bool:
         """Whether this rank stops before the next step: a stop was requested (SIGTERM, SIGINT to any
@@ -283,7 +304,8 @@ class WorkerRun:
         began = time.perf_counter()
         part = self.me.evaluates
         batches = eval_batches(self.data.test, 256, *part) if part is not None else iter(())
-        values = self.totals.values(self.runtime.evaluate(batches, self.totals))
+        with self.meter.aside():  # not a training step's traffic
+            values = self.totals.values(self.runtime.evaluate(batches, self.totals))
         seconds = time.perf_counter() - began
         accuracy = {"accuracy": values["accuracy"]} if "accuracy" in values else {}
         self.reporter.record("eval", step=self.step, **accuracy, metrics=values, held_out=self.data.held_out,
@@ -296,6 +318,10 @@ class WorkerRun:
 
     # ---- checkpoints ----
     def _save(self) -> None:
+        with self.meter.aside():  # gathering a checkpoint is not a training step's traffic
+            self._write_checkpoint()
+
+    def _write_checkpoint(self) -> None:
         # The loss of this step was finite, but its update may not be: never save such weights.
         self.ctx.progress.at(self.step, "checkpointing")
         if not all(torch.isfinite(p).all() for p in self.runtime.module.parameters()):
@@ -400,7 +426,7 @@ class WorkerRun:
                  stopped: Optional[str] = None) -> dict[str, Any]:
         rate = steps * self.global_batch / max(seconds, 1e-9)
         report = self.runtime.report(final=True)
-        mine, most = self._memory()
+        mine, most, wire = self._gathered()
         summary = {"steps": self.step, "test_accuracy": (values or {}).get("accuracy"), "test_metrics": values,
                    "held_out": self.data.held_out, "examples_per_sec": rate,
                    "train_seconds": seconds, "eval_seconds": self.eval_seconds,
@@ -411,7 +437,8 @@ class WorkerRun:
                    "precision": self.cfg.precision, "compiled_blocks": self.compiled,
                    "watch_cpu_seconds": round(self.ctx.progress.cpu_seconds, 4),
                    "memory_bytes": mine.as_dict(), **({"memory_bytes_max": most.as_dict()} if most else {}),
-                   "startup_seconds": self.marks.seconds, **report.fields}
+                   "startup_seconds": self.marks.seconds, **summary_fields(self.meter, wire, steps, self.link_at),
+                   **report.fields}
         self.reporter.record("summary", **summary)
         self.reporter.close()
         if stopped:
@@ -424,6 +451,7 @@ class WorkerRun:
         self.reporter.say(f"throughput {rate:.1f} examples/sec (global), training time {seconds:.1f} s")
         for line in describe(mine, most):
             self.reporter.say(line)
+        self.reporter.say(summary_line(self.meter, wire, steps))
         for line in report.lines:
             self.reporter.say(line)
         if self.cfg.profile_startup:
@@ -432,14 +460,22 @@ class WorkerRun:
         self.reporter.say(f"metrics {self.cfg.metrics}")
         return summary
 
-    def _memory(self) -> tuple[Held, Optional[Held]]:
-        """This rank's parameter, gradient and optimizer bytes; the max over ranks where ranks are in step."""
+    def _gathered(self) -> tuple[Held, Optional[Held], Optional[float]]:
+        """This rank's parameter, gradient and optimizer bytes; the max over ranks; and the job's bytes
+        on the wire in the steps (what every rank sent), or None where unknown here.
+
+        Ranks in step gather both in one collective, once, after the last step. A job whose every
+        message has rank 0 at one end (a parameter server) needs none: rank 0's sent and received
+        bytes are everything that crossed. Other ranks not in step cannot gather: None."""
         mine = held(self.runtime.module, self.runtime.optimizer)
-        if not (self.ctx.distributed and self.plan.layout.lockstep):
-            return mine, None
+        layout = self.plan.layout
+        if not self.ctx.distributed:
+            return mine, None, 0.0
+        if not layout.lockstep:
+            return mine, None, self.meter.total if layout.hub == self.ctx.rank else None
         every: list = [None] * self.ctx.world_size
-        dist.all_gather_object(every, mine)
-        return mine, largest(every)
+        dist.all_gather_object(every, (mine, self.meter.sent))
+        return mine, largest([m for m, _ in every]), sum(sent for _, sent in every)
 
     def close(self) -> None:
         if self.prefetcher is not None:

@@ -39,6 +39,7 @@ from ...metrics import Totals, add_up
 from ..base import COUNT_CORRECT, Build, Job, Layout, Options, RankPlan, Report, Runtime
 from ..sync import Sync
 from .aggregate import Asynchronous, Rounds, Rule
+from .protocol import SERVER
 from .server import Server
 from .worker import WorkerRuntime
 
@@ -73,7 +74,8 @@ class ParameterServer(Options):
         ranks = (server,) + tuple(RankPlan("worker", f"worker {r}", r - 1, None, expendable=True)
                                   for r in range(1, processes))
         # The server shares the first worker's device: it holds one copy of the model and applies updates.
-        return Layout(ranks, (job.devices[0],) + tuple(job.devices), workers, lockstep=False, stop_rule="server")
+        return Layout(ranks, (job.devices[0],) + tuple(job.devices), workers, lockstep=False, stop_rule="server",
+                      hub=SERVER)
 
     def describe(self) -> str:
         return "ps (asynchronous parameter server)"
