@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from ...costs import ParameterServerCost, register
-from ...simulate import SERVER, simulated
+from ...simulate import SERVER as SIMULATED_SERVER, simulated
 from ...errors import PhalanxError
 from ...options import option
 from ...metrics import Totals, add_up
@@ -150,7 +150,7 @@ class Backup(ParameterServer):
 register(ParameterServer, ParameterServerCost(instead=Sync))
 # One simulated rule for the family (simulate/server.py): each asks its options for its gate and aggregation.
 for _family in (ParameterServer, SSP, Backup):
-    simulated(_family, SERVER)
+    simulated(_family, SIMULATED_SERVER)
 
 
 class ServerRuntime(Runtime):
