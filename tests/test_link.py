@@ -26,18 +26,6 @@ REPEATS = 3
 RATE = "50mbit"
 
 
-@pytest.fixture(scope="module")
-def shaping_allowed():
-    """Probe once: a namespace, its loopback up, a tbf on it (what --link does); else skip, saying why."""
-    for tool in ("unshare", "ip", "tc"):
-        if shutil.which(tool) is None:
-            pytest.skip(f"{tool} is not installed (iproute2, util-linux)")
-    probe = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up && tc qdisc add dev lo root tbf rate 1mbit "
-                            "burst 32kb latency 100ms"], capture_output=True, text=True, timeout=60)
-    if probe.returncode != 0:
-        pytest.skip(f"network namespaces or traffic control not allowed here: {probe.stderr.strip()}")
-
-
 # ---- the rate (pure) ----
 
 @pytest.mark.parametrize("text, bits", [("50mbit", 50e6), ("1gbit", 1e9), ("250kbit", 250e3), ("12mbps", 96e6),
