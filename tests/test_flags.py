@@ -137,12 +137,14 @@ class WithLambda(nn.Module):
 
 X, Y = torch.randn(64, 4), torch.randint(0, 2, (64,))
 API_CASES = [
-    (dict(model=nn.Linear(4, 2), train_data=(X, torch.rand(64))), "labels are float32: phalanx trains classifiers"),
+    (dict(model=nn.Linear(4, 2), train_data=(X, torch.rand(64))),  # float targets: a regression, one value each
+     r"the model returns \(2, 2\) for targets of shape \(2,\): float targets make a regression"),
     (dict(model=nn.Linear(4, 3), train_data=(X, torch.randint(0, 10, (64,)))),
      "the model outputs 3 class scores but the labels go up to 9; make its last layer output 10"),
     (dict(model=nn.Linear(5, 2), train_data=(X, Y)), r"the model fails on an example batch of shape \(2, 4\)"),
-    (dict(model=nn.Linear(4, 2), train_data=(X, Y - 1)), "labels must be class indices 0..C-1, and -1 is negative"),
-    (dict(model=nn.Linear(4, 2), train_data=(X, Y[:, None])), r"labels have shape \(64, 1\)"),
+    (dict(model=nn.Linear(4, 2), train_data=(X, Y - 1)), "integer targets are class indices 0..C-1, and -1 is negative"),
+    (dict(model=nn.Linear(4, 2), train_data=(X, Y[:, None])),  # (a target per position: the loss says no)
+     r"loss_fn fails on the model's output of shape \(2, 2\)"),
     (dict(model=nn.Linear(4, 2), train_data=X), "train_data must be a pair"),
     (dict(model=nn.Linear(4, 2), train_data=(X, Y), test_data=(torch.randn(8, 5), Y[:8])),
      r"test_data examples have shape \(5,\) but train_data examples \(4,\)"),
@@ -150,7 +152,7 @@ API_CASES = [
     (dict(model=nn.Linear(4, 2), train_data=(X, Y), loss_fn=lambda out, y: out.sum()),
      "loss_fn cannot be sent to the worker processes"),
     (dict(model=lambda x: x, train_data=(X, Y)), "model must be a torch.nn.Module, got function"),
-    (dict(model=nn.Flatten(0), train_data=(X, Y)), r"phalanx trains classifiers: return scores of shape"),
+    (dict(model=nn.Flatten(0), train_data=(X, Y)), r"integer targets make a classifier: return scores of shape"),
 ]
 
 

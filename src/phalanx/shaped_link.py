@@ -37,7 +37,6 @@ import time
 from typing import Any, Iterator, Optional
 
 from .errors import PhalanxError
-from .wire import size
 
 CLONE_NEWNET = 0x40000000  #: <linux/sched.h>
 
@@ -241,5 +240,13 @@ def probe(rate: LinkRate) -> None:
         pass
 
 
+def size(n: float) -> str:
+    """``1.23 MB``: decimal units, as the link's counters are reported."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
 __all__ = ["Link", "LinkRate", "LinkUnavailable", "check", "inside", "loopback_bytes", "parse_rate", "probe",
-           "shaped"]
+           "shaped", "size"]

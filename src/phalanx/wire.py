@@ -49,6 +49,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from .shaped_link import size
+
 #: what each wrapped call's bytes are priced as (see the module's table)
 KINDS = {
     "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
@@ -234,14 +236,6 @@ def summary_line(meter: Meter, job: Optional[float], steps: int) -> str:
     if job is None:
         return f"bytes on the wire: {mine} (the other ranks' are not known here)"
     return f"bytes on the wire: {size(job / per)} per step, {size(job)} in {steps} steps (what every rank sent; {mine})"
-
-
-def size(n: float) -> str:
-    """``1.23 MB``: decimal units, as the link's counters are reported."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 __all__ = ["Meter", "metering", "size", "summary_fields", "summary_line", "traffic"]
