@@ -1,14 +1,20 @@
 """Hierarchical and compressed gradient reduction against a flat all-reduce (4 gloo workers)."""
 
 import re
+
 import pytest
 import torch
+from helpers import gather, run_workers
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers import gather, run_workers
 from phalanx.errors import PhalanxError
-from phalanx.reduce import HierarchicalState, apply_reduction, choose_reduction, validate_islands
+from phalanx.reduce import (
+    HierarchicalState,
+    apply_reduction,
+    choose_reduction,
+    validate_islands,
+)
 from phalanx.wire import metering
 
 ISLANDS = [[0, 1], [2, 3]]
