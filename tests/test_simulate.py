@@ -143,3 +143,36 @@ def test_compare_simulate_end_to_end(capsys, tmp_path, monkeypatch):
     assert image.shape[1] == data["plot"]["width"] and image.shape[0] == data["plot"]["height"]
     per_count = (report / "workers-8" / "report.md").read_text()
     assert per_count.startswith("# phalanx compare --simulate") and "Every figure is simulated" in per_count
+
+
+USER_MODULE = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):  # a forward of its own: no sequential structure
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.hidden, self.out = nn.Linear(input_shape[-1], 32), nn.Linear(32, num_classes)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.hidden(x.flatten(1))))
+
+
+def load():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(600, 8, generator=g)
+    y = (x[:, 0] + x[:, 1] > 0).long()
+    return (x[:500], y[:500]), (x[500:], y[500:])
+'''
+
+
+def test_a_users_own_model_without_sequential_structure_is_simulated(capsys, tmp_path, monkeypatch):
+    (tmp_path / "usermodel.py").write_text(USER_MODULE)
+    monkeypatch.chdir(tmp_path)
+    code, out = run_main(["compare", "--simulate", "--workers", "4", "--strategies", "sync,local-sgd:4", "--scenarios",
+                          "none", "--repeats", "1", "--model", "usermodel:Net", "--data", "usermodel:load",
+                          "--batch-size", "16", "--max-steps", "60", "--eval-every", "10", "--target", "0.8", *FAST],
+                         capsys)
+    assert code == 0, out.err[-3000:]
+    assert "usermodel:Net on usermodel:load" in out.out and "reaches 0.8 first" in out.out, out.out

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..pipeline.split import model_blocks
+from ..pipeline.split import blocks_or_whole
 from ..costs import ModelFacts
 
 MIB = 2 ** 20
@@ -30,8 +30,13 @@ def ddp_buckets(params_backward_order: Sequence[torch.Tensor], bucket_mb: float)
 
 
 def model_facts(model: nn.Module, example: torch.Tensor, batch_size: int, bucket_mb: float = 25.0) -> ModelFacts:
-    """Sizes of ``model`` for inputs like ``example`` (one or more examples)."""
-    named = model_blocks(model)
+    """Sizes of ``model`` for inputs like ``example`` (one or more examples).
+
+    Per block where the model has a sequential structure (what a pipeline splits); a model without
+    one (any ``forward`` of a user's own) is one block: every data-parallel cost needs only its
+    parameters and buckets, and a pipeline of it is refused where one is asked for.
+    """
+    named = blocks_or_whole(model)
     blocks = [block for _, block in named]
     block_params = tuple(sum(p.numel() for p in block.parameters() if p.requires_grad) for block in blocks)
     activation = []

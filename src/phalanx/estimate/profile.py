@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ..launcher import launch
-from ..pipeline.split import model_blocks
+from ..pipeline.split import blocks_or_whole
 from ..costs import Compute
 
 WARMUP_STEPS = 5
@@ -119,7 +119,7 @@ def probe(ctx, spec: ProbeSpec) -> list[dict]:
 
 
 def _blocks(model, x, device, spec: ProbeSpec) -> dict:
-    blocks = [block for _, block in model_blocks(model)]
+    blocks = [block for _, block in blocks_or_whole(model)]
     timed = time_block_sizes(blocks, x, (1,) + tuple(spec.micro_batches), device)
     return {"blocks": timed[1], "micro": {m: timed[m] for m in spec.micro_batches}}
 

@@ -47,6 +47,14 @@ def model_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return named
 
 
+def blocks_or_whole(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """:func:`model_blocks` where the model has a sequential structure; else the whole model as one
+    block (what a cost needs of any model: a data-parallel strategy never splits it)."""
+    if hasattr(model, "pipeline_blocks") or isinstance(model, nn.Sequential):
+        return model_blocks(model)
+    return [(type(model).__name__, model)]
+
+
 def _check_covered(model: nn.Module, named: list[tuple[str, nn.Module]]) -> None:
     if len({id(b) for _, b in named}) != len(named):
         raise PhalanxError(f"{type(model).__name__} lists one block twice: each block must appear once")
