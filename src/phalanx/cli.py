@@ -164,12 +164,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _start_worker_server(argv: list[str]) -> None:
     """A command that will start worker processes starts their fork server first, so that its import
     of torch runs while this process imports torch and plans (see :mod:`phalanx.forkserver`). Not
-    under torchrun or srun (this process is a worker: nothing to start), nor for help."""
+    under torchrun or srun (this process is a worker: nothing to start), nor for help or a simulated
+    comparison (no process runs)."""
     from .forkserver import start_early
     from .launch_env import joined
 
     wanted = os.environ.get("PHALANX_START_METHOD", "forkserver") == "forkserver"
-    if wanted and argv[:1] in (["train"], ["compare"]) and not {"-h", "--help"} & set(argv) and joined() is None:
+    idle = {"-h", "--help", "--simulate"} & set(argv)
+    if wanted and argv[:1] in (["train"], ["compare"]) and not idle and joined() is None:
         start_early()
 
 
