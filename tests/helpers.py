@@ -27,6 +27,17 @@ def run_workers(fn: Callable[..., Any], n: int, *args: Any) -> Any:
     return launch(fn, [torch.device("cpu")] * n, args, timeout_s=60)
 
 
+def run_main(argv: list[str], capsys) -> tuple[Any, Any]:
+    """``phalanx *argv`` in this process: (exit status, pytest's captured output)."""
+    from phalanx.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own usage errors exit directly
+        code = e.code
+    return code, capsys.readouterr()
+
+
 def gather(ctx: WorkerContext, value: Any) -> list:
     """Every rank's ``value``, in rank order (on every rank)."""
     if not ctx.distributed:

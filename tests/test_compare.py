@@ -11,9 +11,8 @@ import subprocess
 
 import pytest
 
-from helpers import phalanx_cmd, run_cli
+from helpers import phalanx_cmd, run_cli, run_main
 from phalanx import SSP, Backup, LocalSGD, PhalanxError, TrainConfig
-from phalanx.cli import main
 from phalanx.compare.cli import CompareOptions, setup_from
 from phalanx.compare.results import RunResult, figures
 from phalanx.compare.runner import schedule
@@ -81,14 +80,6 @@ def test_a_strategy_that_missed_the_target_in_most_repeats_has_no_median_time():
     assert figures([run(True, 2.0), run(False), run(True, 4.0)], 50).median_seconds == 4.0
     missed = figures([run(True, 2.0), run(False), run(False, best=0.93)], 50)
     assert math.isinf(missed.median_seconds) and missed.reached == 1 and missed.best_accuracy == 0.93
-
-
-def run_main(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr()
 
 
 @pytest.mark.parametrize("flags, message", [

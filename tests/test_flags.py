@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import run_cli
+from helpers import run_cli, run_main
 from phalanx import TrainConfig, Trainer
-from phalanx.cli import build_parser, main, strategy_fields
+from phalanx.cli import build_parser, strategy_fields
 from phalanx.errors import PhalanxError
 from phalanx.strategies import STRATEGIES
 
@@ -29,14 +29,6 @@ SAMPLE = {"reduce": "flat", "compress": "bf16", "islands": "0,1", "bucket_mb": "
 
 FOREIGN = [(strategy, name) for strategy, cls in STRATEGIES.items() for name in strategy_fields()
            if name not in {f.name for f in dataclasses.fields(cls)}]
-
-
-def run_main(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse's own usage errors exit directly
-        code = e.code
-    return code, capsys.readouterr()
 
 
 def test_every_strategy_option_has_a_sample_value_here():

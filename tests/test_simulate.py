@@ -16,8 +16,8 @@ import os
 import pytest
 import torch
 
+from helpers import run_main
 from phalanx import SSP, Backup, ParameterServer, Sync, TrainConfig, Trainer
-from phalanx.cli import main
 from phalanx.costs import Link
 from phalanx.simulate import simulated_rule
 from phalanx.simulate.problem import build_problem
@@ -91,14 +91,6 @@ def test_versions_are_shared_counted_and_freed():
     assert len(versions) == 0 and versions.peak == 2
     world = simulate(ParameterServer(), workers=8, steps=5)
     assert len(world.versions) == 0 and 1 <= world.versions.peak <= 8
-
-
-def run_main(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr()
 
 
 FAST = ["--step-time", "10ms", "--link-bandwidth", "1GB/s", "--link-latency", "10us"]
