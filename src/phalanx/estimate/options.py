@@ -15,7 +15,7 @@ from ..costs import cost_model
 from ..errors import PhalanxError
 from ..options import option
 from ..strategies import STRATEGIES
-from .units import parse_bandwidth, parse_duration, parse_workers
+from .units import check_link_pair, parse_bandwidth, parse_duration, parse_workers
 
 #: What --strategy may name: every strategy with a cost model (in phalanx's order of strategies), or all of them.
 ESTIMATED = tuple(name for name, cls in STRATEGIES.items() if cost_model(cls) is not None)
@@ -58,11 +58,7 @@ class EstimateOptions:
             raise PhalanxError(f"--per-node must be at least 1, got {self.per_node!r}")
         if not isinstance(self.measure_steps, int) or self.measure_steps < 3:
             raise PhalanxError(f"--measure-steps must be at least 3 (medians need a few), got {self.measure_steps!r}")
-        if (self.link_bandwidth is None) != (self.link_latency is None):
-            given = "--link-bandwidth" if self.link_latency is None else "--link-latency"
-            missing = "--link-latency" if self.link_latency is None else "--link-bandwidth"
-            raise PhalanxError(f"{given} needs {missing} too: a link is its bandwidth and its latency "
-                               "(e.g. --link-bandwidth 25GB/s --link-latency 10us)")
+        check_link_pair(self.link_bandwidth, self.link_latency)
         if self.measure_link is not None and not isinstance(self.measure_link, bool):
             raise PhalanxError(f"--measure-link is on or off, got {self.measure_link!r}")
         if self.plot is not None and not self.plot.lower().endswith((".png", ".pdf", ".svg")):

@@ -19,6 +19,15 @@ _DURATION = re.compile(r"^\s*([0-9.eE+-]+)\s*(ns|us|µs|μs|ms|s)\s*$")
 _SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
+def check_link_pair(bandwidth, latency) -> None:
+    """``--link-bandwidth`` and ``--link-latency`` come together or not at all: a link is both."""
+    if (bandwidth is None) != (latency is None):
+        given = "--link-bandwidth" if latency is None else "--link-latency"
+        missing = "--link-latency" if latency is None else "--link-bandwidth"
+        raise PhalanxError(f"{given} needs {missing} too: a link is its bandwidth and its latency "
+                           "(e.g. --link-bandwidth 25GB/s --link-latency 10us)")
+
+
 def _number(text: str, what: str, example: str) -> float:
     try:
         value = float(text)

@@ -10,7 +10,7 @@ import dataclasses
 from typing import Optional
 
 from ..errors import PhalanxError
-from ..estimate.units import parse_bandwidth, parse_duration
+from ..estimate.units import check_link_pair, parse_bandwidth, parse_duration
 from ..options import option
 
 
@@ -41,11 +41,7 @@ class SimulateOptions:
                      if f.name != "simulate" and getattr(self, f.name) is not None]
             if typed:
                 raise PhalanxError(f"{typed[0]} describes the simulated machines: add --simulate, or drop {typed[0]}")
-        if (self.link_bandwidth is None) != (self.link_latency is None):
-            given = "--link-bandwidth" if self.link_latency is None else "--link-latency"
-            missing = "--link-latency" if self.link_latency is None else "--link-bandwidth"
-            raise PhalanxError(f"{given} needs {missing} too: a link is its bandwidth and its latency "
-                               "(e.g. --link-bandwidth 25GB/s --link-latency 10us)")
+        check_link_pair(self.link_bandwidth, self.link_latency)
         if self.step_time is not None and not self.step_time > 0:
             raise PhalanxError(f"--step-time must be a positive number of seconds, got {self.step_time}")
         if self.per_node is not None and (not isinstance(self.per_node, int) or self.per_node < 1):
