@@ -67,7 +67,7 @@ def seconds(value: float) -> str:
 
 def best(f: Figures, digits: int = 2) -> str:
     """The best value of the target's metric any repeat reached: ``0.93``; ``loss 0.41`` for another metric."""
-    value = f.best if f.best is not None else f.best_accuracy
+    value = f.best_value
     text = "-" if value is None else f"{value:.{digits}f}"
     return text if f.metric == "accuracy" else f"{f.metric} {text}"
 
@@ -140,9 +140,8 @@ def scenario_sentence(setup: Setup, scenario: Scenario, rows: list[Figures]) -> 
     base = next((f for f in rows if f.strategy == baseline(setup)), None)
     missed = [f for f in rows if not f.any_reached]
     if winner is None:
-        known = [f for f in rows if (f.best if f.best is not None else f.best_accuracy) is not None]
-        top = (max if setup.target.higher else min)(
-            known, key=lambda f: f.best if f.best is not None else f.best_accuracy) if known else rows[0]
+        known = [f for f in rows if f.best_value is not None]
+        top = (max if setup.target.higher else min)(known, key=lambda f: f.best_value) if known else rows[0]
         return (f"{name}, no strategy reached {short(setup.target)} in {setup.max_steps} steps in most runs (the best "
                 f"{setup.target.metric} was {best(top, 3).split()[-1]}, by {top.strategy}).")
     text = f"{name}, **{winner.strategy}** reached {short(setup.target)} first, in {seconds(winner.median_seconds)}"

@@ -186,6 +186,11 @@ class Figures:
     def any_reached(self) -> bool:
         return self.reached > 0
 
+    @property
+    def best_value(self) -> Optional[float]:
+        """The target metric's best (a result built without metrics, e.g. a simulated one, has its accuracy)."""
+        return self.best if self.best is not None else self.best_accuracy
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["median_seconds"] = None if math.isinf(self.median_seconds) else self.median_seconds
