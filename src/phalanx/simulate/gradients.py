@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from ..metrics import correct
+
 CHUNK = 64  #: workers per vmapped call (bounds the memory of stacked parameters and activations)
 
 
@@ -113,6 +115,6 @@ class Gradients:
         was = self.model.training
         self.model.eval()
         try:
-            return int((self._call(flat, x).argmax(1) == y).sum())
+            return int(correct(self._call(flat, x), y)[0])  # the metric a real run's evaluation counts
         finally:
             self.model.train(was)
