@@ -4,7 +4,7 @@ Below the strategies (which register their cost models here) and the estimate (w
 inputs and asks): nothing here imports torch or starts a process.
 
 - ``model.py``: :class:`CostModel`, what every strategy's cost model answers, and the registry
-  keyed by the options class (:func:`register`, :func:`cost_model`);
+  keyed by the options class (:data:`COSTS`, :func:`cost_model`; filled by ``strategies.registry``);
 - ``link.py``: :class:`Link`, α and β; ``inputs.py``: :class:`Compute` (a worker's measured step),
   :class:`ModelFacts` (sizes), :class:`Network` (links, workers per node) and the collectives' costs;
 - ``timeline.py``: compute and communication streams, and what overlaps;
@@ -19,7 +19,7 @@ from .fsdp import FSDPCost, predict_fsdp
 from .inputs import Compute, ModelFacts, Network, allreduce, gather_or_scatter
 from .link import Link
 from .local_sgd import LocalSGDCost, predict_local_sgd
-from .model import COSTS, Alternative, CostModel, cost_model, register
+from .model import COSTS, Alternative, CostModel, cost_model
 from .pipeline import PipelineCost, predict_pipeline, stage_plan
 from .prediction import Prediction
 from .ps import ParameterServerCost, predict_ps, simulate, steady_state
@@ -29,4 +29,4 @@ from .timeline import Op, finish, schedule
 __all__ = ["COSTS", "Alternative", "Compute", "CostModel", "DiLoCoCost", "FSDPCost", "Link", "LocalSGDCost", "ModelFacts", "Network",
            "Op", "ParameterServerCost", "PipelineCost", "Prediction", "SyncCost", "allreduce", "cost_model", "finish",
            "gather_or_scatter", "predict_diloco", "predict_fsdp", "predict_local_sgd", "predict_pipeline", "predict_ps", "predict_sync",
-           "register", "schedule", "simulate", "stage_plan", "steady_state"]
+           "schedule", "simulate", "stage_plan", "steady_state"]

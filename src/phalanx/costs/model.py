@@ -7,9 +7,10 @@ run and how many processes it starts, and the cost model for the rest: the step 
 how the report heads its table (``title``), whether the step has a bubble, and which changes of its
 options might help (:meth:`CostModel.alternatives`).
 
-Why a registry keyed by the options class, filled in the strategy's own module (one line beside
-the class): the strategy owns its cost model, as it owns its layout and runtime (DESIGN.md), and a
-new strategy is one new module plus its cost model, with no edit to the estimate. Why the formulas
+Why a registry keyed by the options class, filled in the strategy's own module (its one
+registration, ``strategies/registry.py``): the strategy owns its cost model, as it owns its layout
+and runtime (DESIGN.md), and a new strategy is one new module plus its cost model, with no edit to
+the estimate. Why the formulas
 live here and not beside each runtime: they are pure (no torch), both the strategies and the
 estimate import them, and the estimate's measuring code (which starts processes) stays out of the
 strategies. Exact classes, not ``isinstance``: ``ssp`` and ``backup`` subclass ``ps``'s options but
@@ -69,13 +70,8 @@ class CostModel:
         return None
 
 
-#: options class -> its cost model. Filled by each strategy's module, beside the class.
+#: options class -> its cost model. Filled by each strategy's registration (``strategies.registry.register``).
 COSTS: dict[type, CostModel] = {}
-
-
-def register(options_class: type, model: CostModel) -> None:
-    """Make ``model`` the cost model of ``options_class`` (called once, where the strategy is defined)."""
-    COSTS[options_class] = model
 
 
 def cost_model(options: Any) -> Optional[CostModel]:

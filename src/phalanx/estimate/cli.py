@@ -8,7 +8,7 @@ import sys
 
 from ..errors import PhalanxError
 from ..options import add_flags as add_fields, declared, field_flag, given
-from .options import ESTIMATED, TRAIN_FLAGS, EstimateOptions
+from .options import TRAIN_FLAGS, EstimateOptions, estimated
 
 
 def _owners() -> dict[str, list[type]]:
@@ -18,7 +18,7 @@ def _owners() -> dict[str, list[type]]:
     from ..strategies import strategy_class
 
     owners: dict[str, list[type]] = {}
-    for cls in (strategy_class(name) for name in ESTIMATED):
+    for cls in (strategy_class(name) for name in estimated()):
         for field in cost_model(cls).fields:
             owners.setdefault(field, []).append(cls)
     return owners

@@ -17,9 +17,26 @@ from ..options import option
 from ..strategies import STRATEGIES
 from .units import check_link_pair, parse_bandwidth, parse_duration, parse_workers
 
-#: What --strategy may name: every strategy with a cost model (in phalanx's order of strategies), or all of them.
-ESTIMATED = tuple(name for name, cls in STRATEGIES.items() if cost_model(cls) is not None)
-STRATEGY_CHOICES = ESTIMATED + ("all",)
+
+
+def estimated() -> tuple[str, ...]:
+    """What --strategy may name: every strategy with a cost model registered, in phalanx's order of strategies.
+    Asked each time, so a strategy registered after this module was imported is estimated too."""
+    return tuple(name for name, cls in STRATEGIES.items() if cost_model(cls) is not None)
+
+
+def strategy_choices() -> tuple[str, ...]:
+    return estimated() + ("all",)
+
+
+def __getattr__(name: str):
+    """``ESTIMATED`` and ``STRATEGY_CHOICES``: the registry as it is now (see :func:`estimated`)."""
+    if name == "ESTIMATED":
+        return estimated()
+    if name == "STRATEGY_CHOICES":
+        return strategy_choices()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: The flags of phalanx train that an estimate takes (they shape the measured step).
 TRAIN_FLAGS = ("model", "data", "data_dir", "synthetic_shape", "synthetic_size", "batch_size", "optimizer",
@@ -30,7 +47,7 @@ TRAIN_FLAGS = ("model", "data", "data_dir", "synthetic_shape", "synthetic_size",
 class EstimateOptions:
     workers: tuple = option((1, 2, 4, 8), "worker counts to predict, e.g. 1,2,4,8,64,256", parse=parse_workers,
                             show="1,2,4,8")
-    strategy: str = option("all", "which strategies to predict", choices=STRATEGY_CHOICES)
+    strategy: str = option("all", "which strategies to predict", choices=strategy_choices())
     per_node: Optional[int] = option(None, "workers per machine (they share its cores or hold one GPU each)",
                                      show="one per GPU here; on CPU, 2 as phalanx train")
     link_bandwidth: Optional[float] = option(
@@ -52,8 +69,9 @@ class EstimateOptions:
             object.__setattr__(self, "workers", parse_workers(self.workers))
         else:
             object.__setattr__(self, "workers", parse_workers(",".join(map(str, self.workers))))
-        if self.strategy not in STRATEGY_CHOICES:
-            raise PhalanxError(f"unknown --strategy {self.strategy!r}: choose one of {', '.join(STRATEGY_CHOICES)}")
+        choices = strategy_choices()
+        if self.strategy not in choices:
+            raise PhalanxError(f"unknown --strategy {self.strategy!r}: choose one of {', '.join(choices)}")
         if self.per_node is not None and (not isinstance(self.per_node, int) or self.per_node < 1):
             raise PhalanxError(f"--per-node must be at least 1, got {self.per_node!r}")
         if not isinstance(self.measure_steps, int) or self.measure_steps < 3:
@@ -66,7 +84,7 @@ class EstimateOptions:
 
     @property
     def strategies(self) -> tuple[str, ...]:
-        return ESTIMATED if self.strategy == "all" else (self.strategy,)
+        return estimated() if self.strategy == "all" else (self.strategy,)
 
     @property
     def link_given(self) -> bool:

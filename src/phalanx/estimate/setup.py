@@ -26,7 +26,7 @@ from ..task import task_from
 from ..strategies import Job, Options, strategy_class
 from ..train import TrainConfig
 from .facts import model_facts
-from .options import ESTIMATED, EstimateOptions
+from .options import EstimateOptions, estimated
 from .profile import Conditions
 
 DEFAULT_BUCKET_MB = 25.0  #: the gradient bucket cap when no estimated strategy names one (DDP's default)
@@ -81,7 +81,7 @@ def prepare(options: EstimateOptions, train_values: dict, strategy_values: dict)
     task = task_from(config)  # the user's model and data by import path, or the built-in ones
     config = config.resolved(task.model_name)
     strategies = {cls: cls(**{k: v for k, v in strategy_values.items() if k in cost_model(cls).fields})
-                  for cls in map(strategy_class, ESTIMATED)}
+                  for cls in map(strategy_class, estimated())}
     from ..train.checks import data_facts
 
     facts = data_facts(config, task.data)
@@ -164,5 +164,7 @@ def _conditions(setup: Setup, local: int, beside: int) -> Conditions:
 
 def predict(setup: Setup, row: Row, compute: Compute, net: Network, *, facts: Optional[ModelFacts] = None,
             options: Optional[Options] = None) -> Prediction:
-    """One row; ``facts`` and ``options`` replace the row's for the advice (a larger batch, other options)."""
-    return row.cost.predict(options or row.options, compute, facts or setup.facts, net, row.workers)
+    """One row; ``facts`` and ``options`` replace the row's for the advice (a larger batch, other options).
+    Named by the row's strategy, whatever name its cost model's formula gives (two strategies may share one)."""
+    p = row.cost.predict(options or row.options, compute, facts or setup.facts, net, row.workers)
+    return p if p.strategy == row.strategy else dataclasses.replace(p, strategy=row.strategy)

@@ -10,7 +10,7 @@ are what the schedule makes them. The clock is the estimate's: the step measured
 the link (``--link-bandwidth/--link-latency``).
 
 - ``registry.py``: :class:`SimulatedRule` and the registry keyed by the options class (each strategy
-  registers its rule beside its cost model);
+  registers its rule with its cost model, in one call: ``strategies/registry.py``);
 - the rules: ``lockstep.py`` (sync, fsdp), ``server.py`` (ps, ssp, backup), ``periodic.py``
   (local-sgd, diloco);
 - ``gradients.py``: the model as a function of flat parameters, many workers' gradients at once;
@@ -24,7 +24,7 @@ This ``__init__`` imports only the registry and the rules: the strategies import
 
 from .lockstep import LOCKSTEP
 from .periodic import DILOCO, LOCAL_SGD
-from .registry import RULES, SimulatedRule, simulated, simulated_rule
+from .registry import RULES, SimulatedRule, simulated_rule
 from .server import SERVER
 
-__all__ = ["DILOCO", "LOCAL_SGD", "LOCKSTEP", "RULES", "SERVER", "SimulatedRule", "simulated", "simulated_rule"]
+__all__ = ["DILOCO", "LOCAL_SGD", "LOCKSTEP", "RULES", "SERVER", "SimulatedRule", "simulated_rule"]

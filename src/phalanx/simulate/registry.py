@@ -3,10 +3,11 @@
 ``phalanx compare --simulate`` never asks which strategy it holds: it asks the options class for
 its :class:`SimulatedRule` (:func:`simulated_rule`), which plays that strategy's schedule in
 simulated time on a :class:`~phalanx.simulate.world.World` (real gradients of the real model, the
-clock of the strategy's cost model). Filled in the strategy's own module, beside its cost model
-(``register(Sync, SyncCost())`` and ``simulated(Sync, LOCKSTEP)``), so a new strategy adds its
-runtime, its cost and its simulated rule in one place. Exact classes, as in ``costs/model.py``:
-``ssp`` and ``backup`` subclass ``ps``'s options and register their own (the same server rule).
+clock of the strategy's cost model). Filled by the strategy's one registration, in its own module
+(``register(Sync, cost=SyncCost(), simulated=LOCKSTEP)``, ``strategies/registry.py``), so a new
+strategy adds its runtime, its cost and its simulated rule in one place. Exact classes, as in
+``costs/model.py``: ``ssp`` and ``backup`` subclass ``ps``'s options and register their own (the
+same server rule).
 
 Nothing here imports the strategies: they import this module.
 """
@@ -24,13 +25,8 @@ class SimulatedRule:
         raise NotImplementedError
 
 
-#: options class -> its simulated rule. Filled by each strategy's module, beside its cost model.
+#: options class -> its simulated rule. Filled by each strategy's registration (``strategies.registry.register``).
 RULES: dict[type, SimulatedRule] = {}
-
-
-def simulated(options_class: type, rule: SimulatedRule) -> None:
-    """Make ``rule`` the simulated rule of ``options_class`` (called once, where the strategy is defined)."""
-    RULES[options_class] = rule
 
 
 def simulated_rule(options: Any) -> Optional[SimulatedRule]:

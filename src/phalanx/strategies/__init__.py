@@ -7,7 +7,9 @@ the parent, and a runtime built in every worker (see ``base.py``). One module pe
 - ``ps/``: :class:`ParameterServer`, :class:`SSP` and :class:`Backup` (protocol, gate, aggregation rule,
   server, worker);
 - ``hogwild.py``: :class:`Hogwild`; ``local_sgd.py``: :class:`LocalSGD`; ``diloco.py``: :class:`DiLoCo`;
-- ``pipeline.py``: :class:`Pipeline` (engine helpers in ``phalanx/pipeline/``).
+- ``pipeline.py``: :class:`Pipeline` (engine helpers in ``phalanx/pipeline/``);
+- ``registry.py``: :data:`STRATEGIES` and :func:`register`, each strategy's one registration (its name,
+  cost model and simulated rule).
 """
 
 from __future__ import annotations
@@ -16,17 +18,17 @@ import dataclasses
 
 from ..errors import PhalanxError
 from .base import Build, Job, Layout, Options, RankPlan, Report, Runtime, nonfinite_values, runtime_for
-from .diloco import DiLoCo
-from .fsdp import FSDP
+from .registry import STRATEGIES, register, unregister
+
+# Each module registers its strategy as it is imported (registry.py), so this order is the order of
+# STRATEGIES: of --strategy's help and of ``--strategy all``.
+from .sync import Sync
+from .ps import SSP, Backup, ParameterServer
 from .hogwild import Hogwild
 from .local_sgd import LocalSGD
+from .diloco import DiLoCo
 from .pipeline import Pipeline
-from .ps import SSP, Backup, ParameterServer
-from .sync import Sync
-
-#: CLI name -> options class.
-STRATEGIES: dict[str, type[Options]] = {cls.name: cls for cls in (Sync, ParameterServer, SSP, Backup, Hogwild,
-                                                                  LocalSGD, DiLoCo, Pipeline, FSDP)}
+from .fsdp import FSDP
 
 
 def strategy_class(name: str) -> type[Options]:
@@ -41,4 +43,5 @@ def takers(field: str) -> list[str]:
 
 
 __all__ = ["Backup", "Build", "DiLoCo", "FSDP", "Hogwild", "Job", "Layout", "LocalSGD", "Options", "ParameterServer", "Pipeline",
-           "RankPlan", "Report", "Runtime", "SSP", "STRATEGIES", "Sync", "runtime_for", "strategy_class", "takers"]
+           "RankPlan", "Report", "Runtime", "SSP", "STRATEGIES", "Sync", "register", "runtime_for", "strategy_class", "takers",
+           "unregister"]

@@ -30,12 +30,13 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..costs import DiLoCoCost, register
-from ..simulate import DILOCO, simulated
+from ..costs import DiLoCoCost
+from ..simulate import DILOCO
 from ..errors import PhalanxError
 from ..options import option
 from ..pipeline.balance import bounds, partition
 from .base import COUNT_CORRECT, Build, Job, Layout, Options, Report, Runtime, data_parallel
+from .registry import register
 from .replicas import verify_replicas
 
 PRECISIONS = ("fp32", "bf16", "int8")
@@ -90,8 +91,8 @@ class DiLoCo(Options):
 # --------------------------------------------------------------------------- pure parts
 
 
-register(DiLoCo, DiLoCoCost())  # its cost model, for phalanx estimate (costs/diloco.py)
-simulated(DiLoCo, DILOCO)  # its simulated rule, for phalanx compare --simulate (simulate/periodic.py)
+# Its cost model, for phalanx estimate (costs/diloco.py); its simulated rule, for compare --simulate (simulate/periodic.py).
+register(DiLoCo, cost=DiLoCoCost(), simulated=DILOCO)
 
 
 def fragment_bounds(numels: Sequence[int], fragments: int) -> list[tuple[int, int]]:

@@ -39,13 +39,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..costs import FSDPCost, register
-from ..simulate import LOCKSTEP, simulated
+from ..costs import FSDPCost
+from ..simulate import LOCKSTEP
 from ..errors import PhalanxError
 from ..models import model_blocks_by_default
 from ..options import option
 from ..metrics import FORWARD_ONLY, Totals, add_up
 from .base import COUNT_CORRECT, Batch, Build, Job, Layout, Options, Report, Runtime, data_parallel
+from .registry import register
 from .replicas import verify_replicas
 
 
@@ -116,8 +117,9 @@ class FSDP(Options):
         return FSDPRuntime(build, self)
 
 
-register(FSDP, FSDPCost())  # its cost model, for phalanx estimate (costs/fsdp.py)
-simulated(FSDP, LOCKSTEP)  # each step computes what sync computes: simulated as sync, timed as fsdp
+# Its cost model, for phalanx estimate (costs/fsdp.py); each step computes what sync computes: simulated as sync
+# (simulate/lockstep.py), timed as fsdp.
+register(FSDP, cost=FSDPCost(), simulated=LOCKSTEP)
 
 
 class FSDPRuntime(Runtime):

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..errors import PhalanxError
 from .base import Build, Job, Layout, Options, Report, Runtime, data_parallel
+from .registry import register
 from .staleness import StalenessStats
 from .replicas import verify_replicas
 
@@ -50,6 +51,10 @@ class Hogwild(Options):
 
     def runtime(self, build: Build) -> Runtime:
         return HogwildRuntime(build, self)
+
+
+# No cost model yet (estimate leaves it out) and no simulated rule (its unlocked writes have no schedule to play).
+register(Hogwild)
 
 
 def reclaim_leftovers(directory: str) -> list[str]:

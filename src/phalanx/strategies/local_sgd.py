@@ -14,11 +14,12 @@ from typing import ClassVar
 import torch
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
-from ..costs import LocalSGDCost, register
-from ..simulate import LOCAL_SGD, simulated
+from ..costs import LocalSGDCost
+from ..simulate import LOCAL_SGD
 from ..options import option
 from ..errors import PhalanxError
 from .base import Build, Options, Runtime
+from .registry import register
 from .replicas import verify_replicas
 
 
@@ -40,8 +41,8 @@ class LocalSGD(Options):
         return LocalSGDRuntime(build, self)
 
 
-register(LocalSGD, LocalSGDCost())  # its cost model, for phalanx estimate (costs/local_sgd.py)
-simulated(LocalSGD, LOCAL_SGD)  # its simulated rule, for phalanx compare --simulate (simulate/periodic.py)
+# Its cost model, for phalanx estimate (costs/local_sgd.py); its simulated rule, for compare --simulate (simulate/periodic.py).
+register(LocalSGD, cost=LocalSGDCost(), simulated=LOCAL_SGD)
 
 
 class LocalSGDRuntime(Runtime):

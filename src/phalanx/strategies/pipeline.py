@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..costs import PipelineCost, register
+from ..costs import PipelineCost
 from ..errors import PhalanxError
 from ..options import option
 from ..pipeline import state as opt_state
@@ -48,6 +48,7 @@ from ..pipeline.profile import agree, describe, profile_order, time_blocks
 from ..pipeline.split import StageModule, model_blocks, parameter_counts
 from ..metrics import Totals
 from .base import COUNT_CORRECT, Batch, Build, Job, Layout, Options, RankPlan, Report, Runtime, require_positive
+from .registry import register
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -129,7 +130,8 @@ class Pipeline(Options):
         return PipelineRuntime(build, self)
 
 
-register(Pipeline, PipelineCost())  # its cost model, for phalanx estimate (costs/pipeline.py)
+# Its cost model, for phalanx estimate (costs/pipeline.py); no simulated rule yet (compare --simulate refuses it).
+register(Pipeline, cost=PipelineCost())
 
 
 class PipelineRuntime(Runtime):

@@ -19,13 +19,14 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..costs import SyncCost, register
-from ..simulate import LOCKSTEP, simulated
+from ..costs import SyncCost
+from ..simulate import LOCKSTEP
 from ..errors import PhalanxError
 from ..options import option
 from ..reduce import COMPRESSIONS, REDUCTIONS, apply_reduction, parse_islands, validate_islands
 from ..topology import order_by_islands, rank_islands
 from .base import Build, Job, Layout, Options, Report, Runtime, data_parallel
+from .registry import register
 from .replicas import verify_replicas
 
 
@@ -77,8 +78,8 @@ class Sync(Options):
         return SyncRuntime(build, self)
 
 
-register(Sync, SyncCost())  # its cost model, for phalanx estimate (costs/sync.py)
-simulated(Sync, LOCKSTEP)  # its simulated rule, for phalanx compare --simulate (simulate/lockstep.py)
+# Its cost model, for phalanx estimate (costs/sync.py); its simulated rule, for compare --simulate (simulate/lockstep.py).
+register(Sync, cost=SyncCost(), simulated=LOCKSTEP)
 
 
 class SyncRuntime(Runtime):

@@ -31,12 +31,13 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from ...costs import ParameterServerCost, register
-from ...simulate import SERVER as SIMULATED_SERVER, simulated
+from ...costs import ParameterServerCost
+from ...simulate import SERVER as SIMULATED_SERVER
 from ...errors import PhalanxError
 from ...options import option
 from ...metrics import Totals, add_up
 from ..base import COUNT_CORRECT, Build, Job, Layout, Options, RankPlan, Report, Runtime
+from ..registry import register
 from ..sync import Sync
 from .aggregate import Asynchronous, Rounds, Rule
 from .protocol import SERVER
@@ -145,12 +146,12 @@ class Backup(ParameterServer):
         return f"backup (parameter server, synchronous with {b} backup worker{'s' * (b != 1)})"
 
 
-# Its cost model, for phalanx estimate (costs/ps.py); the advice compares it with sync. ssp and backup have
-# none yet: the registry is keyed by the exact class, so they do not inherit this one.
-register(ParameterServer, ParameterServerCost(instead=Sync))
-# One simulated rule for the family (simulate/server.py): each asks its options for its gate and aggregation.
-for _family in (ParameterServer, SSP, Backup):
-    simulated(_family, SIMULATED_SERVER)
+# ps: its cost model, for phalanx estimate (costs/ps.py; the advice compares it with sync). ssp and backup have
+# none yet: the registry is keyed by the exact class, so they do not inherit this one. One simulated rule for the
+# family (simulate/server.py): each asks its options for its gate and aggregation.
+register(ParameterServer, cost=ParameterServerCost(instead=Sync), simulated=SIMULATED_SERVER)
+register(SSP, simulated=SIMULATED_SERVER)
+register(Backup, simulated=SIMULATED_SERVER)
 
 
 class ServerRuntime(Runtime):
