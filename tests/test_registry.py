@@ -4,10 +4,12 @@ A test's strategy, ``lockstep``, is sync by another name: sync's layout and runt
 its own (sync's formula under its own title) and the lockstep simulated rule, registered as a strategy's
 module registers itself. Then train, estimate and compare --simulate take it by name, and what they
 compute for it is what they compute for sync (the reference); once unregistered it is unknown again.
-In-process; nothing is measured.
+The capabilities the code around the strategies asks instead of naming one (fp16's scaler, the CPU
+only, compare's reference) are checked on their own. In-process; nothing is measured.
 """
 
 import dataclasses
+from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
@@ -86,3 +88,26 @@ def test_unregistered_it_is_unknown_again():
     assert list(STRATEGIES) == BUILT_IN and cost_model(Lockstep) is None and simulated_rule(Lockstep) is None
     with pytest.raises(PhalanxError, match="unknown --strategy 'lockstep'"):
         EstimateOptions(strategy="lockstep")
+
+
+def test_code_around_the_strategies_asks_their_capabilities(monkeypatch):
+    from phalanx.compare import cli as compare_cli
+    from phalanx.compare.report import baseline
+    from phalanx.compare.tokens import parse_strategies
+    from phalanx.strategies.base import data_parallel
+    from phalanx.train import TrainConfig
+    from phalanx.train import trainer
+    from phalanx.train.checks import check_precision
+
+    # fp16's gradient scaler: the strategies that can take it are named, the one asked for is told the fix
+    on_gpus = data_parallel(Job((torch.device("cuda", 0),) * 2, 8))
+    fix = r"fp16 works with --strategy sync( or lockstep)? only .* use --precision bf16 with ps"
+    with pytest.raises(PhalanxError, match=fix):
+        check_precision(TrainConfig(precision="fp16", strategy="ps"), on_gpus)
+    check_precision(TrainConfig(precision="fp16", strategy="sync"), on_gpus)
+    # compare's defaults on GPUs leave out the strategies that run on the CPU only
+    monkeypatch.setattr(trainer, "worker_devices", lambda train: [torch.device("cuda", 0)])
+    assert compare_cli.default_strategies(TrainConfig()) == "sync,ps,ssp:2,local-sgd:8,backup:1"
+    # compare's ratios: against the reference strategy where it runs, else the first listed
+    assert baseline(SimpleNamespace(strategies=parse_strategies("ps,sync,ssp:2"))) == "sync"
+    assert baseline(SimpleNamespace(strategies=parse_strategies("ps,ssp:2"))) == "ps"

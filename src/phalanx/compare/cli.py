@@ -31,7 +31,7 @@ from ..train.config import SECTIONS
 from . import plots, report
 from .runner import Interrupted, Run, Setup, check, run_all, schedule
 from .results import RunResult
-from .tokens import parse_scenarios, parse_strategies
+from .tokens import parse_scenarios, parse_strategies, parse_strategy
 
 DEFAULT_STRATEGIES = "sync,ps,ssp:2,local-sgd:8,hogwild,backup:1"
 
@@ -121,11 +121,13 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
 
 
 def default_strategies(train: TrainConfig) -> str:
-    """Every strategy that runs on the chosen devices: hogwild shares CPU memory, so GPUs leave it out."""
+    """Every default strategy that runs on the chosen devices: on GPUs, less those that run on the CPU only
+    (hogwild shares CPU memory)."""
     from ..train.trainer import worker_devices
 
-    on_gpus = worker_devices(train)[0].type != "cpu"
-    return DEFAULT_STRATEGIES.replace(",hogwild", "") if on_gpus else DEFAULT_STRATEGIES
+    if worker_devices(train)[0].type == "cpu":
+        return DEFAULT_STRATEGIES
+    return ",".join(t for t in DEFAULT_STRATEGIES.split(",") if not parse_strategy(t).options.cpu_only)
 
 
 def setup_from(options: CompareOptions, train: TrainConfig) -> Setup:

@@ -25,9 +25,8 @@ from .tokens import Scenario
 
 
 def baseline(setup: Setup) -> str:
-    """What the ratios compare against: sync where it runs, else the first strategy listed."""
-    tokens = [s.token for s in setup.strategies]
-    return "sync" if "sync" in tokens else tokens[0]
+    """What the ratios compare against: the reference strategy (sync) where it runs, else the first listed."""
+    return next((s.token for s in setup.strategies if s.options.reference), setup.strategies[0].token)
 
 
 def tables(setup: Setup, runs: list[RunResult]) -> dict[str, list[Figures]]:

@@ -97,7 +97,7 @@ def run_one(problem: Problem, setup, run: SimRun):
         staleness = {"mean": s["staleness_mean"], "p95": s["staleness_p95"], "max": s["staleness_max"],
                      "histogram": s["staleness_histogram"]}
     dropped = None
-    if out.dropped is not None and (out.dropped or "backup" in run.strategy.token):
+    if out.dropped is not None and (out.dropped or out.drops):
         dropped = {"total": out.dropped, "of": out.dropped + (out.applied or 0), "by_worker": {}}
     accuracies = [p["accuracy"] for p in out.curve]
     return RunResult(

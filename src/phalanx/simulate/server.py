@@ -43,6 +43,7 @@ class Server(SimulatedRule):
         unpack, loop = compute.unpack * pace, compute.loop * pace
         message = [m * pace for m in message_seconds(compute, problem.facts, problem.network, W)]
         rule, gate = options.aggregation(W), Gate(range(W), options.bound)
+        world.outcome.drops = rule.drops_late
         world.staleness = StalenessStats(options.bound)
         params = world.stepped()
         optimizer = world.optimizer(params.tensors)

@@ -40,6 +40,7 @@ class Outcome:
     examples: int = 0  #: examples a worker computed a gradient on (dropped ones included)
     applied: Optional[int] = None  #: gradients applied (the parameter-server family)
     dropped: Optional[int] = None
+    drops: bool = False  #: dropping is part of the rule (it drops late gradients): reported even when none was
     diverged: bool = False
     wall_seconds: float = 0.0  #: what simulating it took here
     peak_versions: int = 0

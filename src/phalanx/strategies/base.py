@@ -116,6 +116,15 @@ class Options:
     name: ClassVar[str] = "base"
     #: one line for ``--strategy`` help and the README
     summary: ClassVar[str] = ""
+    # What it can do, for the code around the strategies, which asks instead of naming one (STYLE.md, 14):
+    #: compare's ratios are taken against it where a comparison runs it: the plain data parallelism the
+    #: others depart from
+    reference: ClassVar[bool] = False
+    #: --precision fp16's gradient scaler can run: every replica steps its optimizer once per step, so a step
+    #: the scaler skips is skipped on every replica alike
+    fp16_scaler: ClassVar[bool] = False
+    #: its workers share one machine's CPU memory, so it runs on CPU devices only (compare leaves it out on GPUs)
+    cpu_only: ClassVar[bool] = False
 
     def layout(self, job: Job) -> Layout:
         """Pure: the processes of the job (raise PhalanxError for a job this strategy cannot run)."""

@@ -34,9 +34,10 @@ from .replicas import verify_replicas
 class Hogwild(Options):
     name: ClassVar[str] = "hogwild"
     summary: ClassVar[str] = "lock-free updates to parameters in shared memory (one machine, CPU)"
+    cpu_only: ClassVar[bool] = True
 
     def layout(self, job: Job) -> Layout:
-        if any(d.type != "cpu" for d in job.devices):
+        if self.cpu_only and any(d.type != "cpu" for d in job.devices):
             raise PhalanxError("hogwild shares parameters through CPU shared memory and refuses CUDA: use "
                                "--devices cpu, or --strategy ssp/ps for asynchronous training on GPUs")
         local = os.environ.get("LOCAL_WORLD_SIZE")

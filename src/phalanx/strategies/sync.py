@@ -36,6 +36,8 @@ class Sync(Options):
 
     name: ClassVar[str] = "sync"
     summary: ClassVar[str] = "gradients averaged every step, one update (= one large batch); PyTorch DDP"
+    reference: ClassVar[bool] = True
+    fp16_scaler: ClassVar[bool] = True
 
     reduce: str = option("flat", "how gradients are reduced: one all-reduce, within islands then across, "
                                  "or hierarchical only where the topology gives it something to win",

@@ -26,7 +26,7 @@ from ..data.datasets import DATASETS, CIFAR_CROP, cifar10_sizes, check_cifar10_f
 from ..errors import PhalanxError
 from ..metrics import Metric, Totals
 from ..models import MODELS
-from ..strategies import Layout
+from ..strategies import STRATEGIES, Layout
 from ..task import Task, label
 from . import checkpoint as ckpt
 from . import rundir
@@ -90,8 +90,9 @@ def check_precision(cfg: TrainConfig, layout: Layout) -> None:
         raise PhalanxError("--precision fp16 runs on CUDA devices only (its gradient scaler is a GPU feature); "
                            "use --precision bf16 on the CPU (fp32's range, no scaler; faster than fp32 only on CPUs "
                            "with AMX or AVX-512 BF16), or fp32")
-    if cfg.strategy.name != "sync":
-        raise PhalanxError(f"--precision fp16 works with --strategy sync only (a gradient scaler that skips a step "
+    if not cfg.strategy.fp16_scaler:
+        able = " or ".join(name for name, cls in STRATEGIES.items() if cls.fp16_scaler)
+        raise PhalanxError(f"--precision fp16 works with --strategy {able} only (a gradient scaler that skips a step "
                            f"must skip it on every replica alike); use --precision bf16 with {cfg.strategy.name}")
 
 

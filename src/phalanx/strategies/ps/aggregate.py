@@ -27,6 +27,8 @@ from __future__ import annotations
 class Asynchronous:
     """Each gradient is applied as it arrives, scaled by 1/W, so W of them move as far as one sync step."""
 
+    drops_late = False  #: every gradient is taken, however stale (only a lost worker's can be dropped)
+
     def __init__(self, workers: int):
         self.workers = workers
         self.per_step = workers  #: updates per global step
@@ -47,6 +49,8 @@ class Asynchronous:
 
 class Rounds:
     """Synchronous rounds with ``backup`` backup workers: the first W − B fresh gradients make an update."""
+
+    drops_late = True  #: a gradient computed on older parameters is dropped: reports count drops, even none
 
     def __init__(self, workers: int, backup: int):
         if not 0 <= backup < workers:

@@ -46,7 +46,7 @@ from ...errors import WorkerFailed
 from ...watch import STARTUP_S
 from ..staleness import StalenessStats
 from . import protocol
-from .aggregate import Rounds, Rule
+from .aggregate import Rule
 from .gate import Gate
 from .protocol import BYE, HELLO, PUSH, Message, Reply, buffer_count, buffers_to_vector, vector_to_buffers
 
@@ -289,7 +289,7 @@ class Server:
     @property
     def drops(self) -> bool:
         """Whether dropping is part of this run's story (rounds drop late gradients; ps only a lost one's)."""
-        return isinstance(self.rule, Rounds) or bool(sum(self.dropped.values()))
+        return self.rule.drops_late or bool(sum(self.dropped.values()))
 
     def stats(self, final: bool = False) -> dict[str, Any]:
         out = {**self.staleness.to_dict(), "gradients_applied_total": self.applied, "max_clock_gap": self.max_lead,
