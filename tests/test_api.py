@@ -193,3 +193,27 @@ def test_estimate_on_a_model_object_measures_that_model(project):
     assert est.table.startswith("phalanx estimate: mymodel:Net on your data (64), batch 16 per worker")
     with pytest.raises(PhalanxError, match=r"estimate\(\) has no setting colour="):
         phalanx.estimate(model=net, train_data=train, colour="red")
+
+
+@pytest.mark.slow
+def test_simulate_true_trains_the_given_model_as_the_real_sync_run_did(both, project):
+    """The API's simulation learns from the very objects given: its sync at 2 workers follows the real run's curve
+    (the simulation computes the real gradients; parameters equal to float rounding, see test_simulate)."""
+    root = both[0]
+    _, mymodel = project
+    train, test = mymodel.load()
+    torch.manual_seed(SEED)
+    net = mymodel.Net(input_shape=(64,), num_classes=10)
+    with contextlib.redirect_stdout(io.StringIO()):
+        sim = phalanx.compare(model=net, train_data=train, test_data=test, strategies="sync", scenarios="none",
+                              repeats=1, max_steps=20, eval_every=5, target=0.5, seed=SEED, simulate=True,
+                              simulate_workers=[2], step_time="10ms", link_bandwidth="1GB/s", link_latency="50us")
+    real = next(r for r in _report(root / "cli")["runs"] if r["strategy"] == "sync")
+    simulated = sim.runs[2][0]
+    assert (simulated.strategy, simulated.steps_to_target) == ("sync", real["steps_to_target"])
+    # (a real run that reaches its target evaluates once more at that step, as its final evaluation)
+    theirs = {p["step"]: p["accuracy"] for p in real["curve"]}
+    assert [p["step"] for p in simulated.curve] == list(theirs)
+    for ours in simulated.curve:
+        assert ours["accuracy"] == pytest.approx(theirs[ours["step"]], abs=1.5 / len(test[1]))  # one test example
+    assert sim.answer.startswith("Simulated: Under none, sync reaches 0.5 first")

@@ -15,7 +15,9 @@ file its loop wrote (``results.py``).
 Order: within each repeat every scenario runs every strategy, and the strategies' order rotates
 from one repeat to the next, so that a drift in the machine's speed (another job, a warming CPU)
 hits every strategy alike. Repeat r uses seed + r for every strategy: within a repeat every run
-starts from the same weights, reads the data in the same order and meets the same pauses.
+starts from the same weights, reads the data in the same order and meets the same pauses. The data
+itself is the Task's, loaded once: every run of every repeat trains and is evaluated on the same
+sets (a validation part held out of data without a test set included).
 """
 
 from __future__ import annotations
