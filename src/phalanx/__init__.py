@@ -22,7 +22,10 @@ _WHERE = {
     "ArrayDataset": "data",
 }
 
-__all__ = sorted(_WHERE)
+#: subpackages that are also callable: ``phalanx.compare(model=...)``, ``phalanx.estimate(model=...)``
+_CALLABLE = ("compare", "estimate")
+
+__all__ = sorted([*_WHERE, *_CALLABLE])
 
 
 def __getattr__(name: str):
@@ -36,4 +39,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list:
-    return sorted(set(globals()) | set(_WHERE))
+    return sorted(set(globals()) | set(_WHERE) | set(_CALLABLE))

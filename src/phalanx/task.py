@@ -138,10 +138,11 @@ def copy_of(model: nn.Module, input_shape: tuple, num_classes: int) -> nn.Module
 
 def task_from(cfg: Any, *, model: Optional[nn.Module] = None, train_data: Any = None, test_data: Any = None,
               loss_fn: Optional[Callable] = None, optimizer: Optional[OptimizerFactory] = None,
-              metrics: Optional[Sequence[Any]] = None) -> Task:
+              metrics: Optional[Sequence[Any]] = None, target_flag: str = "--stop-at") -> Task:
     """The Task of a run (``cfg``: its TrainConfig): what the API was given first, else the config's
     names (built-in, or import paths resolved here, in the parent, so that nothing starts if one fails).
-    Float targets make a regression: MSE unless a loss is given, and loss and mse reported."""
+    Float targets make a regression: MSE unless a loss is given, and loss and mse reported.
+    ``target_flag``: how an error about ``cfg``'s target names it (compare's is ``--target``)."""
     if optimizer is not None and cfg.optimizer is not None:
         raise PhalanxError(f"optimizer= and --optimizer {cfg.optimizer} both name the optimizer: give one")
     if metrics is not None and cfg.metric is not None:
@@ -150,11 +151,34 @@ def task_from(cfg: Any, *, model: Optional[nn.Module] = None, train_data: Any = 
     regression = data is not None and data.train.y.is_floating_point()
     task = _task_parts(cfg.model, cfg.optimizer, cfg.loss, model, loss_fn, optimizer, regression)
     task.data, task.data_name = data, data_name
-    task.metrics = _metrics(cfg, metrics, regression)
+    task.metrics = _metrics(cfg, metrics, regression, target_flag)
     return task
 
 
-def _metrics(cfg: Any, given: Optional[Sequence[Any]], regression: bool) -> tuple[Metric, ...]:
+def user_task(cfg: Any, *, model: Optional[nn.Module] = None, train_data: Any = None, test_data: Any = None,
+              loss_fn: Optional[Callable] = None, optimizer: Optional[OptimizerFactory] = None,
+              metrics: Optional[Sequence[Any]] = None, target_flag: str = "--stop-at") -> Task:
+    """:func:`task_from` for what a Python caller passed (``Trainer``, ``phalanx.compare``,
+    ``phalanx.estimate``): a wrong kind of object is one line here, not a TypeError deep in a worker."""
+    if model is not None and not isinstance(model, nn.Module):
+        raise PhalanxError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not callable(optimizer):
+        raise PhalanxError(f"optimizer must be a callable params -> torch.optim.Optimizer, got "
+                           f"{type(optimizer).__name__}")
+    return task_from(cfg, model=model, train_data=train_data, test_data=test_data, loss_fn=loss_fn,
+                     optimizer=optimizer, metrics=metrics, target_flag=target_flag)
+
+
+def named_optimizer(cfg: Any, task: Task) -> Any:
+    """The config with the optimizer factory's name (``mymodels:adamw``) where the API gave the factory:
+    the header, the checkpoint's settings and ``--resume`` name it."""
+    if task.make_optimizer is None or cfg.optimizer is not None:
+        return cfg
+    return dataclasses.replace(cfg, optimizer=label(task.make_optimizer))
+
+
+def _metrics(cfg: Any, given: Optional[Sequence[Any]], regression: bool,
+             target_flag: str = "--stop-at") -> tuple[Metric, ...]:
     """The metrics asked for (``metrics=`` or ``--metric``; else the task's kind's), the loss after them,
     and the stopping target's metric where it is a built-in one not yet among them."""
     flag = "--metric"
@@ -176,7 +200,7 @@ def _metrics(cfg: Any, given: Optional[Sequence[Any]], regression: bool) -> tupl
                            "use mse, rmse or mae, or give integer class targets")
     chosen = with_loss(chosen)
     if target is not None:
-        check_target(target, chosen, "--stop-at")
+        check_target(target, chosen, target_flag)
     return chosen
 
 

@@ -10,11 +10,31 @@ both factors and their product.
 - ``runner.py``: the runs: one TrainConfig each, checked first, interleaved, trained;
 - ``results.py``: one run's figures from its metrics file; medians over repeats;
 - ``report.py``: the tables, the answer in words, report.md and report.json;
-- ``plots.py``: matplotlib figures; ``cli.py``: the command's flags.
+- ``outcome.py``: what a comparison returns, and ``save(dir)`` (what ``--out`` writes);
+- ``plots.py``: matplotlib figures; ``cli.py``: the command's flags; ``api.py``: ``phalanx.compare(...)``.
+
+This package is itself callable: ``phalanx.compare(model=..., train_data=...)`` runs
+:func:`phalanx.compare.api.compare`. (Python sets ``phalanx.compare`` to this package whenever
+one of its modules is imported, so a function of that name beside it could not stay there.)
 """
 
-from .cli import CompareOptions, compare
+import sys
+import types
+
+from . import api
+from .cli import CompareOptions
+from .outcome import Comparison
 from .runner import Setup
 from .tokens import parse_scenarios, parse_strategies
 
-__all__ = ["CompareOptions", "Setup", "compare", "parse_scenarios", "parse_strategies"]
+__all__ = ["CompareOptions", "Comparison", "Setup", "api", "parse_scenarios", "parse_strategies"]
+
+
+class _CallablePackage(types.ModuleType):
+    def __call__(self, **kwargs):
+        return api.compare(**kwargs)
+
+    __call__.__doc__ = api.compare.__doc__
+
+
+sys.modules[__name__].__class__ = _CallablePackage

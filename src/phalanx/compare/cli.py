@@ -6,7 +6,8 @@
 The training flags are :class:`~phalanx.train.TrainConfig`'s own (model, data, batch, recipe,
 devices, seed), generated from its fields as for ``phalanx train`` and the same for every run; the
 ones a comparison sets per run (strategy, straggler, steps, evaluation, checkpoints, metrics,
-progress) are its own options or are fixed, so they are not offered.
+progress) are its own options or are fixed, so they are not offered. :func:`compare` is also what
+``phalanx.compare(...)`` runs (``api.py``): the flags and the API's objects make the same Task.
 """
 
 from __future__ import annotations
@@ -21,14 +22,17 @@ import threading
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from ..errors import PhalanxError, Stopped
 from ..metrics import parse_target
 from ..options import add_flags, declared, given, option
+from ..task import named_optimizer, user_task
 from ..train import TrainConfig
 from ..train.config import SECTIONS
-from . import plots, report
+from ..train.tensorboard import check as check_tensorboard
+from . import report
+from .outcome import Comparison, writable
 from .runner import Interrupted, Run, Setup, check, run_all, schedule
 from .results import RunResult
 from .tokens import parse_scenarios, parse_strategies, parse_strategy
@@ -130,15 +134,23 @@ def default_strategies(train: TrainConfig) -> str:
     return ",".join(t for t in DEFAULT_STRATEGIES.split(",") if not parse_strategy(t).options.cpu_only)
 
 
-def setup_from(options: CompareOptions, train: TrainConfig) -> Setup:
-    max_steps = options.max_steps or 2 * train.resolved().steps
+def setup_from(options: CompareOptions, train: TrainConfig, objects: Optional[dict[str, Any]] = None) -> Setup:
+    """The comparison, checked; ``objects``: what ``phalanx.compare()`` was given (model, train_data,
+    test_data, loss_fn, optimizer, metrics), else the flags' names make the Task."""
+    check_tensorboard(train.tensorboard)
+    target = parse_target(options.target, "--target")
+    # The Task first: its model picks the recipe (the default --max-steps), and it checks that the
+    # target's metric is reported (any eval_every will do for the config's own check of a target).
+    stopping = dataclasses.replace(train, stop_at=str(target), stop_at_accuracy=None, eval_every=1)
+    task = user_task(stopping, target_flag="--target", **(objects or {}))
+    train = named_optimizer(train, task)
+    max_steps = options.max_steps or 2 * train.resolved(task.model_name).steps
     eval_every = options.eval_every or max(1, round(max_steps / 20))
     if eval_every > max_steps:
         raise PhalanxError(f"--eval-every {eval_every} is more than --max-steps {max_steps}: no evaluation would "
                            "happen before the end; lower --eval-every")
     strategies = parse_strategies(options.strategies if options.strategies is not None else default_strategies(train))
-    return Setup(train, tuple(strategies), tuple(parse_scenarios(options.scenarios)),
-                 parse_target(options.target, "--target"),
+    return Setup(train, task, tuple(strategies), tuple(parse_scenarios(options.scenarios)), target,
                  options.repeats, max_steps, eval_every)
 
 
@@ -169,45 +181,47 @@ def _progress(total: int):
 
 
 def compare(options: CompareOptions, train: TrainConfig, command: Optional[str] = None, simulation=None,
-            workers: Optional[tuple[int, ...]] = None) -> dict:
-    """Run the comparison; print the tables; with ``options.out``, write the report and plots there.
+            workers: Optional[tuple[int, ...]] = None, objects: Optional[dict[str, Any]] = None):
+    """Run the comparison; print the tables and the answer; with ``options.out``, write the report
+    and plots there. Returns the :class:`~phalanx.compare.outcome.Comparison`.
 
     ``simulation`` (:class:`~phalanx.simulate.options.SimulateOptions` with ``simulate``): compute it by
-    event simulation at the worker counts ``workers`` instead (``phalanx.simulate``)."""
+    event simulation at the worker counts ``workers`` instead (``phalanx.simulate``). ``objects``: the
+    Python API's model, data, loss, optimizer and metrics (see :func:`setup_from`)."""
     if simulation is not None and simulation.simulate:
         from ..simulate.compare import compare_simulated
 
-        return compare_simulated(options, train, simulation, workers, command)
-    setup = setup_from(options, train)
+        return compare_simulated(options, train, simulation, workers, command, objects)
+    setup = setup_from(options, train, objects)
     checked = check(setup)
     total = len(schedule(setup))
     print(f"phalanx compare: {len(setup.strategies)} strategies x {len(setup.scenarios)} scenarios x "
           f"{setup.repeats} repeats = {total} runs, each to {report.target_words(setup.target)} or {setup.max_steps} "
-          f"steps (evaluated every {setup.eval_every}); {checked.workers} workers, {train.model} on {train.data}",
-          flush=True)
+          f"steps (evaluated every {setup.eval_every}); {checked.workers} workers, {setup.task.model_name} on "
+          f"{setup.task.data_name}", flush=True)
     out = Path(options.out) if options.out is not None else None
     if out is not None:
-        _writable(out)
+        writable(out)
     interrupted: Optional[Interrupted] = None
     with tempfile.TemporaryDirectory(prefix="phalanx-compare-") as tmp, _stop_between_runs():
+        root = out or Path(tmp)
         try:
-            runs = run_all(setup, checked, out or Path(tmp), _progress(total))
+            runs = run_all(setup, checked, root, _progress(total))
         except Interrupted as e:  # what finished is still worth a report, marked incomplete
             interrupted, runs = e, e.finished
-    table = report.tables(setup, runs)
-    print("\n" + report.terminal(setup, checked, table) + "\n")
-    print(report.answer(setup, checked, table).replace("**", ""))
+        files = {r.metrics: (root / r.metrics).read_text() for r in runs}
+    result = Comparison(setup, checked, runs, report.tables(setup, runs), files, command, _incomplete(interrupted))
+    print("\n" + result.tables + "\n")
+    print(result.answer)
     written: list[Path] = []
     if out is not None:
-        drawn = plots.draw(setup, table, runs, out)
-        incomplete = _incomplete(interrupted)
-        written = report.write(out, setup, checked, table, runs, drawn, command, incomplete)
-        print(f"\nreport {written[0]}, {written[1].name}; plots " + ", ".join(p["file"] for p in drawn))
+        written = result.save(out)
+        print(f"\nreport {written[0]}, {written[1].name}; plots " + ", ".join(p.name for p in written[2:]))
     if interrupted is not None:
         where = (f"the partial report of the {len(runs)} finished run(s), marked incomplete: {written[0]}"
                  if written else "no --out, so no report was written; the tables above hold the finished runs")
         raise Stopped(f"compare {interrupted.describe()}; {where}", interrupted.signame)
-    return {"runs": runs, "table": table}
+    return result
 
 
 def _incomplete(interrupted: Optional[Interrupted]) -> Optional[dict]:
@@ -235,16 +249,6 @@ def _stop_between_runs():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _writable(out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".phalanx-probe"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise PhalanxError(f"--out {out} cannot be written ({e.strerror or e}); choose another directory") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -158,7 +158,7 @@ def scenario_sentence(setup: Setup, scenario: Scenario, rows: list[Figures]) -> 
 
 def answer(setup: Setup, checked: Checked, table: dict[str, list[Figures]]) -> str:
     """One paragraph: which strategy reached the target first in each scenario, and why, from the numbers."""
-    model = setup.train.model
+    model = setup.task.model_name
     sentences = [scenario_sentence(setup, s, table[s.token]) for s in setup.scenarios]
     wins: dict[str, int] = {}
     for rows in table.values():
@@ -174,7 +174,7 @@ def answer(setup: Setup, checked: Checked, table: dict[str, list[Figures]]) -> s
     else:
         close = "No strategy reached the target: raise --max-steps, or lower --target."
     lead = (f"{'Simulated (an event simulation, not a run). ' if setup.simulated else ''}Problem: {model} on "
-            f"{setup.train.data}, {checked.workers} workers, target {target_words(setup.target)}, "
+            f"{setup.task.data_name}, {checked.workers} workers, target {target_words(setup.target)}, "
             f"medians of {setup.repeats} repeat{'s' * (setup.repeats != 1)}.")
     return " ".join([lead] + sentences + [close])
 
@@ -203,11 +203,11 @@ def machine() -> dict[str, Any]:
 
 
 def setup_dict(setup: Setup, checked: Checked, command: Optional[str]) -> dict[str, Any]:
-    train = setup.train.resolved()
+    train = setup.train.resolved(setup.task.model_name)
     return {"command": command, "strategies": [s.token for s in setup.strategies],
             "scenarios": [s.token for s in setup.scenarios], "target": str(setup.target), "repeats": setup.repeats,
             "max_steps": setup.max_steps, "eval_every": setup.eval_every, "workers": checked.workers,
-            "model": train.model, "data": train.data, "batch_size": train.batch_size,
+            "model": setup.task.model_name, "data": setup.task.data_name, "batch_size": train.batch_size,
             "global_batch": checked.global_batch, "optimizer": train.optimizer, "lr": train.lr,
             "momentum": train.momentum, "seed": setup.train.seed, "devices": str(setup.train.devices)}
 

@@ -1,8 +1,10 @@
 """Train every strategy to the target under every scenario, interleaved; read back what each measured.
 
-Who runs what: this process (the parent) makes one :class:`~phalanx.train.TrainConfig` per run from
-the shared training flags (model, data, batch, recipe, devices: the same for every run), the
-strategy and the scenario; checks every (strategy, scenario) before the first run starts (a token
+Who runs what: this process (the parent) holds the user's problem as one
+:class:`~phalanx.task.Task` (model, data, loss, metrics, optimizer: built once, from the flags or
+from what ``phalanx.compare()`` was given) and makes one :class:`~phalanx.train.TrainConfig` per
+run from the shared training flags (batch, recipe, devices: the same for every run), the strategy
+and the scenario; checks every (strategy, scenario) before the first run starts (a token
 that cannot run is one line, nothing trained); then trains the runs one after another through
 ``Trainer.fit``, each with fresh workers forked by this process's fork server (warm after the first
 run: a run's start-up is milliseconds of forking, then its rendezvous; :mod:`phalanx.forkserver`).
@@ -13,7 +15,9 @@ file its loop wrote (``results.py``).
 Order: within each repeat every scenario runs every strategy, and the strategies' order rotates
 from one repeat to the next, so that a drift in the machine's speed (another job, a warming CPU)
 hits every strategy alike. Repeat r uses seed + r for every strategy: within a repeat every run
-starts from the same weights, reads the data in the same order and meets the same pauses.
+starts from the same weights, reads the data in the same order and meets the same pauses. The data
+itself is the Task's, loaded once: every run of every repeat trains and is evaluated on the same
+sets (a validation part held out of data without a test set included).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Callable, Optional
 from ..errors import PhalanxError, Stopped, TrainingDiverged
 from ..train import TrainConfig, Trainer
 from ..metrics import Target
+from ..task import Task
 from .results import RunResult, from_events, read_events
 from .tokens import Scenario, StrategyToken
 
@@ -36,6 +41,7 @@ class Setup:
     """One comparison: what every run shares, and what varies."""
 
     train: TrainConfig  #: the shared training flags (strategy, straggler, steps and observation are set per run)
+    task: Task  #: the user's problem, the same for every run (each run's Trainer is built from it)
     strategies: tuple[StrategyToken, ...]
     scenarios: tuple[Scenario, ...]
     target: Target  #: the test metric's value to reach (``accuracy>=0.95``, ``loss<=0.3``)
@@ -62,6 +68,13 @@ class Run:
         return Path("runs") / self.scenario.token.replace(":", "-") / \
             f"{self.strategy.token.replace(':', '-')}-repeat-{self.repeat + 1}"
 
+    @property
+    def board(self) -> Path:
+        """Its TensorBoard run under ``--tensorboard DIR``: scenario/strategy-rN, so that one scenario's
+        strategies overlay as runs of one folder."""
+        strategy = self.strategy.token.replace(":", "-")
+        return Path(self.scenario.token.replace(":", "-")) / f"{strategy}-r{self.repeat + 1}"
+
 
 def schedule(setup: Setup) -> list[Run]:
     """Every run, interleaved: repeats outermost, the strategies' order rotated each repeat."""
@@ -82,6 +95,7 @@ def config_for(setup: Setup, run: Run, checkpoint_dir: str, metrics: Optional[st
         steps=setup.max_steps, eval_every=setup.eval_every, stop_at=str(setup.target), stop_at_accuracy=None,
         log_every=setup.eval_every, checkpoint_dir=checkpoint_dir, checkpoint_every=0, keep_checkpoints=1,
         metrics=metrics or f"{checkpoint_dir}/metrics.jsonl", progress="none", resume=None,
+        tensorboard=None if setup.train.tensorboard is None else str(Path(setup.train.tensorboard) / run.board),
         overwrite=True)  # a compare run replaces the same run of an earlier compare in the same --out
 
 
@@ -103,7 +117,7 @@ def check(setup: Setup) -> Checked:
             for scenario in setup.scenarios:
                 run = Run(strategy, scenario, 0, setup.train.seed)
                 try:
-                    plan = Trainer(config_for(setup, run, f"{tmp}/checkpoints")).plan()
+                    plan = Trainer(config_for(setup, run, f"{tmp}/checkpoints"), task=setup.task).plan()
                 except PhalanxError as e:
                     where = f" under scenario {scenario.token}" if scenario.token != "none" else ""
                     raise PhalanxError(f"{strategy.token}{where}: {e}") from None
@@ -121,7 +135,7 @@ def run_one(setup: Setup, checked: Checked, run: Run, out: Path) -> RunResult:
         began = time.perf_counter()
         diverged = False
         try:
-            Trainer(config_for(setup, run, checkpoints, str(metrics))).fit()
+            Trainer(config_for(setup, run, checkpoints, str(metrics)), task=setup.task).fit()
         except TrainingDiverged:
             diverged = True  # an outcome like any other: it never reaches the target
         wall = time.perf_counter() - began

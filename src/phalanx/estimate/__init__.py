@@ -11,13 +11,31 @@ topology's defaults); the cost model per strategy is pure functions. The modules
 - ``link.py``: α and β, the least-squares fit, the GPU defaults and their sources;
 - ``phalanx/costs/``: the cost model (pure), one per strategy, registered by its options class;
 - ``run.py``: measure and predict; ``advice.py``: what would help; ``report.py``: table and plot;
-- ``cli.py``: the flags.
+- ``cli.py``: the flags; ``api.py``: ``phalanx.estimate(...)``, the same from Python.
 
 Reading and accuracy: docs/estimate.md.
+
+This package is itself callable: ``phalanx.estimate(model=..., train_data=...)`` runs
+:func:`phalanx.estimate.api.estimate` (Python sets ``phalanx.estimate`` to this package whenever one
+of its modules is imported, so a function of that name beside it could not stay there).
 """
 
+import sys
+import types
+
 from ..costs import Compute, ModelFacts, Network, Prediction
+from . import api
 from .link import Link, fit_ring
 from .options import EstimateOptions
 
-__all__ = ["Compute", "EstimateOptions", "Link", "ModelFacts", "Network", "Prediction", "fit_ring"]
+__all__ = ["Compute", "EstimateOptions", "Link", "ModelFacts", "Network", "Prediction", "api", "fit_ring"]
+
+
+class _CallablePackage(types.ModuleType):
+    def __call__(self, **kwargs):
+        return api.estimate(**kwargs)
+
+    __call__.__doc__ = api.estimate.__doc__
+
+
+sys.modules[__name__].__class__ = _CallablePackage

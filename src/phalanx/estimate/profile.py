@@ -43,6 +43,7 @@ class ProbeSpec:
     config: Any  #: the resolved TrainConfig: model, data, batch, optimizer
     steps: int  #: timed steps (after WARMUP_STEPS)
     micro_batches: tuple[int, ...] = ()  #: M values whose per-block micro-batch times a pipeline needs
+    task: Any = None  #: the user's problem where the API gave objects (None: the config's names make it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +75,7 @@ def probe(ctx, spec: ProbeSpec) -> list[dict]:
     from ..task import task_from
 
     cfg, device = spec.config, ctx.device
-    task = task_from(cfg)  # import paths resolve here too: spawned processes copy the parent's sys.path
+    task = spec.task or task_from(cfg)  # import paths resolve here too: spawned processes copy the parent's sys.path
     data = task.data or load_data(cfg.data, cfg.data_dir, tuple(cfg.synthetic_shape), cfg.synthetic_size, cfg.seed)
     torch.manual_seed(cfg.seed)
     model = task.make_model(data.input_shape, data.num_classes).to(device)

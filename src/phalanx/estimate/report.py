@@ -15,8 +15,8 @@ def describe(est: Estimate) -> str:
     cfg, facts = s.config, s.facts
     shape = "x".join(map(str, s.input_shape))
     where = f"{s.device.type}, {s.cores} cores" if s.device.type == "cpu" else str(s.device)
-    lines = [f"phalanx estimate: {cfg.model} on {cfg.data} ({shape}), batch {cfg.batch_size} per worker, "
-             f"{cfg.optimizer}; measured on {where}; {s.per_node} workers per machine",
+    lines = [f"phalanx estimate: {s.task.model_name} on {s.task.data_name} ({shape}), batch {cfg.batch_size} per "
+             f"worker, {cfg.optimizer}; measured on {where}; {s.per_node} workers per machine",
              f"model: {facts.params:,} parameters, {fmt_bytes(facts.param_bytes)} of gradients in "
              f"{len(facts.buckets)} DDP bucket(s) of {s.bucket_mb:g} MiB at most",
              f"compute per worker (medians of {s.options.measure_steps} steps after 5 warm-up steps):"]
@@ -83,7 +83,7 @@ def plot(est: Estimate, path: str) -> None:
     eff.set_ylim(0, 1.05)
     rate.legend(fontsize=8)
     cfg = est.setup.config
-    fig.suptitle(f"phalanx estimate: {cfg.model}, batch {cfg.batch_size} per worker")
+    fig.suptitle(f"phalanx estimate: {est.setup.task.model_name}, batch {cfg.batch_size} per worker")
     fig.tight_layout()
     try:
         fig.savefig(path)

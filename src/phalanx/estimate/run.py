@@ -37,7 +37,7 @@ class Estimate:
     def to_dict(self) -> dict[str, Any]:
         s = self.setup
         return {
-            "model": s.config.model, "data": s.config.data, "input_shape": list(s.input_shape),
+            "model": s.task.model_name, "data": s.task.data_name, "input_shape": list(s.input_shape),
             "batch_size": s.config.batch_size, "optimizer": s.config.optimizer, "device": str(s.device),
             "cores": s.cores, "per_node": s.per_node, "parameters": s.facts.params,
             "gradient_bytes": s.facts.param_bytes, "ddp_buckets_bytes": [b for b, _ in s.facts.buckets],
@@ -89,7 +89,7 @@ def _probe_spec(setup: Setup) -> ProbeSpec:
     batch = setup.config.batch_size
     micro = {m for cls in setup.predicted for m in
              cost_model(cls).micro_batches(setup.strategies[cls], batch)}
-    return ProbeSpec(setup.config, setup.options.measure_steps, tuple(sorted(micro)))
+    return ProbeSpec(setup.config, setup.options.measure_steps, tuple(sorted(micro)), task=setup.task)
 
 
 # --------------------------------------------------------------------------- the links

@@ -22,7 +22,7 @@ from ..devices import resolve_devices
 from ..errors import PhalanxError
 from ..launcher import available_cores
 from ..data.user import cast_inputs
-from ..task import task_from
+from ..task import Task, named_optimizer, task_from, user_task
 from ..strategies import Job, Options, strategy_class
 from ..train import TrainConfig
 from .facts import model_facts
@@ -55,6 +55,7 @@ class Setup:
 
     options: EstimateOptions
     config: TrainConfig  #: resolved: the recipe's optimizer and the data defaults filled in
+    task: Task  #: the user's problem (what is measured: its model, data and optimizer)
     #: every estimated strategy's options class -> its options with the flags typed (predicted or not)
     strategies: dict[type, Options]
     device: torch.device
@@ -75,11 +76,14 @@ class Setup:
 
 # --------------------------------------------------------------------------- checks (no measurement)
 
-def prepare(options: EstimateOptions, train_values: dict, strategy_values: dict) -> Setup:
-    """Check everything and read the model; ``*_values``: the flags the user typed, by field name."""
+def prepare(options: EstimateOptions, train_values: dict, strategy_values: dict,
+            objects: Optional[dict] = None) -> Setup:
+    """Check everything and read the model; ``*_values``: the flags the user typed, by field name;
+    ``objects``: what ``phalanx.estimate()`` was given (model, train_data, test_data, optimizer)."""
     config = TrainConfig(**train_values)
-    task = task_from(config)  # the user's model and data by import path, or the built-in ones
-    config = config.resolved(task.model_name)
+    # the API's objects, else the user's model and data by import path, or the built-in ones
+    task = user_task(config, **objects) if objects else task_from(config)
+    config = named_optimizer(config, task).resolved(task.model_name)
     strategies = {cls: cls(**{k: v for k, v in strategy_values.items() if k in cost_model(cls).fields})
                   for cls in map(strategy_class, estimated())}
     from ..train.checks import data_facts
@@ -99,7 +103,7 @@ def prepare(options: EstimateOptions, train_values: dict, strategy_values: dict)
     caps = (cost_model(o).bucket_mb(o) for o in strategies.values())
     bucket_mb = next((cap for cap in caps if cap is not None), DEFAULT_BUCKET_MB)
     sizes = model_facts(model, facts.example[0], config.batch_size, bucket_mb)
-    setup = Setup(options, config, strategies, device, per_node, available_cores(), model, sizes,
+    setup = Setup(options, config, task, strategies, device, per_node, available_cores(), model, sizes,
                   tuple(facts.input_shape), bucket_mb)
     for cls in setup.predicted:
         _plan_strategy(setup, cls, typed=any(k in cost_model(cls).fields for k in strategy_values))

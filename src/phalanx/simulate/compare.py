@@ -43,6 +43,9 @@ def check(setup, workers: tuple[int, ...]) -> None:
     if setup.target.metric != "accuracy" or not setup.target.higher:
         raise PhalanxError(f"--target {setup.target}: --simulate evaluates test accuracy only; give --target "
                            "accuracy>=VALUE (or a bare number), or compare for real without --simulate")
+    if setup.train.tensorboard is not None:
+        raise PhalanxError(f"--tensorboard {setup.train.tensorboard} draws real runs' curves, and --simulate runs no "
+                           "process: drop --tensorboard, or compare for real without --simulate")
     for scenario in setup.scenarios:
         if scenario.link is not None:
             raise PhalanxError(f"--scenarios {scenario.token} is a real shaped link and --simulate runs no process: "
@@ -117,7 +120,7 @@ def simulate_compare(setup, workers: tuple[int, ...], sim, say: Callable[[str], 
     check(setup, workers)
     link = Link(sim.link_latency, 1.0 / sim.link_bandwidth, "given by --link-bandwidth and --link-latency") \
         if sim.link_bandwidth is not None else None
-    problem = build_problem(setup.train, workers, sim.per_node, sim.step_time, link, say)
+    problem = build_problem(setup.train, workers, sim.per_node, sim.step_time, link, say, task=setup.task)
     size = len(problem.data(setup.train.seed).train)
     if setup.train.batch_size * max(workers) > size:
         raise PhalanxError(f"global batch {setup.train.batch_size * max(workers)} ({setup.train.batch_size} per worker x "
@@ -159,37 +162,76 @@ def print_progress(i: int, total: int, run: SimRun, result) -> None:
 DEFAULT_WORKERS = (8, 64, 256)
 
 
-def compare_simulated(options, train, sim, workers: Optional[tuple[int, ...]], command: Optional[str]) -> dict:
+@dataclasses.dataclass
+class SimulatedComparison:
+    """What ``phalanx.compare(..., simulate=True)`` returns; ``save(dir)`` writes what ``--out`` writes."""
+
+    setup: object  #: compare's Setup, marked simulated
+    problem: Problem
+    runs: dict  #: worker count -> every simulated run (compare's RunResult)
+    table: dict  #: worker count -> scenario -> one ranked row per strategy
+    command: Optional[str] = None
+
+    @property
+    def answer(self) -> str:
+        from . import report
+
+        return "Simulated: " + " ".join(report.crossover(self.setup, self.table))
+
+    @property
+    def tables(self) -> str:
+        from . import report
+
+        return report.terminal(self.setup, self.table)
+
+    def __str__(self) -> str:
+        return f"{self.tables}\n\n{self.answer}"
+
+    def save(self, out) -> list:
+        """report.md and report.json (the scaling report), the scaling plot, and one real-comparison report
+        per worker count in ``workers-N/``; returns the top-level report.md's path first."""
+        from pathlib import Path
+
+        from ..compare.outcome import writable
+        from . import report
+
+        out = Path(out)
+        writable(out)
+        return report.write(out, self.setup, self.problem, self.runs, self.table, self.command)
+
+
+def compare_simulated(options, train, sim, workers: Optional[tuple[int, ...]], command: Optional[str],
+                      objects: Optional[dict] = None) -> SimulatedComparison:
     """``phalanx compare --simulate``: check, simulate every run, print the tables and the answer, write the report."""
     from pathlib import Path
 
-    from ..compare.cli import _writable, setup_from
+    from ..compare.cli import setup_from
     from ..compare.cli import default_strategies as real_defaults
+    from ..compare.outcome import writable
     from . import report
 
     if options.strategies is None:
         options = dataclasses.replace(options, strategies=default_strategies(real_defaults(train)))
-    setup = dataclasses.replace(setup_from(options, train), simulated=True)
+    setup = dataclasses.replace(setup_from(options, train, objects), simulated=True)
     workers = tuple(workers or DEFAULT_WORKERS)
     check(setup, workers)
     total = len(schedule(setup, workers))
     print(f"phalanx compare --simulate: {len(setup.strategies)} strategies x {len(setup.scenarios)} scenarios x "
           f"{setup.repeats} repeats x {len(workers)} worker counts ({', '.join(map(str, workers))}) = {total} "
           f"simulated runs, each to {setup.target.value:g} test accuracy or {setup.max_steps} steps (evaluated every "
-          f"{setup.eval_every}); {train.model} on {train.data}", flush=True)
+          f"{setup.eval_every}); {setup.task.model_name} on {setup.task.data_name}", flush=True)
     out = Path(options.out) if options.out is not None else None
     if out is not None:
-        _writable(out)
+        writable(out)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     problem, results = simulate_compare(setup, workers, sim, say, print_progress)
-    by_workers = report.tables(setup, results)
+    result = SimulatedComparison(setup, problem, results, report.tables(setup, results), command)
     for note in problem.clock_notes:
         print(f"clock: {note}")
-    print("\n" + report.terminal(setup, by_workers) + "\n")
-    answer = report.crossover(setup, by_workers)
-    print("Simulated: " + " ".join(answer))
+    print("\n" + result.tables + "\n")
+    print(result.answer)
     if out is not None:
-        written = report.write(out, setup, problem, results, by_workers, command)
+        written = result.save(out)
         print(f"\nreport {written[0]}, {written[1].name}; plot {out / report.SCALING_PLOT}; one report per worker "
               f"count in {out}/workers-N/")
-    return {"runs": results, "table": by_workers, "answer": answer}
+    return result

@@ -59,15 +59,16 @@ def compute_from_step_time(seconds: float, block_count: int) -> Compute:
 
 
 def build_problem(train: TrainConfig, workers: tuple[int, ...], per_node: Optional[int], step_time: Optional[float],
-                  link: Optional[Link], say: Callable[[str], None]) -> Problem:
-    """Read the task and the model; measure (or take) the step and the links."""
+                  link: Optional[Link], say: Callable[[str], None], *, task: Optional[Task] = None) -> Problem:
+    """Read the task (``task``: the comparison's, else the config's names) and the model; measure (or
+    take) the step and the links."""
     from ..estimate.facts import model_facts
     from ..estimate.link import describe_link, measure_link
     from ..launcher import available_cores
     from ..devices import resolve_devices
     from ..train.checks import data_facts
 
-    task = task_from(train)
+    task = task or task_from(train)
     cfg = train.resolved(task.model_name)
     problem = Problem(cfg, task, None, None, None)  # type: ignore[arg-type]
     data = problem.data(cfg.seed)
@@ -81,7 +82,7 @@ def build_problem(train: TrainConfig, workers: tuple[int, ...], per_node: Option
         compute = compute_from_step_time(step_time, len(facts.block_names))
         notes.append(f"compute: --step-time {step_time * 1e3:.3g} ms per worker step")
     else:
-        compute = _measured(cfg, device, min(max(workers), per_node), available_cores(), say)
+        compute = _measured(cfg, task, device, min(max(workers), per_node), available_cores(), say)
         notes.append(f"compute: measured here, {compute.processes} worker process(es) at once, {compute.threads} "
                      f"thread(s) each: {compute.step * 1e3:.3g} ms per step")
     if link is not None:
@@ -98,7 +99,7 @@ def build_problem(train: TrainConfig, workers: tuple[int, ...], per_node: Option
     return problem
 
 
-def _measured(cfg: TrainConfig, device: torch.device, local: int, cores: int, say) -> Compute:
+def _measured(cfg: TrainConfig, task: Task, device: torch.device, local: int, cores: int, say) -> Compute:
     from ..estimate.profile import Conditions, ProbeSpec, measure
 
     if device.type == "cuda":
@@ -107,4 +108,4 @@ def _measured(cfg: TrainConfig, device: torch.device, local: int, cores: int, sa
         conditions = Conditions(local, cfg.threads or max(1, cores // local), "cpu")
     say(f"measuring compute: {conditions.processes} worker process(es) at once, {conditions.threads} thread(s) "
         f"each, on {conditions.device} ...")
-    return measure(ProbeSpec(cfg, 20), conditions)
+    return measure(ProbeSpec(cfg, 20, task=task), conditions)

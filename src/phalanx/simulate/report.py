@@ -121,8 +121,8 @@ def write(out: Path, setup, problem, results: dict[int, list], by_workers, comma
     sentences = crossover(setup, by_workers)
     lines = ["# phalanx compare --simulate: which strategy reaches the target first, by worker count", "",
              " ".join(sentences), "",
-             f"Every figure is simulated: {setup.train.model} on {setup.train.data}, target {setup.target.value:g} test "
-             f"accuracy, medians of {setup.repeats} repeat{'s' * (setup.repeats != 1)}, the simulated training time "
+             f"Every figure is simulated: {setup.task.model_name} on {setup.task.data_name}, target "
+             f"{setup.target.value:g} test accuracy, medians of {setup.repeats} repeat{'s' * (setup.repeats != 1)}, the simulated training time "
              "(fastest in bold).", ""] + figures_table(setup, by_workers)
     lines += ["", f"![{picture['title']}]({picture['file']})", "", "## The clock", ""]
     lines += [f"- {note}" for note in problem.clock_notes]

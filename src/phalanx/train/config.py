@@ -57,7 +57,7 @@ SECTIONS = {
     "optimisation (unset: the model's recipe)": (
         "steps", "batch_size", "accumulate", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
         "lr_decay_every", "lr_decay_factor", "staircase", "warmup_steps", "lr_base_batch", "seed", "straggler"),
-    "observation and checkpoints": ("log_every", "eval_every", "stop_at", "stop_at_accuracy", "metrics",
+    "observation and checkpoints": ("log_every", "eval_every", "stop_at", "stop_at_accuracy", "metrics", "tensorboard",
                                     "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "overwrite",
                                     "keep_global_batch", "progress", "profile_startup", "prefetch"),
 }
@@ -133,6 +133,10 @@ class TrainConfig:
                                           "or <=; a bare number is an accuracy")
     stop_at_accuracy: Optional[float] = option(None, "the same as --stop-at accuracy>=VALUE, e.g. 0.95")
     metrics: Optional[str] = option(None, "JSON-lines metrics file", show="CHECKPOINT_DIR/metrics.jsonl")
+    tensorboard: Optional[str] = option(None, "also write the metrics as TensorBoard scalars in this folder (loss, "
+                                              "learning rate, examples/s, every metric, staleness, gradients "
+                                              "dropped; compare: one run per SCENARIO/STRATEGY-rN in it); needs "
+                                              "pip install 'phalanx[tensorboard]'", argparse_extra={"metavar": "DIR"})
     checkpoint_dir: str = option("checkpoints", "where step-*.pt checkpoints go: one run per directory")
     checkpoint_every: int = option(100, "save every N steps (0: only at the end)")
     keep_checkpoints: int = option(3, "keep the K checkpoints written last")
@@ -184,7 +188,7 @@ class TrainConfig:
 
     def _check_paths(self) -> None:
         """An empty path would mean the current directory (or nothing): never what was meant."""
-        for name in ("checkpoint_dir", "metrics", "data_dir", "resume"):
+        for name in ("checkpoint_dir", "metrics", "data_dir", "resume", "tensorboard"):
             value = getattr(self, name)
             if name == "checkpoint_dir" or value is not None:
                 if not isinstance(value, str) or not value.strip():
@@ -321,7 +325,8 @@ def recipe_name(cfg: TrainConfig, model: Optional[str]) -> str:
 
 
 _PATH_EXAMPLES = {"checkpoint_dir": "--checkpoint-dir checkpoints", "metrics": "--metrics metrics.jsonl",
-                  "data_dir": "--data-dir cifar-10-batches-bin", "resume": "--resume checkpoints/step-00000100.pt"}
+                  "data_dir": "--data-dir cifar-10-batches-bin", "resume": "--resume checkpoints/step-00000100.pt",
+                  "tensorboard": "--tensorboard runs"}
 
 
 def _flag(name: str) -> str:

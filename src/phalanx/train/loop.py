@@ -112,7 +112,7 @@ class WorkerRun:
         self.totals = Totals(plan.task.metrics, plan.task.loss_fn)
         self.target = cfg.target  # what stops the run early (None: nothing)
         self.reporter = Reporter(ctx.is_main, cfg.progress, cfg.metrics, cfg.steps, self.step,
-                                 resumed_from=plan.resume_path, run_id=plan.run_id)
+                                 resumed_from=plan.resume_path, run_id=plan.run_id, tensorboard=cfg.tensorboard)
         self.prefetcher: Optional[Prefetcher] = None
 
     def _build_model(self) -> nn.Module:

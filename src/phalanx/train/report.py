@@ -1,4 +1,5 @@
-"""What rank 0 shows the user: header, progress lines (or a bar), summary, JSON-lines metrics."""
+"""What rank 0 shows the user: header, progress lines (or a bar), summary, JSON-lines metrics (and, with
+``--tensorboard``, the same records as TensorBoard scalars: ``tensorboard.py``)."""
 
 from __future__ import annotations
 
@@ -44,15 +45,21 @@ class Reporter:
     """Prints on rank 0 only; every other rank gets a silent one."""
 
     def __init__(self, enabled: bool, progress: str, metrics_path: Optional[str], total_steps: int,
-                 start_step: int, resumed_from: Optional[str] = None, run_id: Optional[str] = None):
+                 start_step: int, resumed_from: Optional[str] = None, run_id: Optional[str] = None,
+                 tensorboard: Optional[str] = None):
         self.enabled = enabled
         self.metrics = None
         self.metrics_path = metrics_path
         self.bar = None
+        self.board = None
         if not enabled:
             return
         if metrics_path:
             self._open_metrics(metrics_path, start_step, resumed_from, run_id)
+        if tensorboard:
+            from .tensorboard import Board
+
+            self.board = Board(tensorboard, resumed_at=start_step if resumed_from is not None else None)
         use_bar = progress == "bar" or (progress == "auto" and sys.stdout.isatty())
         self.quiet = progress == "none"
         if use_bar:
@@ -86,10 +93,13 @@ class Reporter:
             self.record("run", run_id=run_id)
 
     def record(self, event: str, **fields: Any) -> None:
+        stamp = round(time.time(), 3)
+        if self.board is not None:
+            self.board.write(event, {"time": stamp, **fields})
         if self.metrics is None:
             return
         try:
-            self.metrics.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
+            self.metrics.write(json.dumps({"event": event, "time": stamp, **fields}) + "\n")
         except OSError as e:  # line-buffered: a full disk shows here, at the line that did not fit
             self._drop_metrics()
             raise metrics_error(self.metrics_path, e) from None
@@ -113,6 +123,9 @@ class Reporter:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        if self.board is not None:
+            self.board.close()
+            self.board = None
         if self.metrics is not None:
             try:
                 self.metrics.close()

@@ -25,10 +25,10 @@ from ..devices import backend_for, resolve_devices
 from ..errors import JobHung, PhalanxError, Stopped, WorkerFailed
 from ..launcher import in_torchrun, launch, launcher_rank, launcher_world_size
 from ..data.user import cast_inputs
-from ..task import Task, label, task_from
+from ..task import Task, named_optimizer, user_task
 from ..strategies import Job, Layout
 from . import checkpoint as ckpt
-from . import checks, rundir
+from . import checks, rundir, tensorboard
 from .config import TrainConfig
 
 
@@ -65,24 +65,29 @@ class Trainer:
     workers are spawned). All of it becomes one :class:`~phalanx.task.Task`.
     A script that calls ``fit()`` must do so under ``if __name__ == "__main__":`` (workers are
     spawned and import the script again).
+    ``task``: a :class:`~phalanx.task.Task` built already (a comparison builds one and trains every
+    run from it), in place of the parts above.
     """
 
     def __init__(self, config: Optional[TrainConfig] = None, *, model: Optional[nn.Module] = None,
                  train_data: Any = None, test_data: Any = None, loss_fn: Optional[Callable] = None,
-                 optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None, metrics: Any = None):
+                 optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None, metrics: Any = None,
+                 task: Optional[Task] = None):
         if config is not None and not isinstance(config, TrainConfig):
             raise PhalanxError(f"config must be a phalanx.TrainConfig, got {type(config).__name__}")
-        if model is not None and not isinstance(model, nn.Module):
-            raise PhalanxError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if optimizer is not None and not callable(optimizer):
-            raise PhalanxError(f"optimizer must be a callable params -> torch.optim.Optimizer, got "
-                               f"{type(optimizer).__name__}")
         config = config or TrainConfig()
-        self.task = task_from(config, model=model, train_data=train_data, test_data=test_data, loss_fn=loss_fn,
-                              optimizer=optimizer, metrics=metrics)
-        if optimizer is not None:  # the header, the checkpoint's settings and --resume name it
-            config = dataclasses.replace(config, optimizer=label(optimizer))
-        self.config = config
+        if task is not None:
+            parts = [name for name, value in (("model", model), ("train_data", train_data), ("test_data", test_data),
+                                              ("loss_fn", loss_fn), ("optimizer", optimizer), ("metrics", metrics))
+                     if value is not None]
+            if parts:
+                raise PhalanxError(f"task= holds the model, data, loss, optimizer and metrics already, and {parts[0]}= "
+                                   f"names one again: give task= alone, or the parts without it")
+            self.task = task
+        else:
+            self.task = user_task(config, model=model, train_data=train_data, test_data=test_data, loss_fn=loss_fn,
+                                  optimizer=optimizer, metrics=metrics)
+        self.config = named_optimizer(config, self.task)
 
     def plan(self, began: Optional[float] = None) -> Plan:
         """Every check that can be made before a process starts; nothing is written. ``began``: when
@@ -115,6 +120,7 @@ class Trainer:
             checks.check_address(cfg.master_addr)
         checks.check_checkpoint_dir(cfg)
         checks.check_metrics_path(cfg)
+        tensorboard.check(cfg.tensorboard)
         claim = rundir.claim(cfg)  # a new run, a --resume, or torchrun's restarted attempt of this run
         if claim.resume != cfg.resume:  # a restarted attempt continues its run, whatever its flags say
             cfg = dataclasses.replace(cfg, resume=claim.resume, overwrite=False)
