@@ -66,7 +66,7 @@ def data_facts(cfg: TrainConfig, user: Optional[DataBundle]) -> DataFacts:
 def _facts(bundle: DataBundle, keep: Optional[DataBundle]) -> DataFacts:
     train = bundle.train
     idx = torch.arange(min(2, len(train)))
-    example = (train.transform(train.x[idx], None), train.y[idx])
+    example = train.take(idx)
     return DataFacts(bundle.input_shape, bundle.num_classes, len(train), example, keep)
 
 

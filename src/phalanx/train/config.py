@@ -52,8 +52,8 @@ SECTIONS = {
     "parallelism": ("strategy", "devices", "strict_devices", "workers", "threads", "master_addr", "link"),
     "faults": ("timeout_s", "hang_timeout_s", "max_restarts"),
     "speed": ("precision", "compile"),
-    "model and data": ("model", "data", "loss", "metric", "validation_split", "data_dir", "synthetic_shape",
-                       "synthetic_size"),
+    "model and data": ("model", "data", "loss", "metric", "validation_split", "loader_workers", "data_dir",
+                       "synthetic_shape", "synthetic_size"),
     "optimisation (unset: the model's recipe)": (
         "steps", "batch_size", "accumulate", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
         "lr_decay_every", "lr_decay_factor", "staircase", "warmup_steps", "lr_base_batch", "seed", "straggler"),
@@ -94,6 +94,9 @@ class TrainConfig:
                                    show="accuracy; loss and mse for float targets")
     validation_split: Optional[float] = option(None, "without a test set: the fraction of the training data held "
                                                      "out (seeded) for validation", show="0.1")
+    loader_workers: int = option(0, "DataLoader worker processes per rank reading a map-style Dataset of your own "
+                                    "lazily, a batch at a time (for data on disk, or too large for memory); 0: "
+                                    "the Dataset is read into memory once")
     data_dir: Optional[str] = option(None, "cifar10: the directory holding the CIFAR-10 binary files")
     synthetic_shape: Optional[tuple] = option(None, "synthetic: input shape of an example, e.g. 3x24x24",
                                               parse=parse_shape, show="3x24x24")
@@ -203,7 +206,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise PhalanxError(f"--{name} must be at least 1, got {value!r}")
-        for name in ("eval_every", "checkpoint_every", "warmup_steps", "seed", "max_restarts"):
+        for name in ("eval_every", "checkpoint_every", "warmup_steps", "seed", "max_restarts", "loader_workers"):
             value = getattr(self, name)
             if value is None and name in PLAIN_DEFAULTS:
                 continue

@@ -75,7 +75,7 @@ class WorkerRun:
             self.data.train, cfg.batch_size, self.me.shard, plan.layout.shards, cfg.seed)
         # Where the data stood at step start_step: positions count examples, so the global batch may change.
         self.start_step, self.start_position = 0, Position(0, 0)
-        example = next(self.batches(0)) if self.batches is not None else None
+        example = self.batches.one(0) if self.batches is not None else None
         model = self._build_model().to(ctx.device)
         self.model_class = f"{type(model).__module__}.{type(model).__qualname__}"  # recorded in checkpoints
         if resumed:  # before any strategy wraps it: the plain model's names are the checkpoint's
@@ -284,7 +284,7 @@ class WorkerRun:
         at = advance(self.start_position, step - 1 - self.start_step, len(self.data.train), self.global_batch)
         for shard in range(layout.shards) if layout.lockstep else (self.me.shard,):
             reader = ShardedBatches(self.data.train, self.cfg.batch_size, shard, layout.shards, self.cfg.seed)
-            what = nonfinite_values(next(reader(at))[0])
+            what = nonfinite_values(reader.one(at)[0])
             if what:
                 return f"{what} (data shard {shard})"
         return None
