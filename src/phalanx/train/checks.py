@@ -308,6 +308,19 @@ def check_checkpoint_dir(cfg: TrainConfig) -> None:
                                "out of --checkpoint-dir, or choose another --checkpoint-dir")
 
 
+def check_init(cfg: TrainConfig, model: nn.Module) -> TrainConfig:
+    """``--init-from``: the checkpoint verifies and holds this model (else the line a resume gives); the
+    config then names its exact file, so that every rank (and a restarted attempt) loads the same one."""
+    if cfg.init_from is None:
+        return cfg
+    state = ckpt.load_checkpoint(cfg.init_from, "--init-from")
+    check_fits(state, model, state["path"], "start from it")
+    if cfg.overwrite and Path(state["path"]).resolve().parent == Path(cfg.checkpoint_dir).resolve():
+        raise PhalanxError(f"--overwrite would remove {state['path']} before --init-from starts from it; choose "
+                           "another --checkpoint-dir for the new run")
+    return dataclasses.replace(cfg, init_from=state["path"])
+
+
 def check_resume(cfg: TrainConfig, layout: Layout, task: Task, model: nn.Module,
                  restarted: bool = False) -> tuple[Optional[str], int, Optional[str]]:
     """The checkpoint to resume from, its step and its run (None, 0, None without --resume); refuses a

@@ -58,7 +58,7 @@ SECTIONS = {
         "steps", "batch_size", "accumulate", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
         "lr_decay_every", "lr_decay_factor", "staircase", "warmup_steps", "lr_base_batch", "seed", "straggler"),
     "observation and checkpoints": ("log_every", "eval_every", "stop_at", "stop_at_accuracy", "metrics",
-                                    "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "overwrite",
+                                    "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "init_from", "overwrite",
                                     "keep_global_batch", "progress", "profile_startup", "prefetch"),
 }
 
@@ -141,6 +141,9 @@ class TrainConfig:
     keep_checkpoints: int = option(3, "keep the K checkpoints written last")
     resume: Optional[str] = option(None, "continue from a checkpoint file, or (alone) the newest in "
                                          "--checkpoint-dir", argparse_extra={"nargs": "?", "const": ""})
+    init_from: Optional[str] = option(None, "start from a checkpoint's model weights (a file, or the newest in a "
+                                            "directory) with a fresh optimizer, step 0 and a fresh schedule: "
+                                            "fine-tuning", argparse_extra={"metavar": "PATH"})
     overwrite: bool = option(False, "start a new run in a --checkpoint-dir that holds another run: remove its "
                                     "checkpoints and metrics file first (phalanx's own files only)")
     progress: str = option("auto", "auto draws a bar on a terminal", choices=PROGRESS)
@@ -187,7 +190,7 @@ class TrainConfig:
 
     def _check_paths(self) -> None:
         """An empty path would mean the current directory (or nothing): never what was meant."""
-        for name in ("checkpoint_dir", "metrics", "data_dir", "resume"):
+        for name in ("checkpoint_dir", "metrics", "data_dir", "resume", "init_from"):
             value = getattr(self, name)
             if name == "checkpoint_dir" or value is not None:
                 if not isinstance(value, str) or not value.strip():
@@ -195,6 +198,9 @@ class TrainConfig:
                                        f"{_PATH_EXAMPLES[name]}")
         if self.overwrite and self.resume is not None:
             raise PhalanxError("--overwrite starts a new run and --resume continues one: give one of them")
+        if self.init_from is not None and self.resume is not None:
+            raise PhalanxError("--init-from starts a new run from a checkpoint's weights and --resume continues a run "
+                               "with its optimizer and step: give one of them")
 
     def _check_counts(self) -> None:
         for name in ("batch_size", "accumulate", "log_every", "keep_checkpoints", "prefetch"):
@@ -324,7 +330,8 @@ def recipe_name(cfg: TrainConfig, model: Optional[str]) -> str:
 
 
 _PATH_EXAMPLES = {"checkpoint_dir": "--checkpoint-dir checkpoints", "metrics": "--metrics metrics.jsonl",
-                  "data_dir": "--data-dir cifar-10-batches-bin", "resume": "--resume checkpoints/step-00000100.pt"}
+                  "data_dir": "--data-dir cifar-10-batches-bin", "resume": "--resume checkpoints/step-00000100.pt",
+                  "init_from": "--init-from pretrained/step-00000300.pt"}
 
 
 def _flag(name: str) -> str:
