@@ -20,6 +20,7 @@ _WHERE = {
     "Topology": "topology", "detect_topology": "topology",
     "Schedule": "train", "TrainConfig": "train", "Trainer": "train",
     "ArrayDataset": "data",
+    "evaluate": "evaluation",
 }
 
 __all__ = sorted(_WHERE)
