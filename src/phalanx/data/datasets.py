@@ -80,7 +80,8 @@ class ArrayDataset:
         """The examples ``idx`` as one model-ready batch (``params``: their augmentation, if any)."""
         return self.transform(self.x[idx], params), self.y[idx]
 
-    def read(self, plan: Iterable[tuple[torch.Tensor, Optional[torch.Tensor]]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def read(self, plan: Iterable[tuple[torch.Tensor, Optional[torch.Tensor]]]
+             ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The batches of ``plan`` ((indices, augmentation) per batch), in order: one gather each."""
         return (self.take(idx, params) for idx, params in plan)
 

@@ -58,8 +58,8 @@ SECTIONS = {
         "steps", "batch_size", "accumulate", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
         "lr_decay_every", "lr_decay_factor", "staircase", "warmup_steps", "lr_base_batch", "seed", "straggler"),
     "observation and checkpoints": ("log_every", "eval_every", "stop_at", "stop_at_accuracy", "metrics",
-                                    "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "init_from", "overwrite",
-                                    "keep_global_batch", "progress", "profile_startup", "prefetch"),
+                                    "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "init_from",
+                                    "overwrite", "keep_global_batch", "progress", "profile_startup", "prefetch"),
 }
 
 
@@ -199,8 +199,8 @@ class TrainConfig:
         if self.overwrite and self.resume is not None:
             raise PhalanxError("--overwrite starts a new run and --resume continues one: give one of them")
         if self.init_from is not None and self.resume is not None:
-            raise PhalanxError("--init-from starts a new run from a checkpoint's weights and --resume continues a run "
-                               "with its optimizer and step: give one of them")
+            raise PhalanxError("--init-from starts a new run from a checkpoint's weights and --resume continues a "
+                               "run with its optimizer and step: give one of them")
 
     def _check_counts(self) -> None:
         for name in ("batch_size", "accumulate", "log_every", "keep_checkpoints", "prefetch"):
