@@ -1,5 +1,9 @@
 """``--loader-workers N`` (issue 19): a map-style Dataset read lazily from disk by DataLoader worker processes
-trains exactly as the same Dataset read into memory, and resumes exactly (under both ways ranks start)."""
+trains exactly as the same Dataset read into memory, and resumes exactly; a rank reads its own shard in order
+whether it was forked from phalanx's fork server (the runs here) or spawned (PHALANX_START_METHOD=spawn)."""
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import pytest
@@ -81,10 +85,8 @@ def test_two_loader_workers_train_exactly_as_the_dataset_read_into_memory(runs):
 
 
 @pytest.mark.slow
-def test_a_resume_with_loader_workers_equals_the_uninterrupted_run_under_spawned_ranks(runs, tmp_path,
-                                                                                       monkeypatch):
+def test_a_resume_with_loader_workers_equals_the_uninterrupted_run(runs, tmp_path):
     root, _, lazy = runs
-    monkeypatch.setenv("PHALANX_START_METHOD", "spawn")  # the other way ranks start (the runs above: forkserver)
     middle = str(ckpt.checkpoint_path(ckpt.latest_checkpoint(lazy["checkpoint"].rsplit("/", 1)[0]).parent, 4))
     resumed = _fit(root, tmp_path / "resumed", 2, resume=middle)
     assert resumed["steps"] == 7
@@ -94,14 +96,23 @@ def test_a_resume_with_loader_workers_equals_the_uninterrupted_run_under_spawned
 
 def test_a_rank_reads_its_own_shard_in_order_from_any_position(tmp_path):
     root = _write(tmp_path, n=40)
+    assert _same_batches(root)  # here: loader workers from phalanx's fork server (a one-process run's)
+    # In a spawned process, as a rank under PHALANX_START_METHOD=spawn: from a fork server of its own.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as rank:
+        assert rank.submit(_same_batches, root).result()
+
+
+def _same_batches(root):
     x, y = torch.from_numpy(np.load(root / "x.npy")), torch.from_numpy(np.load(root / "y.npy"))
     at = Position(1, 8)  # mid-epoch, as after a resume
     memory = ShardedBatches(ArrayDataset(x, y), 4, rank=1, world_size=2, seed=3)(at)
     lazy = ShardedBatches(LazyExamples(NpyDigits(root), 2, "train_data"), 4, rank=1, world_size=2, seed=3)(at)
     for _ in range(7):  # past an epoch's end
         (xm, ym), (xl, yl) = next(memory), next(lazy)
-        assert torch.equal(xm, xl) and torch.equal(ym, yl)
+        if not (torch.equal(xm, xl) and torch.equal(ym, yl)):
+            return False
     lazy.close()
+    return True
 
 
 @pytest.mark.parametrize("workers, data, message", [
