@@ -20,6 +20,7 @@ _WHERE = {
     "Topology": "topology", "detect_topology": "topology",
     "Schedule": "train", "TrainConfig": "train", "Trainer": "train",
     "ArrayDataset": "data",
+    "evaluate": "evaluation",
 }
 
 #: subpackages that are also callable: ``phalanx.compare(model=...)``, ``phalanx.estimate(model=...)``

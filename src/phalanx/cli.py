@@ -97,6 +97,7 @@ Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Na
 
 
 def commands() -> dict[str, Command]:
+    from . import evaluation
     from .compare import cli as compare_cli
     from .estimate import cli as estimate_cli
     from .topology import cli as topology_cli
@@ -108,6 +109,8 @@ def commands() -> dict[str, Command]:
         "topology": (topology_cli.add_flags, topology_cli.run, "show which devices reach each other directly"),
         "estimate": (estimate_cli.add_flags, estimate_cli.run,
                      "predict step time and scaling per strategy and worker count, before renting the machines"),
+        "evaluate": (evaluation.add_flags_to, evaluation.run,
+                     "print every metric of a checkpoint on its test set (or validation part), in one process"),
     }
 
 

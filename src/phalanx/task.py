@@ -148,7 +148,7 @@ def task_from(cfg: Any, *, model: Optional[nn.Module] = None, train_data: Any = 
     if metrics is not None and cfg.metric is not None:
         raise PhalanxError(f"metrics= and --metric {cfg.metric} both name the metrics: give one")
     data, data_name = _task_data(cfg, train_data, test_data)
-    regression = data is not None and data.train.y.is_floating_point()
+    regression = data is not None and data.train.target_dtype.is_floating_point
     task = _task_parts(cfg.model, cfg.optimizer, cfg.loss, model, loss_fn, optimizer, regression)
     task.data, task.data_name = data, data_name
     task.metrics = _metrics(cfg, metrics, regression, target_flag)
@@ -234,9 +234,13 @@ def _task_data(cfg: Any, train: Any, test: Any) -> tuple[Optional[DataBundle], s
             raise PhalanxError(f"--data {cfg.data}: returned {type(loaded).__name__}; expected a pair (train, test) "
                                "of datasets, test may be None")
         train, test = loaded
-        return user_bundle(train, test, cfg.validation_split, cfg.seed, cfg.data, f"--data {cfg.data}"), cfg.data
+        return user_bundle(train, test, cfg.validation_split, cfg.seed, cfg.data, f"--data {cfg.data}",
+                           cfg.loader_workers), cfg.data
     if train is not None or test is not None:
-        return user_bundle(train, test, cfg.validation_split, cfg.seed), "your data"
+        return user_bundle(train, test, cfg.validation_split, cfg.seed, loader_workers=cfg.loader_workers), "your data"
+    if cfg.loader_workers:
+        raise PhalanxError(f"--loader-workers {cfg.loader_workers} reads a Dataset of your own lazily, and --data "
+                           f"{cfg.data} is a built-in set held in memory; drop --loader-workers")
     if cfg.validation_split is not None:
         raise PhalanxError(f"--validation-split holds out part of a data set without a test set, and --data "
                            f"{cfg.data} has one; drop --validation-split")

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -55,6 +55,42 @@ class ArrayDataset:
 
     def __len__(self) -> int:
         return len(self.x)
+
+    # What the readers and checks use, the same on a lazily read Dataset (see lazy.py).
+    @property
+    def example_shape(self) -> tuple[int, ...]:
+        return tuple(self.x.shape[1:])
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+    @property
+    def target_dtype(self) -> torch.dtype:
+        return self.y.dtype
+
+    @property
+    def target_shape(self) -> tuple[int, ...]:
+        return tuple(self.y.shape[1:])
+
+    def largest_target(self) -> int:
+        return int(self.y.max())
+
+    def take(self, idx: torch.Tensor, params: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The examples ``idx`` as one model-ready batch (``params``: their augmentation, if any)."""
+        return self.transform(self.x[idx], params), self.y[idx]
+
+    def read(self, plan: Iterable[tuple[torch.Tensor, Optional[torch.Tensor]]]
+             ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches of ``plan`` ((indices, augmentation) per batch), in order: one gather each."""
+        return (self.take(idx, params) for idx, params in plan)
+
+    def subset(self, idx: torch.Tensor) -> "ArrayDataset":
+        return dataclasses.replace(self, x=self.x[idx], y=self.y[idx])
+
+    def cast(self, inputs: Optional[torch.dtype] = None, targets: Optional[torch.dtype] = None) -> "ArrayDataset":
+        return dataclasses.replace(self, x=self.x if inputs is None else self.x.to(inputs),
+                                   y=self.y if targets is None else self.y.to(targets))
 
 
 @dataclasses.dataclass

@@ -89,12 +89,9 @@ class ShardedBatches:
         start = offset + self.rank * self.batch_size
         return perm[start:start + self.batch_size]
 
-    def batch(self, idx: torch.Tensor, params: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.data.transform(self.data.x[idx], None if params is None else params[idx])
-        return x, self.data.y[idx]
-
-    def __call__(self, start: Union[int, Position] = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Batches from ``start``: a :class:`Position`, or a step counted from the very beginning."""
+    def plan(self, start: Union[int, Position] = 0) -> Iterator[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """This worker's (example indices, their augmentation or None) of every step from ``start``: all a
+        reader needs, so an in-memory gather and DataLoader worker processes read the very same batches."""
         here = start if isinstance(start, Position) else self.position(start)
         planned, plan = None, None
         while True:
@@ -102,8 +99,17 @@ class ShardedBatches:
             if here.epoch != planned:
                 planned, plan = here.epoch, self._epoch_plan(here.epoch)
             perm, params = plan
-            yield self.batch(self.indices(here.offset, perm), params)
+            idx = self.indices(here.offset, perm)
+            yield idx, None if params is None else params[idx]
             here = Position(here.epoch, here.offset + self.global_batch)
+
+    def __call__(self, start: Union[int, Position] = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches from ``start``: a :class:`Position`, or a step counted from the very beginning."""
+        return self.data.read(self.plan(start))
+
+    def one(self, start: Union[int, Position] = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one batch at ``start``, read in this process (no DataLoader workers start for it)."""
+        return self.data.take(*next(self.plan(start)))
 
 
 def eval_batches(data: ArrayDataset, batch_size: int, rank: int = 0, world_size: int = 1
@@ -111,9 +117,7 @@ def eval_batches(data: ArrayDataset, batch_size: int, rank: int = 0, world_size:
     """This worker's contiguous share of an evaluation set (shares differ by at most one example)."""
     n = len(data)
     lo, hi = rank * n // world_size, (rank + 1) * n // world_size
-    for start in range(lo, hi, batch_size):
-        idx = torch.arange(start, min(start + batch_size, hi))
-        yield data.transform(data.x[idx], None), data.y[idx]
+    return data.read((torch.arange(start, min(start + batch_size, hi)), None) for start in range(lo, hi, batch_size))
 
 
 _DONE = object()
@@ -161,6 +165,8 @@ class Prefetcher:
         except BaseException as e:  # surface loader errors in the training thread
             self.queue.put(e)
             return
+        finally:  # a reader holding DataLoader worker processes ends them here, in the thread that used it
+            getattr(batches, "close", lambda: None)()
         self.queue.put(_DONE)
 
     def __iter__(self) -> "Prefetcher":

@@ -6,7 +6,8 @@ or floats (regression: :class:`Examples` keeps them; the built-in sets' ArrayDat
 Sharding is by index (deterministic per epoch, exact resume), so a dataset must be indexable: an
 ``IterableDataset`` is refused. A general ``Dataset`` is materialised here into two tensors, one
 ``dataset[i]`` at a time: fine for the sizes a CPU job trains on, and it keeps the fast path (one
-gather per batch) for every dataset. Loading lazily with DataLoader workers is a later item.
+gather per batch). With ``--loader-workers N`` it is left lazy instead, read a batch at a time by N
+DataLoader worker processes per rank (``lazy.py``): for data that loads from disk, or does not fit.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from ..errors import PhalanxError
 from .datasets import ArrayDataset, DataBundle
+from .lazy import LazyExamples, as_tensor
 
 #: The fraction held out for validation when no test set is given.
 DEFAULT_VALIDATION_SPLIT = 0.1
@@ -43,12 +45,13 @@ class Examples(ArrayDataset):
 
 def regression(data: ArrayDataset) -> bool:
     """Float targets: a regression (MSE by default), not a classifier."""
-    return data.y.is_floating_point()
+    return data.target_dtype.is_floating_point
 
 
-def as_arrays(value: Any, name: str) -> ArrayDataset:
-    """One set of (input, target) examples as an ArrayDataset, or one line saying what it should be."""
-    if isinstance(value, ArrayDataset):
+def as_arrays(value: Any, name: str, loader_workers: int = 0) -> ArrayDataset:
+    """One set of (input, target) examples as an ArrayDataset (a general Dataset with ``loader_workers``:
+    left lazy, see ``lazy.py``), or one line saying what it should be."""
+    if isinstance(value, (ArrayDataset, LazyExamples)):
         return value
     if isinstance(value, IterableDataset):
         raise PhalanxError(f"{name} is an IterableDataset ({type(value).__name__}): phalanx shards data by index, "
@@ -60,22 +63,17 @@ def as_arrays(value: Any, name: str) -> ArrayDataset:
         return _pair(value, name)
     plain = isinstance(value, (torch.Tensor, np.ndarray))  # inputs alone: the targets are missing
     if not plain and (isinstance(value, Dataset) or (hasattr(value, "__getitem__") and hasattr(value, "__len__"))):
+        if loader_workers:
+            lazy = LazyExamples(value, loader_workers, name)
+            lazy.check_sendable()
+            return lazy
         return _materialise(value, name)
     raise PhalanxError(f"{name} must be a pair (inputs, targets) of tensors or numpy arrays, or a map-style "
                        f"torch Dataset of (input, target) items; got {type(value).__name__}")
 
 
-def _tensor(v: Any, name: str) -> torch.Tensor:
-    if isinstance(v, torch.Tensor):
-        return v
-    try:
-        return torch.as_tensor(np.asarray(v))
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise PhalanxError(f"{name} must hold tensors or numpy arrays ({str(e).splitlines()[0][:120]})") from None
-
-
 def _pair(value: Any, name: str) -> ArrayDataset:
-    x, y = (_tensor(v, name) for v in value)
+    x, y = (as_tensor(v, name) for v in value)
     if len(y) == 0:
         raise PhalanxError(f"{name} is empty: give at least one example")
     return Examples(x, y)
@@ -91,47 +89,52 @@ def _materialise(dataset: Any, name: str) -> ArrayDataset:
         raise PhalanxError(f"{name}[0] is a {type(first).__name__}; phalanx needs items (input, target)")
     items = [first] + [dataset[i] for i in range(1, n)]
     try:
-        x = torch.stack([_tensor(item[0], name) for item in items])
-        y = torch.stack([_tensor(item[1], name) for item in items])
+        x = torch.stack([as_tensor(item[0], name) for item in items])
+        y = torch.stack([as_tensor(item[1], name) for item in items])
     except RuntimeError as e:
         raise PhalanxError(f"{name}: items must all have the same shape ({str(e).splitlines()[0][:120]})") from None
     return Examples(x, y)
 
 
 def user_bundle(train: Any, test: Any, validation_split: Optional[float] = None, seed: int = 0,
-                name: str = "your data", source: Optional[str] = None) -> DataBundle:
+                name: str = "your data", source: Optional[str] = None, loader_workers: int = 0) -> DataBundle:
     """The user's train and test sets; without a test set, a fixed (seeded) ``validation_split`` held out.
     ``source``: where they came from, in messages (``--data mymod:load``; None: the API's arguments)."""
     train_name, test_name = (f"{source}: its train set", f"{source}: its test set") if source \
         else ("train_data", "test_data")
     if train is None:
         raise PhalanxError("test_data was given without train_data: give both, or neither for a built-in set")
-    train_ds = as_arrays(train, train_name)
+    train_ds = as_arrays(train, train_name, loader_workers)
+    if loader_workers and not isinstance(train_ds, LazyExamples):
+        raise PhalanxError(f"--loader-workers {loader_workers} reads a map-style Dataset lazily, and {train_name} "
+                           f"is in memory already ({type(train).__name__}); drop --loader-workers")
     if test is not None:
         if validation_split is not None:
             raise PhalanxError("--validation-split holds out part of the training data when there is no test set, "
                                "and this data has one; drop --validation-split")
-        test_ds, held_out = as_arrays(test, test_name), "test"
+        test_ds, held_out = as_arrays(test, test_name, loader_workers), "test"
+        classes = _outputs(train_ds, test_ds)
     else:
+        classes = _outputs(train_ds, train_ds)  # before the split: one pass over a lazy set
         train_ds, test_ds = _split(train_ds, DEFAULT_VALIDATION_SPLIT if validation_split is None
                                    else validation_split, seed)
         held_out = "validation"
-    if tuple(test_ds.x.shape[1:]) != tuple(train_ds.x.shape[1:]):
-        raise PhalanxError(f"test_data examples have shape {tuple(test_ds.x.shape[1:])} but train_data examples "
-                           f"{tuple(train_ds.x.shape[1:])}: give both sets the same example shape")
+    if test_ds.example_shape != train_ds.example_shape:
+        raise PhalanxError(f"test_data examples have shape {test_ds.example_shape} but train_data examples "
+                           f"{train_ds.example_shape}: give both sets the same example shape")
     if regression(train_ds) != regression(test_ds):
-        raise PhalanxError(f"train targets are {str(train_ds.y.dtype).replace('torch.', '')} but test targets "
-                           f"{str(test_ds.y.dtype).replace('torch.', '')}: give both float (regression) or both "
+        raise PhalanxError(f"train targets are {str(train_ds.target_dtype).replace('torch.', '')} but test targets "
+                           f"{str(test_ds.target_dtype).replace('torch.', '')}: give both float (regression) or both "
                            "integer (classes)")
-    return DataBundle(name, train_ds, test_ds, tuple(train_ds.x.shape[1:]), _outputs(train_ds, test_ds),
-                      held_out=held_out)
+    return DataBundle(name, train_ds, test_ds, train_ds.example_shape, classes, held_out=held_out)
 
 
 def _outputs(train: ArrayDataset, test: ArrayDataset) -> int:
     """What ``num_classes`` tells a model factory: the classes, or for regression the values per example."""
     if regression(train):
-        return max(1, int(torch.tensor(train.y.shape[1:]).prod()))
-    return max(int(max(train.y.max(), test.y.max())) + 1, 2)
+        return max(1, int(torch.tensor(train.target_shape).prod()))
+    largest = train.largest_target() if test is train else max(train.largest_target(), test.largest_target())
+    return max(largest + 1, 2)
 
 
 def _split(data: ArrayDataset, fraction: float, seed: int) -> tuple[ArrayDataset, ArrayDataset]:
@@ -141,8 +144,7 @@ def _split(data: ArrayDataset, fraction: float, seed: int) -> tuple[ArrayDataset
         raise PhalanxError(f"--validation-split {fraction:g} of {len(data)} examples holds out {n_out}; choose a "
                            "fraction that leaves at least one example on each side (0.1 is usual)")
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))
-    keep, out = order[n_out:], order[:n_out]
-    return Examples(data.x[keep], data.y[keep]), Examples(data.x[out], data.y[out])
+    return data.subset(order[n_out:]), data.subset(order[:n_out])
 
 
 def cast_inputs(bundle: DataBundle, dtype: torch.dtype) -> DataBundle:
@@ -150,14 +152,12 @@ def cast_inputs(bundle: DataBundle, dtype: torch.dtype) -> DataBundle:
     said once in the header."""
     notes = []
     for part in ("inputs", "targets"):
-        have = (bundle.train.x if part == "inputs" else bundle.train.y)
-        if not have.is_floating_point() or have.dtype == dtype:
+        have = bundle.train.input_dtype if part == "inputs" else bundle.train.target_dtype
+        if not have.is_floating_point or have == dtype:
             continue
         for name in ("train", "test"):
-            data = getattr(bundle, name)
-            x, y = (data.x.to(dtype), data.y) if part == "inputs" else (data.x, data.y.to(dtype))
-            setattr(bundle, name, Examples(x, y))
-        notes.append(f"{part} {str(have.dtype).replace('torch.', '')} cast to {str(dtype).replace('torch.', '')} "
+            setattr(bundle, name, getattr(bundle, name).cast(**{part: dtype}))
+        notes.append(f"{part} {str(have).replace('torch.', '')} cast to {str(dtype).replace('torch.', '')} "
                      "(the model's parameter dtype)")
     bundle.notes = bundle.notes + tuple(notes)
     return bundle

@@ -233,40 +233,43 @@ def _storage_error(e: OSError, target: Path, previous: Optional[Path]) -> Storag
                         f"--checkpoint-dir, {then}")
 
 
-def _read(p: Path) -> dict[str, Any]:
-    """Load and verify one file; PhalanxError naming what is wrong with it."""
+def _read(p: Path, use: str = "--resume") -> dict[str, Any]:
+    """Load and verify one file; PhalanxError naming what is wrong with it (and what to give ``use`` instead)."""
+    earlier = "resume from an earlier step-*.pt in the same directory" if use == "--resume" else \
+        f"give {use} an earlier step-*.pt of the same directory"
     try:
         state = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a bad file
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if first.startswith("Weights only load failed"):
             first = "it holds objects a checkpoint never holds"
-        raise PhalanxError(f"checkpoint {p} is corrupt or not a phalanx checkpoint ({first[:120]}); "
-                           "resume from an earlier step-*.pt in the same directory") from None
+        raise PhalanxError(f"checkpoint {p} is corrupt or not a phalanx checkpoint ({first[:120]}); {earlier}"
+                           ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise PhalanxError(f"{p} is not a phalanx checkpoint; pass a step-*.pt written by phalanx train")
     expected = state.get("checksum")
     if expected is not None and payload_digest(state) != expected:
         raise PhalanxError(f"checkpoint {p} is corrupt (its checksum does not match: the file changed after it "
-                           "was written); resume from an earlier step-*.pt in the same directory")
+                           f"was written); {earlier}")
     state["path"] = str(p)
     return state
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, use: str = "--resume") -> dict[str, Any]:
     """Load a verified checkpoint: a file, or the newest one in a directory that verifies.
 
     From a directory, ``state["skipped"]`` lists (path, why) of every newer checkpoint that did not.
+    ``use``: the flag or command the path was given to, named in the messages.
     """
     p = Path(path)
     if p.is_dir():
         found = list_checkpoints(p)
         if not found:
-            raise PhalanxError(f"no checkpoint (step-*.pt) in {p}; train first, or pass a checkpoint file to --resume")
+            raise PhalanxError(f"no checkpoint (step-*.pt) in {p}; train first, or pass a checkpoint file to {use}")
         skipped: list[tuple[str, str]] = []
         for candidate in reversed(found):
             try:
-                state = _read(candidate)
+                state = _read(candidate, use)
             except PhalanxError as e:
                 skipped.append((str(candidate), str(e)))
                 continue
@@ -275,8 +278,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise PhalanxError(f"no checkpoint in {p} verifies ({len(found)} tried, newest {found[-1].name}: "
                            f"{skipped[0][1]})")
     if not p.is_file():
-        raise PhalanxError(f"checkpoint {p} does not exist; pass an existing file or directory to --resume")
-    return _read(p)
+        raise PhalanxError(f"checkpoint {p} does not exist; pass an existing file or directory to {use}")
+    return _read(p, use)
 
 
 class DirectoryLock:

@@ -66,7 +66,7 @@ def data_facts(cfg: TrainConfig, user: Optional[DataBundle]) -> DataFacts:
 def _facts(bundle: DataBundle, keep: Optional[DataBundle]) -> DataFacts:
     train = bundle.train
     idx = torch.arange(min(2, len(train)))
-    example = (train.transform(train.x[idx], None), train.y[idx])
+    example = train.take(idx)
     return DataFacts(bundle.input_shape, bundle.num_classes, len(train), example, keep)
 
 
@@ -307,6 +307,19 @@ def check_checkpoint_dir(cfg: TrainConfig) -> None:
             what = "a directory" if entry.is_dir() else "not a regular file"
             raise PhalanxError(f"{entry} is {what}, not a checkpoint, but phalanx names its checkpoints so; move it "
                                "out of --checkpoint-dir, or choose another --checkpoint-dir")
+
+
+def check_init(cfg: TrainConfig, model: nn.Module) -> TrainConfig:
+    """``--init-from``: the checkpoint verifies and holds this model (else the line a resume gives); the
+    config then names its exact file, so that every rank (and a restarted attempt) loads the same one."""
+    if cfg.init_from is None:
+        return cfg
+    state = ckpt.load_checkpoint(cfg.init_from, "--init-from")
+    check_fits(state, model, state["path"], "start from it")
+    if cfg.overwrite and Path(state["path"]).resolve().parent == Path(cfg.checkpoint_dir).resolve():
+        raise PhalanxError(f"--overwrite would remove {state['path']} before --init-from starts from it; choose "
+                           "another --checkpoint-dir for the new run")
+    return dataclasses.replace(cfg, init_from=state["path"])
 
 
 def check_resume(cfg: TrainConfig, layout: Layout, task: Task, model: nn.Module,

@@ -52,14 +52,14 @@ SECTIONS = {
     "parallelism": ("strategy", "devices", "strict_devices", "workers", "threads", "master_addr", "link"),
     "faults": ("timeout_s", "hang_timeout_s", "max_restarts"),
     "speed": ("precision", "compile"),
-    "model and data": ("model", "data", "loss", "metric", "validation_split", "data_dir", "synthetic_shape",
-                       "synthetic_size"),
+    "model and data": ("model", "data", "loss", "metric", "validation_split", "loader_workers", "data_dir",
+                       "synthetic_shape", "synthetic_size"),
     "optimisation (unset: the model's recipe)": (
         "steps", "batch_size", "accumulate", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
         "lr_decay_every", "lr_decay_factor", "staircase", "warmup_steps", "lr_base_batch", "seed", "straggler"),
     "observation and checkpoints": ("log_every", "eval_every", "stop_at", "stop_at_accuracy", "metrics", "tensorboard",
-                                    "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "overwrite",
-                                    "keep_global_batch", "progress", "profile_startup", "prefetch"),
+                                    "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "init_from",
+                                    "overwrite", "keep_global_batch", "progress", "profile_startup", "prefetch"),
 }
 
 
@@ -94,6 +94,9 @@ class TrainConfig:
                                    show="accuracy; loss and mse for float targets")
     validation_split: Optional[float] = option(None, "without a test set: the fraction of the training data held "
                                                      "out (seeded) for validation", show="0.1")
+    loader_workers: int = option(0, "DataLoader worker processes per rank reading a map-style Dataset of your own "
+                                    "lazily, a batch at a time (for data on disk, or too large for memory); 0: "
+                                    "the Dataset is read into memory once")
     data_dir: Optional[str] = option(None, "cifar10: the directory holding the CIFAR-10 binary files")
     synthetic_shape: Optional[tuple] = option(None, "synthetic: input shape of an example, e.g. 3x24x24",
                                               parse=parse_shape, show="3x24x24")
@@ -142,6 +145,9 @@ class TrainConfig:
     keep_checkpoints: int = option(3, "keep the K checkpoints written last")
     resume: Optional[str] = option(None, "continue from a checkpoint file, or (alone) the newest in "
                                          "--checkpoint-dir", argparse_extra={"nargs": "?", "const": ""})
+    init_from: Optional[str] = option(None, "start from a checkpoint's model weights (a file, or the newest in a "
+                                            "directory) with a fresh optimizer, step 0 and a fresh schedule: "
+                                            "fine-tuning", argparse_extra={"metavar": "PATH"})
     overwrite: bool = option(False, "start a new run in a --checkpoint-dir that holds another run: remove its "
                                     "checkpoints and metrics file first (phalanx's own files only)")
     progress: str = option("auto", "auto draws a bar on a terminal", choices=PROGRESS)
@@ -188,7 +194,7 @@ class TrainConfig:
 
     def _check_paths(self) -> None:
         """An empty path would mean the current directory (or nothing): never what was meant."""
-        for name in ("checkpoint_dir", "metrics", "data_dir", "resume", "tensorboard"):
+        for name in ("checkpoint_dir", "metrics", "data_dir", "resume", "tensorboard", "init_from"):
             value = getattr(self, name)
             if name == "checkpoint_dir" or value is not None:
                 if not isinstance(value, str) or not value.strip():
@@ -196,6 +202,9 @@ class TrainConfig:
                                        f"{_PATH_EXAMPLES[name]}")
         if self.overwrite and self.resume is not None:
             raise PhalanxError("--overwrite starts a new run and --resume continues one: give one of them")
+        if self.init_from is not None and self.resume is not None:
+            raise PhalanxError("--init-from starts a new run from a checkpoint's weights and --resume continues a "
+                               "run with its optimizer and step: give one of them")
 
     def _check_counts(self) -> None:
         for name in ("batch_size", "accumulate", "log_every", "keep_checkpoints", "prefetch"):
@@ -207,7 +216,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise PhalanxError(f"--{name} must be at least 1, got {value!r}")
-        for name in ("eval_every", "checkpoint_every", "warmup_steps", "seed", "max_restarts"):
+        for name in ("eval_every", "checkpoint_every", "warmup_steps", "seed", "max_restarts", "loader_workers"):
             value = getattr(self, name)
             if value is None and name in PLAIN_DEFAULTS:
                 continue
@@ -326,7 +335,8 @@ def recipe_name(cfg: TrainConfig, model: Optional[str]) -> str:
 
 _PATH_EXAMPLES = {"checkpoint_dir": "--checkpoint-dir checkpoints", "metrics": "--metrics metrics.jsonl",
                   "data_dir": "--data-dir cifar-10-batches-bin", "resume": "--resume checkpoints/step-00000100.pt",
-                  "tensorboard": "--tensorboard runs"}
+                  "tensorboard": "--tensorboard runs",
+                  "init_from": "--init-from pretrained/step-00000300.pt"}
 
 
 def _flag(name: str) -> str:

@@ -75,11 +75,12 @@ class WorkerRun:
             self.data.train, cfg.batch_size, self.me.shard, plan.layout.shards, cfg.seed)
         # Where the data stood at step start_step: positions count examples, so the global batch may change.
         self.start_step, self.start_position = 0, Position(0, 0)
-        example = next(self.batches(0)) if self.batches is not None else None
+        example = self.batches.one(0) if self.batches is not None else None
         model = self._build_model().to(ctx.device)
         self.model_class = f"{type(model).__module__}.{type(model).__qualname__}"  # recorded in checkpoints
         if resumed:  # before any strategy wraps it: the plain model's names are the checkpoint's
             check_fits(resumed, model, resumed["path"])
+        self.init_line = self._init_from(model) if cfg.init_from and not resumed else None
         self.compiled = compile_blocks(model) if cfg.compile else 0  # in place: before any strategy wraps it
         self.marks.mark("model")
         # Before the runtime: calibrating shares every rank's compute time (a collective).
@@ -118,6 +119,14 @@ class WorkerRun:
     def _build_model(self) -> nn.Module:
         torch.manual_seed(self.cfg.seed)  # the same initial weights on every worker
         return self.plan.task.make_model(self.data.input_shape, self.data.num_classes)
+
+    def _init_from(self, model: nn.Module) -> str:
+        """Fine-tuning (--init-from): the checkpoint's weights, loaded into the plain model on every rank (so the
+        replicas start equal) before a strategy wraps it; its optimizer, step and data position are not taken."""
+        state = ckpt.load_checkpoint(self.cfg.init_from, "--init-from")  # (the plan checked that it fits)
+        model.load_state_dict(state["model"])
+        return (f"starting from the weights of {state['path']} (step {state['step']}), with a fresh optimizer and "
+                "schedule from step 0")
 
     def _make_optimizer(self, params) -> torch.optim.Optimizer:
         task = self.plan.task
@@ -284,7 +293,7 @@ class WorkerRun:
         at = advance(self.start_position, step - 1 - self.start_step, len(self.data.train), self.global_batch)
         for shard in range(layout.shards) if layout.lockstep else (self.me.shard,):
             reader = ShardedBatches(self.data.train, self.cfg.batch_size, shard, layout.shards, self.cfg.seed)
-            what = nonfinite_values(next(reader(at))[0])
+            what = nonfinite_values(reader.one(at)[0])
             if what:
                 return f"{what} (data shard {shard})"
         return None
@@ -386,7 +395,7 @@ class WorkerRun:
             f"{', '.join(devs)}, backend {backend}, global batch {self.global_batch} "
             f"({self._batch_split()}), {model} on {self.data.name}{resumed}{self._threads()}"
         )
-        resumed = self.resumed.lines if self.resumed else []
+        resumed = self.resumed.lines if self.resumed else [self.init_line] if self.init_line else []
         for line in resumed + list(self.data.notes) + self.runtime.notes + self.straggle.lines() + self._precision_lines():
             self.reporter.say(line)
         self.reporter.say(settings_line(self.cfg) if self.resumed else self.plan.recipe)

@@ -159,8 +159,9 @@ def _show(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def check_fits(state: dict[str, Any], model: nn.Module, path: str) -> None:
-    """The checkpoint holds this model's parameters, or one line naming the first that differs."""
+def check_fits(state: dict[str, Any], model: nn.Module, path: str, fix: str = "resume") -> None:
+    """The checkpoint holds this model's parameters, or one line naming the first that differs; ``fix``:
+    what to do with it (resume, start from it, evaluate it) with the model it was trained with."""
     saved, here = state["model"], model.state_dict()
     for name, tensor in here.items():
         if name not in saved:
@@ -169,11 +170,11 @@ def check_fits(state: dict[str, Any], model: nn.Module, path: str) -> None:
             why = f"{name} is {tuple(saved[name].shape)} there and {tuple(tensor.shape)} here"
         else:
             continue
-        raise PhalanxError(f"checkpoint {path} holds another model ({why}); resume with the model and data it was "
+        raise PhalanxError(f"checkpoint {path} holds another model ({why}); {fix} with the model and data it was "
                            "trained with")
     extra = [name for name in saved if name not in here]
     if extra:
-        raise PhalanxError(f"checkpoint {path} holds another model (its {extra[0]} is not in this one); resume with "
+        raise PhalanxError(f"checkpoint {path} holds another model (its {extra[0]} is not in this one); {fix} with "
                            "the model and data it was trained with")
 
 

@@ -121,6 +121,7 @@ class Trainer:
         checks.check_checkpoint_dir(cfg)
         checks.check_metrics_path(cfg)
         tensorboard.check(cfg.tensorboard)
+        cfg = checks.check_init(cfg, model)
         claim = rundir.claim(cfg)  # a new run, a --resume, or torchrun's restarted attempt of this run
         if claim.resume != cfg.resume:  # a restarted attempt continues its run, whatever its flags say
             cfg = dataclasses.replace(cfg, resume=claim.resume, overwrite=False)

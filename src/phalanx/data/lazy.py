@@ -1,0 +1,145 @@
+"""The user's map-style Dataset left where it is (on disk), read by DataLoader workers: ``--loader-workers N``.
+
+With ``--loader-workers 0`` a user's Dataset is read into memory once (``user.py``), the fast path.
+With N > 0 it stays lazy: every batch is ``dataset[i]`` for the batch's indices, read by N torch
+``DataLoader`` worker processes per rank, ahead of the step that needs it. Which indices is still
+:class:`~phalanx.data.loader.ShardedBatches`'s plan, handed to the DataLoader as its
+``batch_sampler``: each rank reads only its shard, in the order a run with 0 loader workers reads it
+(the DataLoader keeps the sampler's order), and a resume needs nothing but the Position.
+
+The loader workers are forked from a fork server (multiprocessing's ``forkserver``), never from
+the rank itself: a rank holds threads (gloo's, the prefetcher's, the progress watch), and a fork of
+a process with threads alive may inherit a lock another thread held, forever. The server is
+single-threaded and imported torch once, so a worker is ready in milliseconds; this works the same
+whether the rank was itself forked from phalanx's fork server or spawned.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import sys
+from typing import Any, Iterable, Iterator, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Subset
+
+from ..errors import PhalanxError
+
+#: What the loader workers' fork server imports before it forks them (see the module docstring), besides
+#: the module defining the Dataset: each worker would otherwise import them again, seconds per worker.
+LOADER_PRELOAD = ["__main__", "torch", __name__]
+
+
+def as_tensor(value: Any, name: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    try:
+        return torch.as_tensor(np.asarray(value))
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise PhalanxError(f"{name} must hold tensors or numpy arrays ({str(e).splitlines()[0][:120]})") from None
+
+
+class LazyExamples:
+    """A map-style Dataset of (input, target) items, read a batch at a time (the same interface as an
+    in-memory ArrayDataset: ``take``, ``read``, ``subset``, ``cast``). ``workers``: DataLoader worker
+    processes reading it (0: read in this process)."""
+
+    augment_params = None  #: the user's Dataset augments in its own __getitem__, if at all
+
+    def __init__(self, dataset: Any, workers: int, name: str, inputs: Optional[torch.dtype] = None,
+                 targets: Optional[torch.dtype] = None):
+        self.dataset, self.workers, self.name = dataset, workers, name
+        self.inputs, self.targets = inputs, targets  # dtypes to cast to (None: as the items come)
+        if len(dataset) == 0:
+            raise PhalanxError(f"{name} is empty: give at least one example")
+        x, y = self[0]
+        self.example_shape, self.target_shape = tuple(x.shape), tuple(y.shape)
+        self.input_dtype, self.target_dtype = x.dtype, y.dtype
+        if y.is_complex() or y.dtype == torch.bool:
+            raise PhalanxError(f"{name}: targets are {str(y.dtype).replace('torch.', '')}: give integer class "
+                               "indices or float regression targets")
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        item = self.dataset[i]
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise PhalanxError(f"{self.name}[{i}] is a {type(item).__name__}; phalanx needs items (input, target)")
+        x, y = as_tensor(item[0], self.name), as_tensor(item[1], self.name)
+        x = x if self.inputs is None or not x.is_floating_point() else x.to(self.inputs)
+        y = y if self.targets is None or not y.is_floating_point() else y.to(self.targets)
+        return x, y if y.is_floating_point() else y.long()
+
+    def take(self, idx: torch.Tensor, params: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The examples ``idx`` as one batch, read here."""
+        return collate([self[int(i)] for i in idx])
+
+    def read(self, plan: Iterable[tuple[torch.Tensor, Optional[torch.Tensor]]]) -> Iterator[tuple[torch.Tensor,
+                                                                                                    torch.Tensor]]:
+        """The batches of ``plan``, in its order: read by the DataLoader workers, each a few batches ahead."""
+        if not self.workers:
+            yield from (self.take(idx) for idx, _ in plan)
+            return
+        indices = (idx.tolist() for idx, _ in plan)
+        loader = DataLoader(self, batch_sampler=indices, num_workers=self.workers, collate_fn=collate,
+                            multiprocessing_context=loader_context(type(self.dataset).__module__))
+        batches = iter(loader)
+        try:
+            yield from batches
+        finally:  # end the worker processes now, not whenever the iterator is collected
+            getattr(batches, "_shutdown_workers", lambda: None)()
+
+    def subset(self, idx: torch.Tensor) -> "LazyExamples":
+        return LazyExamples(Subset(self.dataset, idx.tolist()), self.workers, self.name, self.inputs, self.targets)
+
+    def cast(self, inputs: Optional[torch.dtype] = None, targets: Optional[torch.dtype] = None) -> "LazyExamples":
+        return LazyExamples(self.dataset, self.workers, self.name, inputs or self.inputs, targets or self.targets)
+
+    def largest_target(self) -> int:
+        """The largest class index: from the Dataset's ``targets`` (torchvision's convention) where it has
+        them, else one pass over the set (inputs read and dropped), by the loader workers."""
+        known = getattr(self.dataset, "targets", None)
+        if known is not None:
+            ys = [as_tensor(known, self.name)]
+        else:
+            n, step = len(self), 256
+            ys = [y for _, y in self.read((torch.arange(s, min(s + step, n)), None) for s in range(0, n, step))]
+        smallest, largest = min(int(y.min()) for y in ys), max(int(y.max()) for y in ys)
+        if smallest < 0:
+            raise PhalanxError(f"{self.name}: integer targets are class indices 0..C-1, and {smallest} is "
+                               "negative; for regression give float targets")
+        return largest
+
+    def check_sendable(self) -> None:
+        """DataLoader workers (and spawned ranks) receive the Dataset by pickling: say so plainly when they cannot."""
+        try:
+            pickle.dumps(self.dataset)
+        except Exception as e:
+            first = (str(e).splitlines() or [type(e).__name__])[0][:160]
+            raise PhalanxError(f"{self.name} ({type(self.dataset).__name__}) cannot be sent to the loader worker "
+                               f"processes ({first}): define the Dataset class at module level and keep file "
+                               "paths, not open files, in it") from None
+
+
+def collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    try:
+        return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+    except RuntimeError as e:
+        raise PhalanxError(f"the items of a Dataset must all have the same shape ({str(e).splitlines()[0][:120]})"
+                           ) from None
+
+
+def loader_context(module: str) -> Any:
+    """The fork server the loader workers start from: in a rank, its own, with torch and the Dataset's
+    ``module`` imported once; in the launching process (a one-process run), phalanx's (``phalanx/forkserver.py``)."""
+    from ..forkserver import PRELOAD
+
+    inside_a_rank = multiprocessing.parent_process() is not None
+    multiprocessing.set_forkserver_preload(LOADER_PRELOAD + [module] if inside_a_rank else PRELOAD)
+    if inside_a_rank:  # the server finds the Dataset's module on this sys.path (Python 3.11 sends it none)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+    return multiprocessing.get_context("forkserver")

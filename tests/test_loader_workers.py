@@ -1,0 +1,126 @@
+"""``--loader-workers N`` (issue 19): a map-style Dataset read lazily from disk by DataLoader worker processes
+trains exactly as the same Dataset read into memory, and resumes exactly; a rank reads its own shard in order
+whether it was forked from phalanx's fork server (the runs here) or spawned (PHALANX_START_METHOD=spawn)."""
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from phalanx import TrainConfig, Trainer
+from phalanx.data import ArrayDataset, ShardedBatches
+from phalanx.data.lazy import LazyExamples
+from phalanx.data.loader import Position
+from phalanx.errors import PhalanxError
+from phalanx.train import checkpoint as ckpt
+
+
+class NpyDigits(torch.utils.data.Dataset):
+    """A user's lazy Dataset: the paths of two .npy files, memory-mapped on first use in each process."""
+
+    def __init__(self, root):
+        self.root, self.x, self.y = str(root), None, None
+
+    def __len__(self):
+        return len(np.load(f"{self.root}/y.npy", mmap_mode="r"))
+
+    def __getitem__(self, i):
+        if self.x is None:
+            self.x, self.y = np.load(f"{self.root}/x.npy", mmap_mode="r"), np.load(f"{self.root}/y.npy", mmap_mode="r")
+        return np.array(self.x[i]), int(self.y[i])
+
+    def __getstate__(self):  # a path travels, never an open map
+        return {"root": self.root, "x": None, "y": None}
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 16), nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
+
+
+def _write(root, n=110):
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    np.save(root / "x.npy", (d.data[:n] / 16.0).astype(np.float32))
+    np.save(root / "y.npy", d.target[:n].astype(np.int64))
+    return root
+
+
+def _fit(root, checkpoints, loader_workers, steps=7, **extra):
+    # 99 training examples (11 held out), global batch 32: 3 steps per epoch, so 7 steps cross two epochs
+    cfg = TrainConfig(steps=steps, batch_size=16, workers=2, devices="cpu", lr=0.1, log_every=100,
+                      checkpoint_every=4, checkpoint_dir=str(checkpoints), progress="none",
+                      loader_workers=loader_workers, **extra)
+    torch.manual_seed(0)  # the same initial weights in every run
+    return Trainer(cfg, model=Net(), train_data=NpyDigits(root)).fit()
+
+
+def _params(summary):
+    return ckpt.load_checkpoint(summary["checkpoint"])["model"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = _write(tmp_path_factory.mktemp("npy"))
+    memory = _fit(root, tmp_path_factory.mktemp("memory"), 0)
+    lazy = _fit(root, tmp_path_factory.mktemp("lazy"), 2)
+    return root, memory, lazy
+
+
+@pytest.mark.slow
+def test_two_loader_workers_train_exactly_as_the_dataset_read_into_memory(runs):
+    _, memory, lazy = runs
+    assert lazy["steps"] == memory["steps"] == 7
+    for name, tensor in _params(memory).items():
+        assert torch.equal(_params(lazy)[name], tensor), name
+    assert lazy["test_metrics"] == pytest.approx(memory["test_metrics"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_resume_with_loader_workers_equals_the_uninterrupted_run(runs, tmp_path):
+    root, _, lazy = runs
+    middle = str(ckpt.checkpoint_path(ckpt.latest_checkpoint(lazy["checkpoint"].rsplit("/", 1)[0]).parent, 4))
+    resumed = _fit(root, tmp_path / "resumed", 2, resume=middle)
+    assert resumed["steps"] == 7
+    for name, tensor in _params(lazy).items():
+        assert torch.equal(_params(resumed)[name], tensor), name
+
+
+def test_a_rank_reads_its_own_shard_in_order_from_any_position(tmp_path):
+    root = _write(tmp_path, n=40)
+    assert _same_batches(root)  # here: loader workers from phalanx's fork server (a one-process run's)
+    # In a spawned process, as a rank under PHALANX_START_METHOD=spawn: from a fork server of its own.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as rank:
+        assert rank.submit(_same_batches, root).result()
+
+
+def _same_batches(root):
+    x, y = torch.from_numpy(np.load(root / "x.npy")), torch.from_numpy(np.load(root / "y.npy"))
+    at = Position(1, 8)  # mid-epoch, as after a resume
+    memory = ShardedBatches(ArrayDataset(x, y), 4, rank=1, world_size=2, seed=3)(at)
+    lazy = ShardedBatches(LazyExamples(NpyDigits(root), 2, "train_data"), 4, rank=1, world_size=2, seed=3)(at)
+    for _ in range(7):  # past an epoch's end
+        (xm, ym), (xl, yl) = next(memory), next(lazy)
+        if not (torch.equal(xm, xl) and torch.equal(ym, yl)):
+            return False
+    lazy.close()
+    return True
+
+
+@pytest.mark.parametrize("workers, data, message", [
+    (-1, None, "--loader-workers must be 0 or more, got -1"),
+    (2, None, "--loader-workers 2 reads a Dataset of your own lazily, and --data digits is a built-in set"),
+    (2, (torch.zeros(4, 2), torch.zeros(4, dtype=torch.long)), "--loader-workers 2 reads a map-style Dataset "
+                                                               "lazily, and train_data is in memory already"),
+])
+def test_loader_workers_that_cannot_apply_are_one_line(workers, data, message):
+    with pytest.raises(PhalanxError, match=message):
+        Trainer(TrainConfig(loader_workers=workers), train_data=data)
