@@ -264,3 +264,14 @@ def test_a_ps_worker_that_raises_ends_the_job_with_its_traceback(tmp_path):
         Trainer(cfg, **_with(RaisesOnRank1())).fit()
     assert failed.value.rank == 1
     assert "Traceback" in failed.value.detail and "RuntimeError: a bug in the user's forward" in failed.value.detail
+
+
+def test_sgd_momentum_on_stale_gradients_is_said_once_in_the_header_and_left_as_set():
+    from phalanx.strategies.ps import momentum_note
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    line, = momentum_note(torch.optim.SGD(params, lr=0.1, momentum=0.9), 4)
+    assert line.startswith("sgd momentum 0.9 on stale gradients: asynchrony with 4 workers adds a momentum of about "
+                           "1 - 1/4 of its own")
+    assert momentum_note(torch.optim.SGD(params, lr=0.1, momentum=0.3), 4) == []
+    assert momentum_note(torch.optim.Adam(params), 4) == []  # no momentum key: Adam's betas are another matter
