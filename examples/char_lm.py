@@ -114,8 +114,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     p.add_argument("--workers", type=int, default=2, help="data-parallel workers (sync, ps)")
     p.add_argument("--stages", type=int, default=2, help="pipeline stages, one process each")
     p.add_argument("--chunks", type=int, default=4, help="pipeline micro-batches per step")
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch-size", type=int, default=32, help="windows per worker (per pipeline) and step")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--batch-size", type=int, default=64, help="windows per step, split between the workers "
+                                                                 "(sync, ps) or into micro-batches (pipeline)")
     p.add_argument("--seq-len", type=int, default=SEQ_LEN, help="bytes per window")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2, help="stacked LSTM layers")
@@ -132,14 +133,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
           f"test perplexity of a uniform guess {base['uniform']:.1f}, of a unigram model {base['unigram']:.2f}")
     if args.baselines:
         return {"baselines": base}
-    strategy, workers = {"pipeline": (phalanx.Pipeline(stages=args.stages, chunks=args.chunks), args.stages),
-                         "sync": (phalanx.Sync(), args.workers),
-                         "ps": (phalanx.ParameterServer(), args.workers)}[args.strategy]
+    # Every strategy takes the same windows per step: the pipeline all of them, each data-parallel worker its part.
+    strategy, workers, per_worker = {
+        "pipeline": (phalanx.Pipeline(stages=args.stages, chunks=args.chunks), args.stages, args.batch_size),
+        "sync": (phalanx.Sync(), args.workers, args.batch_size // args.workers),
+        "ps": (phalanx.ParameterServer(), args.workers, args.batch_size // args.workers)}[args.strategy]
     torch.manual_seed(0)
     model = CharLM((args.seq_len,), int(base["uniform"]), hidden=args.hidden, layers=args.layers)
     try:
         config = phalanx.TrainConfig(
-            strategy=strategy, workers=workers, devices="cpu", steps=args.steps, batch_size=args.batch_size,
+            strategy=strategy, workers=workers, devices="cpu", steps=args.steps, batch_size=per_worker,
             optimizer="adam", lr=args.lr, log_every=100, eval_every=args.eval_every,
             checkpoint_dir=args.checkpoint_dir, checkpoint_every=0, progress="lines",
             overwrite=True,  # each run of the example starts over in its own directory
