@@ -91,6 +91,15 @@ def _task_and_facts():
     return task, checks.data_facts(TrainConfig(), task.data)
 
 
+def test_a_batch_that_does_not_split_between_the_workers_is_one_line_and_nothing_starts(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        char_lm.main(["--strategy", "sync", "--batch-size", "33", "--checkpoint-dir", str(tmp_path / "ck")])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == "error: --batch-size 33 does not split between 2 workers; give a multiple of " \
+                                      "--workers\n"
+    assert not (tmp_path / "ck").exists()
+
+
 def test_the_corpus_is_fixed_windows_whose_targets_are_the_next_byte_every_tenth_held_out():
     (x, y), (xt, yt) = corpus(32)
     assert x.dtype == y.dtype == torch.long and x.shape[1] == 32 and x.shape == y.shape
