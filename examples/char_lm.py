@@ -26,8 +26,9 @@ every rank's part) is reported with the accuracy per token.
 
 What to expect with the defaults (400 steps of 64 windows of 64 bytes, hidden 128, 2 LSTM layers,
 Adam 0.01), measured on 2 CPU cores shared with other jobs: test perplexity 4.16 with pipeline, 4.15
-with sync (the same batches, so nearly the same run), 4.11 with ps; accuracy per byte 0.62; 60 to 90 s
-of training. The baselines to beat: a uniform guess over the vocabulary scores 105, a unigram model
+with sync (the same batches, so nearly the same run), 4.1 to 4.5 with ps (asynchronous: no two runs
+alike); accuracy per byte 0.60 to 0.62; 50 to 90 s of training, about 70 s from the command to the
+result. The baselines to beat: a uniform guess over the vocabulary scores 105, a unigram model
 (each byte's frequency in the training windows) 23.0. tests/test_char_lm.py checks that a shorter run
 (300 steps of 32 windows of 32 bytes, hidden 64) ends below 10 with sync and with pipeline.
 """
