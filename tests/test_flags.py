@@ -135,8 +135,8 @@ API_CASES = [
      "the model outputs 3 class scores but the labels go up to 9; make its last layer output 10"),
     (dict(model=nn.Linear(5, 2), train_data=(X, Y)), r"the model fails on an example batch of shape \(2, 4\)"),
     (dict(model=nn.Linear(4, 2), train_data=(X, Y - 1)), "integer targets are class indices 0..C-1, and -1 is negative"),
-    (dict(model=nn.Linear(4, 2), train_data=(X, Y[:, None])),  # (a target per position: the loss says no)
-     r"loss_fn fails on the model's output of shape \(2, 2\)"),
+    (dict(model=nn.Linear(4, 2), train_data=(X, Y[:, None])),  # a target per position, no score per position
+     r"the model returns \(2, 2\) for targets of shape \(2, 1\): a class per position needs a score per class"),
     (dict(model=nn.Linear(4, 2), train_data=X), "train_data must be a pair"),
     (dict(model=nn.Linear(4, 2), train_data=(X, Y), test_data=(torch.randn(8, 5), Y[:8])),
      r"test_data examples have shape \(5,\) but train_data examples \(4,\)"),

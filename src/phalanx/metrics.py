@@ -12,7 +12,9 @@ Built-in metrics, by name (``--metric NAME``):
   (outputs ``(N, C)``, or ``(N, T, C)`` / ``(N, C, T)`` for a target per position);
 - ``loss`` (lower is better): the run's own loss, taken as a mean over the target's elements
   (torch's ``reduction="mean"``), so a batch adds ``loss x targets.numel()``;
-- ``perplexity`` (lower is better): ``exp`` of that loss over the whole set (a language model's);
+- ``perplexity`` (lower is better): ``exp`` of that loss over the whole set: with the default loss
+  (:func:`cross_entropy`, a mean over tokens) exp of the mean loss per token, a language model's; reported
+  by default where the targets are one class per position (targets (N, T));
 - ``mse``, ``rmse``, ``mae`` (lower is better): squared, root-mean-squared and absolute errors.
 
 A metric of your own (``--metric mymetrics:f1`` or ``Trainer(metrics=[f1])``): a module-level
@@ -80,6 +82,17 @@ def absolute_error(outputs: torch.Tensor, targets: torch.Tensor) -> tuple[Any, i
     return (_aligned(outputs, targets) - targets).double().abs().sum(), targets.numel()
 
 
+def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The default loss for integer targets: ``F.cross_entropy``, and for a target per position with the
+    scores last (outputs (N, T, C), targets (N, T), as a language model's head gives them) the mean over
+    every token. ``F.cross_entropy`` wants the classes second ((N, C, T)); read as that, (N, T, C) either
+    fails or, where T equals C, silently scores the wrong axis. Scores last win where both fit, as in
+    :func:`correct`."""
+    if targets.dim() > 1 and tuple(outputs.shape[:-1]) == tuple(targets.shape):
+        return F.cross_entropy(outputs.flatten(0, -2), targets.flatten())
+    return F.cross_entropy(outputs, targets)
+
+
 def mse_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The default loss for float targets: mean squared error, outputs (N, 1) taken as (N,) when the
     targets are (N,) (``F.mse_loss`` would broadcast them to (N, N) with only a warning)."""
@@ -94,8 +107,9 @@ RMSE = Metric("rmse", False, squared_error, math.sqrt)
 MAE = Metric("mae", False, absolute_error)
 BUILT_IN = {m.name: m for m in (ACCURACY, LOSS, PERPLEXITY, MSE, RMSE, MAE)}
 
-#: What is reported when no metric is named: classifiers (integer targets), regression (float ones).
-CLASSIFICATION, REGRESSION = (ACCURACY, LOSS), (LOSS, MSE)
+#: What is reported when no metric is named: classifiers (integer targets), sequence models (integer
+#: targets per position: a language model's perplexity), regression (float targets).
+CLASSIFICATION, SEQUENCE, REGRESSION = (ACCURACY, LOSS), (PERPLEXITY, ACCURACY, LOSS), (LOSS, MSE)
 
 
 def user_metric(fn: Callable, name: Optional[str] = None) -> Metric:

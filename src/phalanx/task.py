@@ -22,12 +22,12 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .data import DataBundle
 from .errors import PhalanxError
-from .metrics import BUILT_IN, CLASSIFICATION, REGRESSION, Metric, check_target, mse_loss, user_metric, with_loss
+from .metrics import (BUILT_IN, CLASSIFICATION, REGRESSION, SEQUENCE, Metric, check_target, cross_entropy, mse_loss,
+                      user_metric, with_loss)
 from .models import build_model
 
 
@@ -44,7 +44,7 @@ class Task:
     model_name: str  #: how the header and the checkpoint name the model: ``cnn``, ``mymodels:Net``
     data: Optional[DataBundle] = None  #: train and test sets in memory (None: a built-in set each worker loads)
     data_name: str = "digits"  #: how the header and the checkpoint name the data
-    loss_fn: Callable = F.cross_entropy
+    loss_fn: Callable = cross_entropy  #: token-level for a target per position (see metrics.py)
     #: what evaluation reports (the loss always among them), each with its direction (see metrics.py)
     metrics: tuple[Metric, ...] = CLASSIFICATION
     make_optimizer: Optional[OptimizerFactory] = None
@@ -141,7 +141,8 @@ def task_from(cfg: Any, *, model: Optional[nn.Module] = None, train_data: Any = 
               metrics: Optional[Sequence[Any]] = None, target_flag: str = "--stop-at") -> Task:
     """The Task of a run (``cfg``: its TrainConfig): what the API was given first, else the config's
     names (built-in, or import paths resolved here, in the parent, so that nothing starts if one fails).
-    Float targets make a regression: MSE unless a loss is given, and loss and mse reported.
+    Float targets make a regression: MSE unless a loss is given, and loss and mse reported; integer targets
+    per position (N, T) a sequence model: perplexity, accuracy per token and the loss reported.
     ``target_flag``: how an error about ``cfg``'s target names it (compare's is ``--target``)."""
     if optimizer is not None and cfg.optimizer is not None:
         raise PhalanxError(f"optimizer= and --optimizer {cfg.optimizer} both name the optimizer: give one")
@@ -149,9 +150,10 @@ def task_from(cfg: Any, *, model: Optional[nn.Module] = None, train_data: Any = 
         raise PhalanxError(f"metrics= and --metric {cfg.metric} both name the metrics: give one")
     data, data_name = _task_data(cfg, train_data, test_data)
     regression = data is not None and data.train.target_dtype.is_floating_point
+    sequence = data is not None and not regression and len(data.train.target_shape) > 0
     task = _task_parts(cfg.model, cfg.optimizer, cfg.loss, model, loss_fn, optimizer, regression)
     task.data, task.data_name = data, data_name
-    task.metrics = _metrics(cfg, metrics, regression, target_flag)
+    task.metrics = _metrics(cfg, metrics, regression, sequence, target_flag)
     return task
 
 
@@ -177,7 +179,7 @@ def named_optimizer(cfg: Any, task: Task) -> Any:
     return dataclasses.replace(cfg, optimizer=label(task.make_optimizer))
 
 
-def _metrics(cfg: Any, given: Optional[Sequence[Any]], regression: bool,
+def _metrics(cfg: Any, given: Optional[Sequence[Any]], regression: bool, sequence: bool = False,
              target_flag: str = "--stop-at") -> tuple[Metric, ...]:
     """The metrics asked for (``metrics=`` or ``--metric``; else the task's kind's), the loss after them,
     and the stopping target's metric where it is a built-in one not yet among them."""
@@ -187,7 +189,8 @@ def _metrics(cfg: Any, given: Optional[Sequence[Any]], regression: bool,
     elif given is not None:
         flag = "metrics="
         given = [given] if isinstance(given, (str, Metric)) or callable(given) else list(given)
-    chosen = [metric_of(m, flag) for m in given] if given else list(REGRESSION if regression else CLASSIFICATION)
+    kind = REGRESSION if regression else SEQUENCE if sequence else CLASSIFICATION
+    chosen = [metric_of(m, flag) for m in given] if given else list(kind)
     names = [m.name for m in chosen]
     if len(set(names)) != len(names):
         raise PhalanxError(f"{flag}: two metrics are named {next(n for n in names if names.count(n) > 1)}; "
@@ -259,7 +262,7 @@ def _task_parts(model_name: str, optimizer_name: Optional[str], loss_name: Optio
         make_model, name = functools.partial(build_model, model_name), model_name
     if loss_fn is None:
         loss_fn = resolve(loss_name, "--loss", "a loss (outputs, targets) -> scalar tensor") if loss_name \
-            else (mse_loss if regression else F.cross_entropy)
+            else (mse_loss if regression else cross_entropy)
     if optimizer is None and is_import_path(optimizer_name):
         optimizer = resolve(optimizer_name, "--optimizer", "a callable params -> torch.optim.Optimizer")
     return Task(make_model, name, loss_fn=loss_fn, make_optimizer=optimizer)

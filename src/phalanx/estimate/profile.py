@@ -22,7 +22,6 @@ import time
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ..launcher import launch
@@ -110,8 +109,8 @@ def probe(ctx, spec: ProbeSpec) -> list[dict]:
         prefetcher.close()
     result = {"rows": rows, **_blocks(model, x, device, spec)}
     if spec.micro_batches:
-        result["engine"] = _engine(ctx, model, x, y, spec.micro_batches)
-    result.update(_vector_ops(model, optimizer, x, y, device))
+        result["engine"] = _engine(ctx, model, x, y, spec.micro_batches, task.loss_fn)
+    result.update(_vector_ops(model, optimizer, x, y, device, task.loss_fn))
     if not ctx.distributed:
         return [result]
     every: list = [None] * ctx.world_size
@@ -179,7 +178,7 @@ def _timed_step(copies, x, micro_batches: int, device) -> list[float]:
     return [t / micro_batches for t in totals]
 
 
-def _engine(ctx, model, x, y, micro_batches) -> dict:
+def _engine(ctx, model, x, y, micro_batches, loss_fn) -> dict:
     """Seconds the pipelining schedule adds per micro-batch: a one-stage schedule against the same work by hand
     (micro-batches forward and backward, then the gradients divided by M as ``scale_grads`` does).
 
@@ -200,7 +199,7 @@ def _engine(ctx, model, x, y, micro_batches) -> dict:
         for m in micro_batches:
             stage_model = copy.deepcopy(model)
             stage = PipelineStage(stage_model, 0, 1, ctx.device, group=groups[dist.get_rank()])
-            schedule = ScheduleGPipe(stage, m, loss_fn=F.cross_entropy, scale_grads=True)
+            schedule = ScheduleGPipe(stage, m, loss_fn=loss_fn, scale_grads=True)
             engine, by_hand = [], []
             for _ in range(ENGINE_REPEATS + 1):
                 t0 = _now(ctx.device)
@@ -208,7 +207,7 @@ def _engine(ctx, model, x, y, micro_batches) -> dict:
                 t1 = _now(ctx.device)
                 stage_model.zero_grad(set_to_none=True)
                 for xs, ys in zip(x.chunk(m), y.chunk(m)):
-                    F.cross_entropy(stage_model(xs), ys).backward()
+                    loss_fn(stage_model(xs), ys).backward()
                 for p in stage_model.parameters():  # the schedule's scale_grads, which the model prices apart
                     p.grad.div_(m)
                 t2 = _now(ctx.device)
@@ -222,12 +221,12 @@ def _engine(ctx, model, x, y, micro_batches) -> dict:
             dist.destroy_process_group()
 
 
-def _vector_ops(model, optimizer, x, y, device) -> dict:
+def _vector_ops(model, optimizer, x, y, device, loss_fn) -> dict:
     """Passes over the gradient bytes: flattening them into a new vector (a ps worker, local SGD) and
     into an existing one (DDP's buckets), copying a vector into the parameters, the server's update
     of one gradient (see strategies/ps), and the first touch of a new buffer of that size."""
     params = list(model.parameters())
-    F.cross_entropy(model(x), y).backward()
+    loss_fn(model(x), y).backward()
     size = sum(p.numel() for p in params)
     bucket = torch.zeros(size, device=device)
     pack, copy, unpack, apply = [], [], [], []

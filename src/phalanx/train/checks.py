@@ -141,13 +141,24 @@ def check_model(model: nn.Module, facts: DataFacts, loss_fn: Callable, metrics: 
 
 
 def _check_class_scores(out: Any, y: torch.Tensor, num_classes: int) -> None:
-    """A classifier returns (batch, classes) scores, or a score per class and position for sequence targets."""
-    per_position = y.dim() > 1
-    if not isinstance(out, torch.Tensor) or (out.dim() != 2 and not per_position):
-        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    """A classifier returns (batch, classes) scores; for a target per position (targets (batch, T)) a score
+    per class and position, the classes last (batch, T, classes) or second (batch, classes, T)."""
+    shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    if y.dim() > 1:
+        last = isinstance(out, torch.Tensor) and out.dim() == y.dim() + 1 and tuple(out.shape[:-1]) == tuple(y.shape)
+        second = isinstance(out, torch.Tensor) and out.dim() == y.dim() + 1 and \
+            (out.shape[0],) + tuple(out.shape[2:]) == tuple(y.shape)
+        if not (last or second):
+            positions = ", ".join(map(str, y.shape[1:]))
+            raise PhalanxError(f"the model returns {shape} for targets of shape {tuple(y.shape)}: a class per position "
+                               f"needs a score per class and position; return (batch, {positions}, classes) (or "
+                               f"(batch, classes, {positions}))")
+        classes = out.shape[-1] if last else out.shape[1]
+    elif not isinstance(out, torch.Tensor) or out.dim() != 2:
         raise PhalanxError(f"the model returns {shape} for a batch of {len(y)}; integer targets make a classifier: "
                            "return scores of shape (batch, classes), or give float targets for a regression")
-    classes = out.shape[-1] if per_position and tuple(out.shape[:-1]) == tuple(y.shape) else out.shape[1]
+    else:
+        classes = out.shape[1]
     if classes < num_classes:
         raise PhalanxError(f"the model outputs {classes} class scores but the labels go up to "
                            f"{num_classes - 1}; make its last layer output {num_classes}")

@@ -86,12 +86,14 @@ class TrainConfig:
     data: str = option("digits", "a built-in data set, or MODULE:CALLABLE returning (train, test) datasets, test may "
                                  "be None; data given to Trainer replaces it", choices=DATASETS + ("MODULE:CALLABLE",))
     loss: Optional[str] = option(None, "MODULE:CALLABLE: the loss, (outputs, targets) -> a scalar tensor (a mean "
-                                       "over the batch)", show="cross-entropy; MSE for float targets")
+                                       "over the batch)",
+                                 show="cross-entropy (per token for targets per position); MSE for float targets")
     metric: Optional[str] = option(None, "what evaluation reports, besides the loss: built-in names or "
                                          "MODULE:CALLABLE ((outputs, targets) -> (sum, count) for a batch), "
                                          "comma-separated", choices=("accuracy", "loss", "perplexity", "mse", "rmse",
                                                                      "mae", "MODULE:CALLABLE"),
-                                   show="accuracy; loss and mse for float targets")
+                                   show="accuracy; perplexity and accuracy for targets per position; "
+                                        "loss and mse for float targets")
     validation_split: Optional[float] = option(None, "without a test set: the fraction of the training data held "
                                                      "out (seeded) for validation", show="0.1")
     loader_workers: int = option(0, "DataLoader worker processes per rank reading a map-style Dataset of your own "
