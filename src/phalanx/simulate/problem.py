@@ -59,15 +59,16 @@ def compute_from_step_time(seconds: float, block_count: int) -> Compute:
 
 
 def build_problem(train: TrainConfig, workers: tuple[int, ...], per_node: Optional[int], step_time: Optional[float],
-                  link: Optional[Link], say: Callable[[str], None]) -> Problem:
-    """Read the task and the model; measure (or take) the step and the links."""
+                  link: Optional[Link], say: Callable[[str], None], task: Optional[Task] = None) -> Problem:
+    """Read the task (unless given: the one a check already built) and the model; measure (or take) the
+    step and the links."""
     from ..estimate.facts import model_facts
     from ..estimate.link import describe_link, measure_link
     from ..launcher import available_cores
     from ..devices import resolve_devices
     from ..train.checks import data_facts
 
-    task = task_from(train)
+    task = task or task_from(train)
     cfg = train.resolved(task.model_name)
     problem = Problem(cfg, task, None, None, None)  # type: ignore[arg-type]
     data = problem.data(cfg.seed)

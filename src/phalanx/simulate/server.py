@@ -103,9 +103,9 @@ class Server(SimulatedRule):
                 reply(v, now)
             server = now
             if stepped or not math.isfinite(loss):
-                accuracy = world.evaluate(params.vector()) if stepped and world.due(step) else None
+                values = world.evaluate(params.vector()) if stepped and world.due(step) else None
                 world.outcome.applied, world.outcome.dropped = applied, dropped
-                world.step_done(step, now, accuracy, loss)
+                world.step_done(step, now, values, loss)
         state.close()
         world.final = params.snapshot()
 
