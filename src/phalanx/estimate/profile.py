@@ -10,7 +10,8 @@ cores and memory as real workers do. After warm-up steps, each phase is timed pe
 model's blocks are timed one by one (at the batch and at each micro-batch size a pipeline would
 use, interleaved, and the pipelining schedule's own overhead per micro-batch), and the passes over
 the gradient bytes that DDP, local SGD and a parameter server make (and the server's update of one
-gradient).
+gradient); last, with a 2-parameter model, what a step costs beyond its compute and its bytes
+(``overhead.py``: DDP's machinery, a parameter server's round trip).
 Every process sends its timings to rank 0, which returns them; :func:`summarise` takes medians.
 """
 
@@ -28,6 +29,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from ..launcher import launch
 from ..pipeline.split import blocks_or_whole
 from ..costs import Compute
+from .overhead import fixed_costs
 
 WARMUP_STEPS = 5
 #: timed repeats (after one warm-up) of the per-block timings and the passes over the gradient bytes:
@@ -111,6 +113,7 @@ def probe(ctx, spec: ProbeSpec) -> list[dict]:
     if spec.micro_batches:
         result["engine"] = _engine(ctx, model, x, y, spec.micro_batches)
     result.update(_vector_ops(model, optimizer, x, y, device))
+    result.update(fixed_costs(ctx))  # what a step costs beyond compute and bytes: DDP's machinery, a ps round trip
     if not ctx.distributed:
         return [result]
     every: list = [None] * ctx.world_size
@@ -289,7 +292,10 @@ def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = 
            for k in ("pack", "copy", "unpack", "apply", "fresh")}
     engine = {m: statistics.median(result["engine"][m] for result in every) for m in every[0].get("engine", {})}
     on_cpu = conditions.device == "cpu"
+    trips = [r["round_trip_tiny"] for r in every if r.get("round_trip_tiny") is not None]
+    fixed = {"ddp_tiny": statistics.median(r.get("ddp_tiny", 0.0) for r in every),
+             "round_trip_tiny": statistics.median(trips) if trips else 0.0}
     return Compute(forward=med[0], backward=med[1], optimizer=med[2], loop=med[3], slowest=slowest, cpu=med[4],
                    processes=conditions.processes, threads=conditions.threads,
                    cores=(cores or available_cores()) if on_cpu else None, block_seconds=tuple(blocks),
-                   micro_seconds=micro, engine=engine, **ops)
+                   micro_seconds=micro, engine=engine, **ops, **fixed)

@@ -25,6 +25,9 @@ def describe(est: Estimate) -> str:
                      f"{fmt_seconds(m.forward)}, backward {fmt_seconds(m.backward)}, optimizer "
                      f"{fmt_seconds(m.optimizer)}, rest of the loop {fmt_seconds(m.loop)}"
                      f"{f'; slowest worker {fmt_seconds(m.slowest)}' if cond.processes > 1 else ''}")
+        if m.ddp_tiny or m.round_trip_tiny:
+            lines.append(f"    beyond compute and bytes (a 2-parameter model in these processes): a DDP step "
+                         f"+{fmt_seconds(m.ddp_tiny)}, a parameter server's round trip {fmt_seconds(m.round_trip_tiny)}")
     lines += [f"link {note}" for note in est.link_notes]
     for cls in s.predicted:
         rows = [p for p in est.predictions if p.strategy == cls.name]
