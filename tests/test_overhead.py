@@ -1,8 +1,8 @@
 """What a step costs beyond its compute and its bytes: measured with a 2-parameter model, priced once.
 
-- the measurement runs the real code (DDP, the parameter server's protocol and server) on 2 gloo
-  workers and hands back a DDP step's excess and a worker's round trip (the server times none);
-- the summary takes the medians over the measuring processes, the server's missing round trip left out;
+- the measurement runs the real code on gloo workers: DDP on 2, and the parameter server's protocol
+  and server with a worker pushing while another computes (the server beside them times no step);
+- the summary takes the medians over the measuring processes, the server's missing figures left out;
 - the cost models add exactly the measured figure less what they already price for that model (its
   all-reduce, its four messages), once per step (sync) or per update (ps), and say so in a note.
 """
@@ -32,26 +32,37 @@ def compute(**changes) -> Compute:
     return Compute(**values)
 
 
-def _both_ranks(ctx):
+def _every_rank(ctx, beside):
+    import torch
     import torch.distributed as dist
 
-    mine = fixed_costs(ctx)
-    every = [None, None]
+    w = torch.randn(64, 64)
+    mine = fixed_costs(ctx, beside, lambda: (w @ w).sum().item())  # a worker's step, while another pushes
+    every = [None] * ctx.world_size
     dist.all_gather_object(every, mine)
     return every
 
 
-def test_the_real_ddp_step_and_ps_round_trip_of_a_tiny_model_are_measured_on_two_workers():
-    server, worker = run_workers(_both_ranks, 2)
-    assert server["ddp_tiny"] >= 0 and worker["ddp_tiny"] >= 0
-    assert server["round_trip_tiny"] is None and worker["round_trip_tiny"] > 0  # only a worker times replies
-    ops = {"pack": 0.0, "copy": 0.0, "unpack": 0.0, "apply": 0.0, "fresh": 0.0}
-    rows = {"rows": [(1, 1, 1, 1, 1)], "blocks": [1.0], "micro": {}}
-    c = summarise([{**rows, **ops, **server}, {**rows, **ops, **worker}], Conditions(2, 1, "cpu"), cores=2)
-    assert c.round_trip_tiny == worker["round_trip_tiny"]
-    assert c.ddp_tiny == pytest.approx((server["ddp_tiny"] + worker["ddp_tiny"]) / 2)
-    alone = summarise([{**rows, **ops, "ddp_tiny": 0.0, "round_trip_tiny": 0.0}], Conditions(1, 2, "cpu"), cores=2)
+ROWS = {"rows": [(1, 1, 1, 1, 1)], "blocks": [1.0], "micro": {}, "pack": 0.0, "copy": 0.0, "unpack": 0.0,
+        "apply": 0.0, "fresh": 0.0}
+
+
+def test_a_tiny_models_ddp_step_is_measured_on_two_workers():
+    every = run_workers(_every_rank, 2, 0)
+    assert all(r["ddp_tiny"] >= 0 and r["round_trip_tiny"] is None for r in every)
+    c = summarise([{**ROWS, **r} for r in every], Conditions(2, 1, "cpu"), cores=2)
+    assert c.ddp_tiny == pytest.approx((every[0]["ddp_tiny"] + every[1]["ddp_tiny"]) / 2) and c.round_trip_tiny == 0
+    alone = summarise([{**ROWS, "ddp_tiny": 0.0, "round_trip_tiny": 0.0}], Conditions(1, 2, "cpu"), cores=2)
     assert (alone.ddp_tiny, alone.round_trip_tiny) == (0.0, 0.0)
+
+
+def test_a_ps_round_trip_is_measured_through_the_real_server_while_another_worker_computes():
+    server, pusher, computing = run_workers(_every_rank, 3, 1)  # rank 0 beside the two workers: the server
+    assert pusher["round_trip_tiny"] > 0 and server["round_trip_tiny"] is computing["round_trip_tiny"] is None
+    c = summarise([{"beside": True, **server}, {**ROWS, **pusher}, {**ROWS, **computing}],
+                  Conditions(2, 1, "cpu", beside=1), cores=2)
+    assert c.round_trip_tiny == pusher["round_trip_tiny"] and c.ddp_tiny == 0
+    assert c.forward == 1 and c.processes == 2  # the server's result holds no step: left out
 
 
 def test_sync_adds_ddps_fixed_work_once_per_step_less_the_all_reduce_it_prices():

@@ -11,8 +11,9 @@ real code on a 2-parameter model:
 
 - ``ddp_tiny``: a DDP step of that model minus the same step without DDP (its one 8-byte all-reduce
   included; the cost model takes out what it prices itself, ``costs/sync.ddp_fixed``);
-- ``round_trip_tiny``: a ps worker's push-to-reply round trip through the real server
-  (``strategies/ps``), one worker per measuring process but rank 0 (its two messages each way are
+- ``round_trip_tiny``: where a parameter server runs beside the workers, a ps worker's push-to-reply
+  round trip through the real server (``strategies/ps``), while the other workers compute real
+  steps: under contention, the server's threads wait for a core (its two messages each way are
   taken out by ``costs/ps.round_trip_fixed``).
 
 Both need two processes or more; alone, a process measures neither (0: nothing to add).
@@ -23,7 +24,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,12 +35,18 @@ WARMUP = 5
 TINY_BYTES = 8  #: the 2-parameter model's gradient
 
 
-def fixed_costs(ctx) -> dict:
-    """``ddp_tiny`` and ``round_trip_tiny`` in seconds, this rank's (every rank calls it; the server's round
-    trip is None: it times none). Alone, a process measures neither: 0."""
+def fixed_costs(ctx, beside: int, work: Callable[[], None]) -> dict:
+    """This rank's ``ddp_tiny`` and ``round_trip_tiny`` in seconds (every measuring rank calls it).
+
+    Without a process beside the workers (``beside`` 0), a DDP step's excess over every rank. With a
+    parameter server beside them (rank 0), the round trip as a real ps worker meets it: worker rank 1
+    pushes while every other worker runs ``work`` (one real training step) again and again, so the
+    server's threads wake up on cores the workers keep busy. Ranks that time nothing return None for it."""
     if not ctx.distributed or ctx.world_size < 2:
         return {"ddp_tiny": 0.0, "round_trip_tiny": 0.0}
-    return {"ddp_tiny": _ddp_tiny(), "round_trip_tiny": _round_trip_tiny(ctx)}
+    if not beside:
+        return {"ddp_tiny": _ddp_tiny(), "round_trip_tiny": None}
+    return {"ddp_tiny": None, "round_trip_tiny": _round_trip_tiny(ctx, work)}
 
 
 def _tiny() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -71,21 +78,29 @@ def _ddp_tiny() -> float:
     return max(0.0, wrapped - bare)
 
 
-def _round_trip_tiny(ctx) -> Optional[float]:
-    """Rank 0 serves (the real :class:`~phalanx.strategies.ps.server.Server`), the others push and time replies."""
+DONE = "phalanx/estimate/round-trips-done"
+
+
+def _round_trip_tiny(ctx, work: Callable[[], None]) -> Optional[float]:
+    """Rank 0 serves worker rank 1 (the real :class:`~phalanx.strategies.ps.server.Server`), which times its
+    replies; the other ranks compute until it is done (it says so in the job's store)."""
     from ..strategies.ps.aggregate import Asynchronous
     from ..strategies.ps.protocol import WorkerChannel
     from ..strategies.ps.server import Server
 
     model, _, _ = _tiny()
-    workers = ctx.world_size - 1
     rounds = WARMUP + STEPS
+    dist.barrier()
     if ctx.rank == 0:
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        server = Server(model, optimizer, ctx.world_size, ctx.device, None, Asynchronous(workers), rounds)
+        server = Server(model, torch.optim.SGD(model.parameters(), lr=0.0), 2, ctx.device, None, Asynchronous(1),
+                        rounds)
         while server.global_step() < rounds:
             server.serve_one_step()
         server.drain()
+        return None
+    if ctx.rank > 1:
+        while not ctx.store.check([DONE]):
+            work()
         return None
     channel = WorkerChannel(2, 0, ctx.device)
     channel.hello()
@@ -99,5 +114,5 @@ def _round_trip_tiny(ctx) -> Optional[float]:
         reply, _, _ = channel.reply()
         seconds.append(time.perf_counter() - t)
     channel.bye(pushes)
-    timed = seconds[WARMUP:] or seconds
-    return statistics.median(timed)
+    ctx.store.set(DONE, "1")
+    return statistics.median(seconds[WARMUP:] or seconds)
