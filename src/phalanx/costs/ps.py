@@ -15,9 +15,11 @@ instead (:func:`steady_state`): the workers' cycles, the server's inbound link a
 are three resources, and the slowest one sets the rate; tests check it against the simulation.
 
 The protocol's own work (a header each way, the server's receiving thread handing the push to its
-main loop, the update's bookkeeping, the reply handed to a sender thread) grows with neither the
-model nor the compute: measured as a real round trip with a 2-parameter model
-(:func:`round_trip_fixed`) and charged to the server's update, which every reply waits for.
+main loop, the reply handed to a sender thread, each thread waiting for a core the workers keep
+busy) grows with neither the model nor the compute: measured as a real round trip with a
+2-parameter model while the other workers compute (:func:`round_trip_fixed`) and added to every
+worker's cycle. It is waiting, not the server's work: a server kept busy by many workers does not
+wake up for each push, so it is not charged to the server's time per update.
 
 A CPU node also bounds the step from below: its cores must supply every process's CPU-seconds
 (the workers' compute, the server's updates, and the copying of every byte through the loopback).
@@ -96,11 +98,6 @@ def round_trip_fixed(compute: Compute, net: Network) -> float:
     return max(0.0, compute.round_trip_tiny - priced)
 
 
-def server_update(compute: Compute, net: Network) -> float:
-    """The server's seconds per update: its update of one gradient and the protocol's fixed work."""
-    return compute.apply + round_trip_fixed(compute, net)
-
-
 def worker_work(compute: Compute) -> float:
     """A worker's seconds from having the parameters to having a gradient ready to push."""
     return compute.forward + compute.backward + compute.loop + compute.pack
@@ -123,11 +120,12 @@ def predict_ps(compute: Compute, facts: ModelFacts, net: Network, workers: int) 
     near, far = messages[0], messages[-1]
     slowest = far if workers > local else near
     fixed = round_trip_fixed(compute, net)
-    apply = compute.apply + fixed
+    cycle = work + fixed  # what a worker spends from one reply to its next push, the protocol's waiting included
     if workers <= SIMULATED_UP_TO:
-        timeline = simulate(workers, [work] * workers, messages, messages, apply, compute.unpack, compute.loop)
+        timeline = simulate(workers, [cycle] * workers, messages, messages, compute.apply, compute.unpack,
+                            compute.loop)
     else:
-        timeline = steady_state([(local, work, near, near), (workers - local, work, far, far)], apply,
+        timeline = steady_state([(local, cycle, near, near), (workers - local, cycle, far, far)], compute.apply,
                                 compute.unpack, compute.loop)
     # CPU-seconds on node 0 per global step: its workers, the server's updates, and moving every
     # message (a header and a vector each way per update) at both of its ends on node 0.
@@ -137,12 +135,13 @@ def predict_ps(compute: Compute, facts: ModelFacts, net: Network, workers: int) 
     floor = cpu_bound(node0, compute.cores)
     step = max(timeline, floor)
     nodes = max(net.nodes(workers), 1)
+    server_bound = workers * (compute.apply + slowest) >= cycle
     how = "event simulation" if workers <= SIMULATED_UP_TO else "steady state (closed form)"
     notes = [f"{how} of {workers} workers and one server: "
-             f"{'the server is the bottleneck' if workers * (apply + slowest) >= work else 'workers compute most of the time'}"]
+             f"{'the server is the bottleneck' if server_bound else 'workers compute most of the time'}"]
     if fixed > 0:
-        notes.append(f"the protocol's fixed work: {fixed * 1e3:.3g} ms per update (measured: a 2-parameter model's "
-                     "round trip through the server, less its four messages)")
+        notes.append(f"the protocol's fixed waiting: {fixed * 1e3:.3g} ms per update (measured: a 2-parameter model's "
+                     "round trip through the server while another worker computes, less its four messages)")
     if floor > timeline:
         notes.append(f"CPU-bound: node 0 needs {node0 * 1e3:.1f} CPU-ms per step on {compute.cores} cores "
                      f"({local} workers + the server)")

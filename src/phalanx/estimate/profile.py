@@ -141,8 +141,9 @@ def _beside(ctx, spec: ProbeSpec, beside: int) -> list[dict]:
     import torch.distributed as dist
 
     dist.barrier()  # the workers start timing
-    if spec.micro_batches:
-        [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank creates every group (_engine)
+    if spec.micro_batches:  # every rank creates every group the workers' pipelining schedule makes (_engine)
+        for r in range(dist.get_world_size()):
+            dist.new_group([r])
     result = {"beside": True, **fixed_costs(ctx, beside, lambda: None)}
     every: list = [None] * ctx.world_size
     dist.all_gather_object(every, result)
@@ -298,10 +299,11 @@ def _vector_ops(model, optimizer, x, y, device) -> dict:
 
 
 def measure(spec: ProbeSpec, conditions: Conditions) -> Compute:
-    """Run the probe in ``conditions.processes`` processes at once and summarise it."""
+    """Run the probe in ``conditions.processes`` processes at once (and those beside them) and summarise it."""
     device = torch.device(conditions.device)
     devices = [device] * (conditions.processes + conditions.beside)
-    every = launch(probe, devices, (spec, conditions.beside), threads=conditions.threads if device.type == "cpu" else None)
+    threads = conditions.threads if device.type == "cpu" else None
+    every = launch(probe, devices, (spec, conditions.beside), threads=threads)
     return summarise(every, conditions)
 
 

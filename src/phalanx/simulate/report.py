@@ -123,7 +123,8 @@ def write(out: Path, setup, problem, results: dict[int, list], by_workers, comma
     lines = ["# phalanx compare --simulate: which strategy reaches the target first, by worker count", "",
              " ".join(sentences), "",
              f"Every figure is simulated: {setup.train.model} on {setup.train.data}, target "
-             f"{report.target_words(setup.target)}, medians of {setup.repeats} repeat{'s' * (setup.repeats != 1)}, the simulated training time "
+             f"{report.target_words(setup.target)}, medians of {setup.repeats} repeat{'s' * (setup.repeats != 1)}, "
+             "the simulated training time "
              "(fastest in bold).", ""] + figures_table(setup, by_workers)
     lines += ["", f"![{picture['title']}]({picture['file']})", "", "## The clock", ""]
     lines += [f"- {note}" for note in problem.clock_notes]
