@@ -249,3 +249,13 @@ def test_a_loss_target_stops_the_simulation_where_the_real_evaluation_reaches_it
     assert [p["step"] for p in run.curve] == [4, 8]  # it stopped there, as a real run stops
     assert run.best == run.final == pytest.approx(regression[8]["loss"], rel=1e-5)
     assert run.best_accuracy is None  # a regression reports no accuracy
+
+
+def test_a_server_beside_the_workers_is_read_from_the_layouts():
+    # compare --simulate then measures a parameter server's round trip with it, as the estimate does
+    from phalanx.compare.cli import CompareOptions, setup_from
+    from phalanx.simulate.compare import beside
+
+    train = TrainConfig(model="mlp", devices="cpu", batch_size=16)
+    for strategies, expected in (("sync,local-sgd:4,diloco:4", 0), ("sync,ps,backup:1", 1)):
+        assert beside(setup_from(CompareOptions(strategies=strategies), train), (2, 8)) == expected

@@ -79,6 +79,13 @@ def target_config(setup) -> TrainConfig:
                                eval_every=setup.eval_every)
 
 
+def beside(setup, workers: tuple[int, ...]) -> int:
+    """The most processes any strategy runs beside its workers (a parameter server), as its layout says
+    (at the largest count, which every layout accepted in :func:`check`)."""
+    job = Job((torch.device("cpu"),) * max(workers), setup.train.batch_size)
+    return max((s.options.layout(job).world_size - job.workers for s in setup.strategies), default=0)
+
+
 def default_strategies(text: str) -> str:
     """compare's default strategies, less those with no simulated rule (hogwild shares one machine's memory)."""
     from ..compare.tokens import parse_strategy
@@ -137,7 +144,8 @@ def simulate_compare(setup, workers: tuple[int, ...], sim, say: Callable[[str], 
     task = check(setup, workers)
     link = Link(sim.link_latency, 1.0 / sim.link_bandwidth, "given by --link-bandwidth and --link-latency") \
         if sim.link_bandwidth is not None else None
-    problem = build_problem(target_config(setup), workers, sim.per_node, sim.step_time, link, say, task)
+    problem = build_problem(target_config(setup), workers, sim.per_node, sim.step_time, link, say, task,
+                            beside(setup, workers))
     size = len(problem.data(setup.train.seed).train)
     if setup.train.batch_size * max(workers) > size:
         raise PhalanxError(f"global batch {setup.train.batch_size * max(workers)} ({setup.train.batch_size} per worker x "
