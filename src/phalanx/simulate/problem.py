@@ -92,7 +92,7 @@ def build_problem(train: TrainConfig, workers: tuple[int, ...], per_node: Option
             trip = _measured(cfg, device, local, available_cores(), say, beside).round_trip_tiny
             compute = dataclasses.replace(compute, round_trip_tiny=trip)
             notes.append(f"a parameter server's round trip of a 2-parameter model, another worker computing: "
-                         f"{trip * 1e3:.3g} ms, measured here (what its protocol waits beyond its messages)")
+                         f"{trip * 1e3:.3g} ms, measured here (beyond its four messages, every ps update waits it)")
     if link is not None:
         intra = inter = link
     else:
