@@ -5,8 +5,11 @@
 - a parameter server at W=2 on a deterministic schedule (equal step times, given link) has the
   staleness that schedule implies; a straggler makes the fast worker's gradients the fresh ones;
 - parameter versions are freed as workers stop holding them;
-- the CLI end to end on a tiny run: tables marked simulated, report, the worker-count plot; bad
-  input (a real link scenario, a simulation flag without --simulate) is one line before anything runs.
+- an evaluation is a real one: a simulated regression's metrics (mae, a user's own, the loss) at every
+  evaluation equal a real one-process run's, and a ``loss<=`` target stops it at the same evaluation;
+- the CLI end to end on a tiny run (to a perplexity target): tables marked simulated, report, the
+  worker-count plot; bad input (a real link scenario, a simulation flag without --simulate, a target
+  no metric reaches) is one line before anything runs.
 All in-process: --step-time and --link-* given, so nothing is measured and no process starts.
 """
 
@@ -34,7 +37,7 @@ def problem(**train):
     return build_problem(config, (2,), None, 0.01, LINK, lambda line: None)
 
 
-def simulate(options, workers=2, steps=10, slowness=None, target=1.01, **train):
+def simulate(options, workers=2, steps=10, slowness=None, target=None, **train):
     world = World(problem(**train), options, workers, slowness, 0, steps, steps, target)
     simulated_rule(options).run(options, world)
     world.finish()
@@ -105,6 +108,8 @@ FAST = ["--step-time", "10ms", "--link-bandwidth", "1GB/s", "--link-latency", "1
     (["--simulate", "--strategies", "hogwild", *FAST], "hogwild has no simulated rule yet"),
     (["--simulate", "--workers", "2", "--strategies", "backup:2", *FAST], "backup:2 at 2 workers: --backup-workers 2"),
     (["--simulate", "--link-bandwidth", "1GB/s"], "--link-bandwidth needs --link-latency too"),
+    (["--simulate", "--target", "f1>=0.8", *FAST], "--target f1>=0.8: no metric is named f1"),
+    (["--simulate", "--target", "loss>=0.3", *FAST], "a lower loss is better"),
 ])
 def test_bad_simulation_input_is_one_line_before_anything_runs(flags, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -119,10 +124,11 @@ def test_compare_simulate_end_to_end(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, out = run_main(["compare", "--simulate", "--workers", "4,8", "--strategies", "sync,ps", "--scenarios",
                           "none", "--repeats", "1", "--model", "mlp", "--batch-size", "8", "--max-steps", "30",
-                          "--eval-every", "10", "--target", "0.5", *FAST, "--out", "report"], capsys)
+                          "--eval-every", "10", "--target", "perplexity<=3", *FAST, "--out", "report"], capsys)
     assert code == 0, out.err[-3000:]
     assert "=== 4 workers (simulated) ===" in out.out and "=== 8 workers (simulated) ===" in out.out
-    assert "simulated: none (no straggler)" in out.out and "Simulated: Under none" in out.out
+    assert "simulated: none (no straggler): time to test perplexity<=3" in out.out, out.out
+    assert "Simulated: Under none" in out.out and "reaches perplexity<=3 first" in out.out
     report = tmp_path / "report"
     data = json.loads((report / "report.json").read_text())
     assert data["simulated"] and data["workers"] == [4, 8] and data["answer"]
@@ -168,3 +174,88 @@ def test_a_users_own_model_without_sequential_structure_is_simulated(capsys, tmp
                          capsys)
     assert code == 0, out.err[-3000:]
     assert "usermodel:Net on usermodel:load" in out.out and "reaches 0.8 first" in out.out, out.out
+
+
+# --------------------------------------------------------------------------- any metric, as a real run evaluates it
+
+REGRESSION_MODULE = '''
+import torch
+from torch import nn
+
+
+def load():  # float targets: a regression, MSE its loss
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 5, generator=g)
+    y = x @ torch.tensor([1.0, -2.0, 0.5, 0.0, 3.0]) + 0.1 * torch.randn(400, generator=g)
+    return (x[:300], y[:300]), (x[300:], y[300:])
+
+
+def net(input_shape, num_classes):
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def worst(outputs, targets):  # a user's metric: the mean cubed absolute error
+    error = (outputs.reshape(targets.shape) - targets).abs()
+    return (error ** 3).sum(), targets.numel()
+'''
+PROBLEM = dict(model="simreg:net", data="simreg:load", devices="cpu", optimizer="sgd", lr=0.05, momentum=0.0,
+               metric="mae,simreg:worst")
+EVERY, STEPS = 4, 12
+
+
+@pytest.fixture(scope="module")
+def regression(tmp_path_factory):
+    """The regression module importable, and a real one-process run on the global batch (2 x 16), evaluated
+    every EVERY steps: the reference every simulated evaluation is held to."""
+    folder = tmp_path_factory.mktemp("simreg")
+    (folder / "simreg.py").write_text(REGRESSION_MODULE)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(folder))
+        cfg = TrainConfig(workers=1, batch_size=32, steps=STEPS, eval_every=EVERY, checkpoint_dir=str(folder / "ck"),
+                          progress="none", **PROBLEM)
+        Trainer(cfg).fit()
+        events = [json.loads(line) for line in open(cfg.metrics)]
+        yield {e["step"]: e["metrics"] for e in events if e["event"] == "eval"}
+
+
+def test_a_simulated_evaluation_is_a_real_evaluation_of_the_same_parameters(regression):
+    config = TrainConfig(batch_size=16, **PROBLEM)
+    world = World(build_problem(config, (2,), None, 0.01, LINK, lambda line: None), Sync(), 2, None, 0, STEPS, EVERY,
+                  None)
+    simulated_rule(Sync()).run(Sync(), world)
+    out = world.finish()
+    assert [p["step"] for p in out.curve] == sorted(regression) == [4, 8, 12]
+    for point, values in zip(out.curve, out.values):
+        real = regression[point["step"]]
+        assert list(values) == list(real) == ["mae", "worst", "loss"]  # the run's metrics, the loss after them
+        assert values == pytest.approx(real, rel=1e-5), point["step"]
+    assert out.values[-1]["loss"] < 0.5 * out.values[0]["loss"]  # it learns: the values are not all alike
+
+
+def test_a_loss_target_stops_the_simulation_where_the_real_evaluation_reaches_it(regression):
+    from phalanx.compare.cli import CompareOptions, setup_from
+    from phalanx.simulate.compare import simulate_compare
+    from phalanx.simulate.options import SimulateOptions
+
+    # Between the real loss at step 4 and at step 8: reached at the evaluation of step 8, not before.
+    goal = (regression[4]["loss"] + regression[8]["loss"]) / 2
+    options = CompareOptions(strategies="sync", target=f"loss<={goal:.6f}", scenarios="none", repeats=1,
+                             max_steps=STEPS, eval_every=EVERY)
+    setup = setup_from(options, TrainConfig(batch_size=16, **PROBLEM))
+    sim = SimulateOptions(simulate=True, step_time=0.01, link_bandwidth=1e9, link_latency=1e-5)
+    _, results = simulate_compare(setup, (2,), sim, lambda line: None)
+    (run,) = results[2]
+    assert run.reached and run.steps_to_target == 8 and run.metric == "loss" and not run.higher
+    assert [p["step"] for p in run.curve] == [4, 8]  # it stopped there, as a real run stops
+    assert run.best == run.final == pytest.approx(regression[8]["loss"], rel=1e-5)
+    assert run.best_accuracy is None  # a regression reports no accuracy
+
+
+def test_a_server_beside_the_workers_is_read_from_the_layouts():
+    # compare --simulate then measures a parameter server's round trip with it, as the estimate does
+    from phalanx.compare.cli import CompareOptions, setup_from
+    from phalanx.simulate.compare import beside
+
+    train = TrainConfig(model="mlp", devices="cpu", batch_size=16)
+    for strategies, expected in (("sync,local-sgd:4,diloco:4", 0), ("sync,ps,backup:1", 1)):
+        assert beside(setup_from(CompareOptions(strategies=strategies), train), (2, 8)) == expected

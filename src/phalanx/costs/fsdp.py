@@ -11,10 +11,10 @@ lands separately): the figures follow from the parameter bytes and the measured 
 
 from __future__ import annotations
 
-from .inputs import Compute, ModelFacts, Network, allreduce, cpu_bound, gather_or_scatter
+from .inputs import Compute, ModelFacts, Network, cpu_bound, gather_or_scatter
 from .model import CostModel
 from .prediction import Prediction
-from .sync import LOSS_BYTES, overlaps
+from .sync import overlaps
 from .timeline import Op, finish, one_stream
 
 
@@ -38,8 +38,7 @@ def fsdp_ops(compute: Compute, facts: ModelFacts, net: Network, workers: int, pa
         last = f"backward {b}"
     scatters = tuple(f"reduce-scatter {b}" for b in range(n))
     ops.append(Op("optimizer", "compute", compute.optimizer / workers * pace, (last,) + scatters))
-    ops.append(Op("loss all-reduce", "comm", allreduce(net, workers, LOSS_BYTES), ("optimizer",)))
-    ops.append(Op("loop", "compute", compute.loop * pace, ("loss all-reduce",)))
+    ops.append(Op("loop", "compute", compute.loop * pace, ("optimizer",)))  # (losses are all-reduced at log steps)
     return ops
 
 

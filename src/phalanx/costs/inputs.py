@@ -44,6 +44,11 @@ class Compute:
     #: per micro-batch count M: seconds torch.distributed.pipelining's schedule adds per micro-batch and stage
     #: (its own bookkeeping, over running the same micro-batches by hand)
     engine: dict = dataclasses.field(default_factory=dict)
+    #: what a step costs beyond its compute and its bytes, measured with a 2-parameter model in these processes
+    #: (``estimate/overhead.py``): a DDP step minus the bare step, its 8-byte all-reduce included
+    ddp_tiny: float = 0.0
+    #: a parameter server's push-to-reply round trip through the real server, its four messages included
+    round_trip_tiny: float = 0.0
 
     @property
     def step(self) -> float:

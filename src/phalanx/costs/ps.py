@@ -14,6 +14,13 @@ event) would cost time and memory in proportion to W, so the steady state is tak
 instead (:func:`steady_state`): the workers' cycles, the server's inbound link and its main thread
 are three resources, and the slowest one sets the rate; tests check it against the simulation.
 
+The protocol's own work (a header each way, the server's receiving thread handing the push to its
+main loop, the reply handed to a sender thread, each thread waiting for a core the workers keep
+busy) grows with neither the model nor the compute: measured as a real round trip with a
+2-parameter model while the other workers compute (:func:`round_trip_fixed`) and added to every
+worker's cycle. It is waiting, not the server's work: a server kept busy by many workers does not
+wake up for each push, so it is not charged to the server's time per update.
+
 A CPU node also bounds the step from below: its cores must supply every process's CPU-seconds
 (the workers' compute, the server's updates, and the copying of every byte through the loopback).
 """
@@ -78,6 +85,19 @@ def steady_state(groups: list[tuple[int, float, float, float]], apply: float, un
     return workers / rate
 
 
+TINY_BYTES = 8  #: the gradient of the 2-parameter model the round trip is measured with (estimate/overhead.py)
+
+
+def round_trip_fixed(compute: Compute, net: Network) -> float:
+    """The protocol's fixed seconds per update: the measured round trip of a 2-parameter model
+    (``compute.round_trip_tiny``) less the four messages (a header and the vector each way) this model
+    prices itself for it on the link within a machine."""
+    if compute.round_trip_tiny <= 0:
+        return 0.0
+    priced = 2 * (net.intra.alpha + net.intra.message(TINY_BYTES))
+    return max(0.0, compute.round_trip_tiny - priced)
+
+
 def worker_work(compute: Compute) -> float:
     """A worker's seconds from having the parameters to having a gradient ready to push."""
     return compute.forward + compute.backward + compute.loop + compute.pack
@@ -99,10 +119,13 @@ def predict_ps(compute: Compute, facts: ModelFacts, net: Network, workers: int) 
     messages = message_seconds(compute, facts, net, workers)
     near, far = messages[0], messages[-1]
     slowest = far if workers > local else near
+    fixed = round_trip_fixed(compute, net)
+    cycle = work + fixed  # what a worker spends from one reply to its next push, the protocol's waiting included
     if workers <= SIMULATED_UP_TO:
-        timeline = simulate(workers, [work] * workers, messages, messages, compute.apply, compute.unpack, compute.loop)
+        timeline = simulate(workers, [cycle] * workers, messages, messages, compute.apply, compute.unpack,
+                            compute.loop)
     else:
-        timeline = steady_state([(local, work, near, near), (workers - local, work, far, far)], compute.apply,
+        timeline = steady_state([(local, cycle, near, near), (workers - local, cycle, far, far)], compute.apply,
                                 compute.unpack, compute.loop)
     # CPU-seconds on node 0 per global step: its workers, the server's updates, and moving every
     # message (a header and a vector each way per update) at both of its ends on node 0.
@@ -112,16 +135,20 @@ def predict_ps(compute: Compute, facts: ModelFacts, net: Network, workers: int) 
     floor = cpu_bound(node0, compute.cores)
     step = max(timeline, floor)
     nodes = max(net.nodes(workers), 1)
+    server_bound = workers * (compute.apply + slowest) >= cycle
     how = "event simulation" if workers <= SIMULATED_UP_TO else "steady state (closed form)"
     notes = [f"{how} of {workers} workers and one server: "
-             f"{'the server is the bottleneck' if workers * (compute.apply + slowest) >= work else 'workers compute most of the time'}"]
+             f"{'the server is the bottleneck' if server_bound else 'workers compute most of the time'}"]
+    if fixed > 0:
+        notes.append(f"the protocol's fixed waiting: {fixed * 1e3:.3g} ms per update (measured: a 2-parameter model's "
+                     "round trip through the server while another worker computes, less its four messages)")
     if floor > timeline:
         notes.append(f"CPU-bound: node 0 needs {node0 * 1e3:.1f} CPU-ms per step on {compute.cores} cores "
                      f"({local} workers + the server)")
     return Prediction("ps", workers, nodes, step, workers * facts.batch_size, work, work,
                       notes=tuple(notes),
                       parts={"worker_compute": work, "push_or_reply": slowest, "server_apply": compute.apply,
-                             "timeline": timeline, "cpu_floor": floor})
+                             "fixed": fixed, "timeline": timeline, "cpu_floor": floor})
 
 
 class ParameterServerCost(CostModel):

@@ -5,7 +5,10 @@ them): the first bucket holds up to 1 MiB, the others up to ``--bucket-mb`` MiB 
 comes from torch's own assignment function). A bucket is all-reduced as soon as its last gradient
 is computed, i.e. when backward reaches the earliest block holding one of its gradients, and the
 reductions run one after another on the communication stream while backward continues. The
-optimizer waits for the last one. Then phalanx's loop all-reduces the loss (one float).
+optimizer waits for the last one. (phalanx's loop all-reduces the losses only at log steps: no
+collective of its own per step.) DDP's own machinery (pre-forward work, a hook per gradient, the
+reducer's bookkeeping, waking gloo's threads) costs a fixed time per step that grows with neither
+compute nor bytes: measured with a 2-parameter model (:func:`ddp_fixed`), added once per step.
 
 Where compute and communication share the cores (CPU workers that fill every core), nothing
 overlaps. A CPU node also bounds the step from below by the CPU-seconds its processes need.
@@ -21,7 +24,16 @@ from .model import Alternative, CostModel
 from .prediction import Prediction
 from .timeline import Op, finish, one_stream
 
-LOSS_BYTES = 4  #: phalanx's loop all-reduces the step's loss: one float
+TINY_BYTES = 8  #: the gradient of the 2-parameter model the fixed cost is measured with (estimate/overhead.py)
+
+
+def ddp_fixed(compute: Compute, net: Network) -> float:
+    """DDP's fixed seconds per step: the measured DDP step of a 2-parameter model over its bare step
+    (``compute.ddp_tiny``, in the measuring processes), less the 8-byte all-reduce this model prices itself."""
+    ranks = compute.processes
+    if compute.ddp_tiny <= 0 or ranks < 2:
+        return 0.0
+    return max(0.0, compute.ddp_tiny - allreduce(Network(net.intra, net.intra, ranks), ranks, TINY_BYTES))
 
 
 def overlaps(compute: Compute, extra_processes: int = 0) -> bool:
@@ -64,8 +76,8 @@ def sync_ops(compute: Compute, facts: ModelFacts, net: Network, workers: int, pa
     ops.append(Op("backward rest", "compute", (1.0 - done) * compute.backward * pace, (previous,)))
     ops.append(Op("copy back", "compute", compute.copy * pace, ("backward rest", *reductions)))
     ops.append(Op("optimizer", "compute", compute.optimizer * pace, ("copy back",)))
-    ops.append(Op("loss all-reduce", "comm", allreduce(net, workers, LOSS_BYTES), ("optimizer",)))
-    ops.append(Op("loop", "compute", compute.loop * pace, ("loss all-reduce",)))
+    ops.append(Op("DDP's fixed work", "compute", ddp_fixed(compute, net), ("optimizer",)))
+    ops.append(Op("loop", "compute", compute.loop * pace, ("DDP's fixed work",)))
     return ops
 
 
@@ -82,20 +94,23 @@ def predict_sync(compute: Compute, facts: ModelFacts, net: Network, workers: int
     overlap = overlaps(compute)
     timeline = finish(ops if overlap else one_stream(ops))
     scale = 0.5 if compress else 1.0
-    copied = sum(allreduce_cpu(net, workers, nbytes * scale) for nbytes, _ in facts.buckets) + \
-        allreduce_cpu(net, workers, LOSS_BYTES)
+    copied = sum(allreduce_cpu(net, workers, nbytes * scale) for nbytes, _ in facts.buckets)
     local = min(workers, net.per_node)
     work = local * (compute.cpu + copied + 3 * compute.copy)
     floor = cpu_bound(work, compute.cores)
     step = max(timeline, floor)
     comm = sum(op.seconds for op in ops if op.stream == "comm")
+    fixed = ddp_fixed(compute, net)
     notes = [f"{len(facts.buckets)} bucket(s), all-reduced {'while backward runs' if overlap else 'after backward'}"
              f"{' (the workers fill every core)' if not overlap else ''}"]
+    if fixed > 0:
+        notes.append(f"DDP's fixed work: {fixed * 1e3:.3g} ms per step (measured: a 2-parameter model's DDP step over "
+                     "its bare step, less its all-reduce)")
     if floor > timeline:
         notes.append(f"CPU-bound: {local} processes need {work * 1e3:.1f} CPU-ms per step on {compute.cores} cores")
     return Prediction("sync", workers, nodes, step, examples, compute.slowest, compute.step, notes=tuple(notes),
-                      parts={"compute": compute.slowest, "all_reduce_total": comm, "timeline": timeline,
-                             "cpu_floor": floor})
+                      parts={"compute": compute.slowest, "all_reduce_total": comm, "fixed": fixed,
+                             "timeline": timeline, "cpu_floor": floor})
 
 
 def hierarchical(reduce: str, net: Network, workers: int) -> bool:

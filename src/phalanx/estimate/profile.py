@@ -10,7 +10,8 @@ cores and memory as real workers do. After warm-up steps, each phase is timed pe
 model's blocks are timed one by one (at the batch and at each micro-batch size a pipeline would
 use, interleaved, and the pipelining schedule's own overhead per micro-batch), and the passes over
 the gradient bytes that DDP, local SGD and a parameter server make (and the server's update of one
-gradient).
+gradient); last, with a 2-parameter model, what a step costs beyond its compute and its bytes
+(``overhead.py``: DDP's machinery, a parameter server's round trip).
 Every process sends its timings to rank 0, which returns them; :func:`summarise` takes medians.
 """
 
@@ -27,6 +28,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from ..launcher import launch
 from ..pipeline.split import blocks_or_whole
 from ..costs import Compute
+from .overhead import fixed_costs
 
 WARMUP_STEPS = 5
 #: timed repeats (after one warm-up) of the per-block timings and the passes over the gradient bytes:
@@ -50,6 +52,9 @@ class Conditions:
     processes: int  #: worker processes computing at once on the node
     threads: int  #: torch threads each
     device: str  #: "cpu" or "cuda:0"
+    #: processes beside the workers on the node (a parameter server): idle while the workers' steps are
+    #: timed, as a server mostly waits; serving in the round trip (``overhead.py``)
+    beside: int = 0
 
 
 def _now(device: torch.device) -> float:
@@ -65,9 +70,13 @@ def _optimizer(cfg, params):
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
-def probe(ctx, spec: ProbeSpec) -> list[dict]:
-    """Inside a measuring process: time the steps, the blocks and the server's work; rank 0 returns every rank's."""
+def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
+    """Inside a measuring process: time the steps, the blocks and the server's work; rank 0 returns every rank's.
+    Ranks below ``beside`` are the processes beside the workers: they time no step (:func:`_beside`)."""
     import torch.distributed as dist
+
+    if ctx.rank < beside:
+        return _beside(ctx, spec, beside)
 
     from ..data import Prefetcher, ShardedBatches, load_data
     from ..data.user import cast_inputs
@@ -79,8 +88,9 @@ def probe(ctx, spec: ProbeSpec) -> list[dict]:
     torch.manual_seed(cfg.seed)
     model = task.make_model(data.input_shape, data.num_classes).to(device)
     data = cast_inputs(data, next(model.parameters()).dtype)
-    shards = ctx.world_size if cfg.batch_size * ctx.world_size <= len(data.train) else 1
-    batches = ShardedBatches(data.train, cfg.batch_size, ctx.rank % shards, shards, cfg.seed)
+    workers = ctx.world_size - beside
+    shards = workers if cfg.batch_size * workers <= len(data.train) else 1
+    batches = ShardedBatches(data.train, cfg.batch_size, (ctx.rank - beside) % shards, shards, cfg.seed)
     prefetcher = Prefetcher(batches(0), device, cfg.prefetch)
     optimizer = task.optimizer(model.parameters()) if task.make_optimizer else _optimizer(cfg, model.parameters())
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -111,8 +121,30 @@ def probe(ctx, spec: ProbeSpec) -> list[dict]:
     if spec.micro_batches:
         result["engine"] = _engine(ctx, model, x, y, spec.micro_batches, task.loss_fn)
     result.update(_vector_ops(model, optimizer, x, y, device, task.loss_fn))
+
+    def work() -> None:  # one more training step (the other workers' load during a ps round trip)
+        task.loss_fn(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    result.update(fixed_costs(ctx, beside, work))  # beyond compute and bytes: DDP's machinery, a ps round trip
     if not ctx.distributed:
         return [result]
+    every: list = [None] * ctx.world_size
+    dist.all_gather_object(every, result)
+    return every
+
+
+def _beside(ctx, spec: ProbeSpec, beside: int) -> list[dict]:
+    """A process beside the workers (rank 0: a parameter server): it waits while they time their steps,
+    joins the collectives they make (the pipelining schedule's groups), serves the round trip."""
+    import torch.distributed as dist
+
+    dist.barrier()  # the workers start timing
+    if spec.micro_batches:  # every rank creates every group the workers' pipelining schedule makes (_engine)
+        for r in range(dist.get_world_size()):
+            dist.new_group([r])
+    result = {"beside": True, **fixed_costs(ctx, beside, lambda: None)}
     every: list = [None] * ctx.world_size
     dist.all_gather_object(every, result)
     return every
@@ -267,10 +299,11 @@ def _vector_ops(model, optimizer, x, y, device, loss_fn) -> dict:
 
 
 def measure(spec: ProbeSpec, conditions: Conditions) -> Compute:
-    """Run the probe in ``conditions.processes`` processes at once and summarise it."""
+    """Run the probe in ``conditions.processes`` processes at once (and those beside them) and summarise it."""
     device = torch.device(conditions.device)
-    devices = [device] * conditions.processes
-    every = launch(probe, devices, (spec,), threads=conditions.threads if device.type == "cpu" else None)
+    devices = [device] * (conditions.processes + conditions.beside)
+    threads = conditions.threads if device.type == "cpu" else None
+    every = launch(probe, devices, (spec, conditions.beside), threads=threads)
     return summarise(every, conditions)
 
 
@@ -278,6 +311,9 @@ def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = 
     """Medians over every process's timed steps; the pace of lockstep from the slowest process each step."""
     from ..launcher import available_cores
 
+    trips = [r["round_trip_tiny"] for r in every if r.get("round_trip_tiny") is not None]
+    excess = [r["ddp_tiny"] for r in every if r.get("ddp_tiny") is not None]
+    every = [r for r in every if not r.get("beside")]  # they timed no step
     rows = [row for result in every for row in result["rows"]]
     med = [statistics.median(row[k] for row in rows) for k in range(5)]
     steps = min(len(result["rows"]) for result in every)
@@ -289,7 +325,9 @@ def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = 
            for k in ("pack", "copy", "unpack", "apply", "fresh")}
     engine = {m: statistics.median(result["engine"][m] for result in every) for m in every[0].get("engine", {})}
     on_cpu = conditions.device == "cpu"
+    fixed = {"ddp_tiny": statistics.median(excess) if excess else 0.0,
+             "round_trip_tiny": statistics.median(trips) if trips else 0.0}
     return Compute(forward=med[0], backward=med[1], optimizer=med[2], loop=med[3], slowest=slowest, cpu=med[4],
                    processes=conditions.processes, threads=conditions.threads,
                    cores=(cores or available_cores()) if on_cpu else None, block_seconds=tuple(blocks),
-                   micro_seconds=micro, engine=engine, **ops)
+                   micro_seconds=micro, engine=engine, **ops, **fixed)

@@ -21,10 +21,17 @@ def describe(est: Estimate) -> str:
              f"{len(facts.buckets)} DDP bucket(s) of {s.bucket_mb:g} MiB at most",
              f"compute per worker (medians of {s.options.measure_steps} steps after 5 warm-up steps):"]
     for cond, m in est.computes.items():
-        lines.append(f"  {cond.processes} process(es) x {cond.threads} thread(s) on {cond.device}: forward "
+        server = " (a parameter server beside them)" if cond.beside else ""
+        lines.append(f"  {cond.processes} process(es) x {cond.threads} thread(s) on {cond.device}{server}: forward "
                      f"{fmt_seconds(m.forward)}, backward {fmt_seconds(m.backward)}, optimizer "
                      f"{fmt_seconds(m.optimizer)}, rest of the loop {fmt_seconds(m.loop)}"
                      f"{f'; slowest worker {fmt_seconds(m.slowest)}' if cond.processes > 1 else ''}")
+        if cond.beside:
+            lines.append(f"    beyond compute and bytes: a parameter server's round trip of a 2-parameter model, "
+                         f"another worker computing: {fmt_seconds(m.round_trip_tiny)}")
+        elif cond.processes > 1 and cond.device == "cpu":
+            lines.append(f"    beyond compute and bytes: a DDP step of a 2-parameter model, over its bare step: "
+                         f"+{fmt_seconds(m.ddp_tiny)}")
     lines += [f"link {note}" for note in est.link_notes]
     for cls in s.predicted:
         rows = [p for p in est.predictions if p.strategy == cls.name]

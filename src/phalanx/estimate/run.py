@@ -41,9 +41,10 @@ class Estimate:
             "batch_size": s.config.batch_size, "optimizer": s.config.optimizer, "device": str(s.device),
             "cores": s.cores, "per_node": s.per_node, "parameters": s.facts.params,
             "gradient_bytes": s.facts.param_bytes, "ddp_buckets_bytes": [b for b, _ in s.facts.buckets],
-            "compute": [{"processes": c.processes, "threads": c.threads, "device": c.device,
+            "compute": [{"processes": c.processes, "threads": c.threads, "device": c.device, "beside": c.beside,
                          **{k: getattr(m, k) for k in ("forward", "backward", "optimizer", "loop", "slowest", "cpu",
-                                                       "pack", "copy", "unpack", "apply", "fresh")},
+                                                       "pack", "copy", "unpack", "apply", "fresh", "ddp_tiny",
+                                                       "round_trip_tiny")},
                          "block_seconds": list(m.block_seconds),
                          "micro_batch_block_seconds": {str(k): list(v) for k, v in m.micro_seconds.items()},
                          "engine_per_micro_batch": {str(k): v for k, v in m.engine.items()}}
@@ -69,7 +70,8 @@ def run(setup: Setup, say: Say) -> Estimate:
     computes: dict[Conditions, Compute] = {}
     for cond in dict.fromkeys(wanted):
         started = time.perf_counter()
-        say(f"measuring compute: {cond.processes} worker process(es) at once, {cond.threads} thread(s) each, "
+        server = " and a parameter server beside them" if cond.beside else ""
+        say(f"measuring compute: {cond.processes} worker process(es) at once{server}, {cond.threads} thread(s) each, "
             f"on {cond.device} ...")
         computes[cond] = measure(spec, cond)
         say(f"  done in {time.perf_counter() - started:.1f} s")

@@ -163,7 +163,7 @@ def conditions_for(setup: Setup, row: Row) -> Conditions:
 def _conditions(setup: Setup, local: int, beside: int) -> Conditions:
     if setup.device.type == "cuda":
         return Conditions(1, setup.config.threads or max(1, setup.cores // local), "cuda:0")
-    return Conditions(local, setup.config.threads or max(1, setup.cores // (local + beside)), "cpu")
+    return Conditions(local, setup.config.threads or max(1, setup.cores // (local + beside)), "cpu", beside)
 
 
 def predict(setup: Setup, row: Row, compute: Compute, net: Network, *, facts: Optional[ModelFacts] = None,

@@ -3,15 +3,19 @@
 The same strategies, scenarios, target, repeats and report as a real comparison (``compare/``),
 run by the simulation instead of by processes: for every worker count, every repeat, scenario and
 strategy, one :class:`~phalanx.simulate.world.World` played by the strategy's simulated rule.
-Repeat r uses seed + r, as real runs do. Checked first, in one line each, before anything runs: a
+Repeat r uses seed + r, as real runs do. The target is any metric a real comparison takes
+(``accuracy>=0.95``, ``loss<=0.3``, ``perplexity<=5``, a ``--metric`` of the user's), evaluated as
+a real run evaluates (``world.py``). Checked first, in one line each, before anything runs: a
 strategy without a simulated rule, a ``link:RATE`` scenario (a real link; here the link is
-``--link-bandwidth``), a worker count a strategy's layout refuses, a global batch larger than the data.
+``--link-bandwidth``), a worker count a strategy's layout refuses, a target no reported metric
+reaches (the real check: ``task.py``), a global batch larger than the data.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import sys
 from typing import Callable, Optional
 
@@ -20,6 +24,8 @@ import torch
 from ..costs import Link
 from ..errors import PhalanxError
 from ..strategies import Job
+from ..task import Task
+from ..train import TrainConfig
 from .problem import Problem, build_problem
 from .registry import RULES, simulated_rule
 from .world import World
@@ -39,10 +45,8 @@ class SimRun:
 
 
 def check(setup, workers: tuple[int, ...]) -> None:
-    """Every (strategy, scenario, worker count) before anything runs; one line for the first that cannot."""
-    if setup.target.metric != "accuracy" or not setup.target.higher:
-        raise PhalanxError(f"--target {setup.target}: --simulate evaluates test accuracy only; give --target "
-                           "accuracy>=VALUE (or a bare number), or compare for real without --simulate")
+    """Every (strategy, scenario, worker count) before anything runs; one line for the first that cannot.
+    (The task's metrics were checked against the target when the comparison was set up.)"""
     if setup.train.tensorboard is not None:
         raise PhalanxError(f"--tensorboard {setup.train.tensorboard} draws real runs' curves, and --simulate runs no "
                            "process: drop --tensorboard, or compare for real without --simulate")
@@ -66,6 +70,20 @@ def check(setup, workers: tuple[int, ...]) -> None:
             raise PhalanxError(f"--scenarios {scenario.token}: rank {s.rank} does not exist at {max(workers)} workers")
 
 
+def target_config(setup) -> TrainConfig:
+    """The shared training flags with the comparison's target and evaluations, as every real run gets them
+    (``compare/runner.config_for``): the task's metrics then include the target's, or refuse it."""
+    return dataclasses.replace(setup.train, stop_at=str(setup.target), stop_at_accuracy=None,
+                               eval_every=setup.eval_every)
+
+
+def beside(setup, workers: tuple[int, ...]) -> int:
+    """The most processes any strategy runs beside its workers (a parameter server), as its layout says
+    (at the largest count, which every layout accepted in :func:`check`)."""
+    job = Job((torch.device("cpu"),) * max(workers), setup.train.batch_size)
+    return max((s.options.layout(job).world_size - job.workers for s in setup.strategies), default=0)
+
+
 def default_strategies(text: str) -> str:
     """compare's default strategies, less those with no simulated rule (hogwild shares one machine's memory)."""
     from ..compare.tokens import parse_strategy
@@ -85,11 +103,12 @@ def run_one(problem: Problem, setup, run: SimRun):
     from ..compare.results import RunResult
 
     options = run.strategy.options
+    target = setup.target
     world = World(problem, options, run.workers, run.scenario.slowness, run.seed, setup.max_steps,
-                  setup.eval_every, setup.target.value)
+                  setup.eval_every, target)
     simulated_rule(options).run(options, world)
     out = world.finish()
-    first = next((p for p in out.curve if p["accuracy"] >= setup.target.value), None)
+    first = next((p for p, values in zip(out.curve, out.values) if target.reached(values)), None)
     examples = None
     if first is not None:  # the run stopped there: what it applied by then (the server counts it)
         batch = setup.train.batch_size
@@ -102,16 +121,19 @@ def run_one(problem: Problem, setup, run: SimRun):
     dropped = None
     if out.dropped is not None and (out.dropped or out.drops):
         dropped = {"total": out.dropped, "of": out.dropped + (out.applied or 0), "by_worker": {}}
-    accuracies = [p["accuracy"] for p in out.curve]
+    accuracies = [v["accuracy"] for v in out.values if "accuracy" in v]
+    seen = [v[target.metric] for v in out.values if not math.isnan(v.get(target.metric, math.nan))]
     return RunResult(
         strategy=run.strategy.token, scenario=run.scenario.token, repeat=run.repeat, seed=run.seed,
         reached=first is not None, diverged=out.diverged, steps_to_target=first["step"] if first else None,
         seconds_to_target=first["seconds"] if first else None, examples_to_target=examples,
-        best_accuracy=max(accuracies, default=0.0), final_accuracy=accuracies[-1] if accuracies else 0.0,
+        best_accuracy=max(accuracies, default=None), final_accuracy=accuracies[-1] if accuracies else None,
         steps=out.steps, train_seconds=out.seconds, eval_seconds=0.0, wall_seconds=out.wall_seconds,
         startup_seconds=0.0, examples_per_sec=out.examples / max(out.seconds, 1e-12), staleness=staleness,
         dropped=dropped, calibrated_compute_s={}, curve=out.curve,
-        metrics=f"simulated at {run.workers} workers (peak {out.peak_versions} parameter versions held)")
+        metrics=f"simulated at {run.workers} workers (peak {out.peak_versions} parameter versions held)",
+        metric=target.metric, higher=target.higher, best=(max if target.higher else min)(seen, default=None),
+        final=out.values[-1].get(target.metric) if out.values else None)
 
 
 def simulate_compare(setup, workers: tuple[int, ...], sim, say: Callable[[str], None],
@@ -120,7 +142,8 @@ def simulate_compare(setup, workers: tuple[int, ...], sim, say: Callable[[str], 
     check(setup, workers)
     link = Link(sim.link_latency, 1.0 / sim.link_bandwidth, "given by --link-bandwidth and --link-latency") \
         if sim.link_bandwidth is not None else None
-    problem = build_problem(setup.train, workers, sim.per_node, sim.step_time, link, say, task=setup.task)
+    problem = build_problem(target_config(setup), workers, sim.per_node, sim.step_time, link, say, setup.task,
+                            beside(setup, workers))
     size = len(problem.data(setup.train.seed).train)
     if setup.train.batch_size * max(workers) > size:
         raise PhalanxError(f"global batch {setup.train.batch_size * max(workers)} ({setup.train.batch_size} per worker x "
@@ -154,9 +177,13 @@ def _threads(given: Optional[int]):
 
 def print_progress(i: int, total: int, run: SimRun, result) -> None:
     outcome = (f"reached the target at step {result.steps_to_target} ({result.seconds_to_target:.3g} s simulated)"
-               if result.reached else f"not reached (best {result.best_accuracy:.3f})")
+               if result.reached else f"not reached (best {result.metric} {_number(result.best)})")
     print(f"run {i + 1}/{total}: {run.label}: {outcome}; simulated in {result.wall_seconds:.1f} s",
           file=sys.stderr, flush=True)
+
+
+def _number(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.4g}"
 
 
 DEFAULT_WORKERS = (8, 64, 256)
@@ -206,6 +233,7 @@ def compare_simulated(options, train, sim, workers: Optional[tuple[int, ...]], c
     from pathlib import Path
 
     from ..compare.cli import setup_from
+    from ..compare.report import target_words
     from ..compare.cli import default_strategies as real_defaults
     from ..compare.outcome import writable
     from . import report
@@ -218,7 +246,7 @@ def compare_simulated(options, train, sim, workers: Optional[tuple[int, ...]], c
     total = len(schedule(setup, workers))
     print(f"phalanx compare --simulate: {len(setup.strategies)} strategies x {len(setup.scenarios)} scenarios x "
           f"{setup.repeats} repeats x {len(workers)} worker counts ({', '.join(map(str, workers))}) = {total} "
-          f"simulated runs, each to {setup.target.value:g} test accuracy or {setup.max_steps} steps (evaluated every "
+          f"simulated runs, each to {target_words(setup.target)} or {setup.max_steps} steps (evaluated every "
           f"{setup.eval_every}); {setup.task.model_name} on {setup.task.data_name}", flush=True)
     out = Path(options.out) if options.out is not None else None
     if out is not None:

@@ -2,7 +2,7 @@
 
 The model is used as a function of a flat parameter vector (``torch.func.functional_call``): a
 worker's parameters are one row of floats, wherever it got them (a version it pulled, its local
-copy). Three ways to compute, by what the rule needs:
+copy). Two ways to compute, by what the rule needs:
 
 - :meth:`Gradients.mean`: workers on the *same* parameters whose gradients are only ever averaged
   (sync): their batches concatenated into one forward pass, the loss the mean of each shard's own
@@ -10,8 +10,9 @@ copy). Three ways to compute, by what the rule needs:
 - :meth:`Gradients.each`: every worker's own gradient, on its own parameters (a parameter server
   applies them one by one; local SGD steps each copy): ``vmap`` over the workers, in chunks, so
   256 gradients of a small model are a few batched calls; where the model or loss cannot be
-  vmapped (an LSTM), one worker after another, the same numbers;
-- :meth:`Gradients.accuracy`: correct predictions on a test part, with given parameters.
+  vmapped (an LSTM), one worker after another, the same numbers.
+
+Evaluations are not here: the world evaluates as a real run does (``world.py``).
 
 Buffers (BatchNorm's running statistics) are not simulated: the template's are used as they are.
 """
@@ -23,8 +24,6 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
-
-from ..metrics import correct
 
 CHUNK = 64  #: workers per vmapped call (bounds the memory of stacked parameters and activations)
 
@@ -109,12 +108,3 @@ class Gradients:
             losses.append(value)
         self.computed -= len(losses)  # counted by each()
         return losses
-
-    @torch.no_grad()
-    def correct(self, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> int:
-        was = self.model.training
-        self.model.eval()
-        try:
-            return int(correct(self._call(flat, x), y)[0])  # the metric a real run's evaluation counts
-        finally:
-            self.model.train(was)

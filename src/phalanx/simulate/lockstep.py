@@ -34,8 +34,8 @@ class Lockstep(SimulatedRule):
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             now += step_seconds + world.slowest_delay(step - 1)
-            accuracy = world.evaluate(params.vector()) if world.due(step) else None
-            if world.step_done(step, now, accuracy, loss):
+            values = world.evaluate(params.vector()) if world.due(step) else None
+            if world.step_done(step, now, values, loss):
                 break
         world.final = params.snapshot()
 

@@ -56,8 +56,8 @@ class Periodic(SimulatedRule):
             evaluating = world.due(step)
             if evaluating:
                 clocks = [max(clocks)] * W
-            accuracy = meeting.evaluate(world) if evaluating else None
-            if world.step_done(step, clocks[0], accuracy, sum(losses) / W):
+            values = meeting.evaluate(world) if evaluating else None
+            if world.step_done(step, clocks[0], values, sum(losses) / W):
                 break
         world.final = meeting.model_flat()
 
@@ -95,7 +95,7 @@ class Averaging:
                 s.copy_(s.mean(0, keepdim=True).expand_as(s))
         return True
 
-    def evaluate(self, world: "World") -> float:
+    def evaluate(self, world: "World") -> dict[str, float]:
         return world.evaluate_parts(list(_matrix(self.stacks).unbind(0)))  # each replica on its part, as a real run does
 
     def model_flat(self) -> torch.Tensor:
@@ -139,7 +139,7 @@ class OuterRounds(Averaging):
                 self.stacks[i].copy_(self.globals[i].unsqueeze(0).expand_as(self.stacks[i]))
         return True
 
-    def evaluate(self, world: "World") -> float:
+    def evaluate(self, world: "World") -> dict[str, float]:
         return world.evaluate(self.model_flat())  # the global model, which every rank evaluates
 
     def model_flat(self) -> torch.Tensor:

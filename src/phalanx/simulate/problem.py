@@ -59,9 +59,12 @@ def compute_from_step_time(seconds: float, block_count: int) -> Compute:
 
 
 def build_problem(train: TrainConfig, workers: tuple[int, ...], per_node: Optional[int], step_time: Optional[float],
-                  link: Optional[Link], say: Callable[[str], None], *, task: Optional[Task] = None) -> Problem:
+                  link: Optional[Link], say: Callable[[str], None], task: Optional[Task] = None,
+                  beside: int = 0) -> Problem:
     """Read the task (``task``: the comparison's, else the config's names) and the model; measure (or
-    take) the step and the links."""
+    take) the step and the links. ``beside``: processes some strategy runs beside its workers (a
+    parameter server), whose round trip is measured with them, as the estimate measures it
+    (``estimate/overhead.py``)."""
     from ..estimate.facts import model_facts
     from ..estimate.link import describe_link, measure_link
     from ..launcher import available_cores
@@ -82,9 +85,15 @@ def build_problem(train: TrainConfig, workers: tuple[int, ...], per_node: Option
         compute = compute_from_step_time(step_time, len(facts.block_names))
         notes.append(f"compute: --step-time {step_time * 1e3:.3g} ms per worker step")
     else:
-        compute = _measured(cfg, task, device, min(max(workers), per_node), available_cores(), say)
+        local = min(max(workers), per_node)
+        compute = _measured(cfg, task, device, local, available_cores(), say)
         notes.append(f"compute: measured here, {compute.processes} worker process(es) at once, {compute.threads} "
                      f"thread(s) each: {compute.step * 1e3:.3g} ms per step")
+        if beside and device.type == "cpu":
+            trip = _measured(cfg, task, device, local, available_cores(), say, beside).round_trip_tiny
+            compute = dataclasses.replace(compute, round_trip_tiny=trip)
+            notes.append(f"a parameter server's round trip of a 2-parameter model, another worker computing: "
+                         f"{trip * 1e3:.3g} ms, measured here (beyond its four messages, every ps update waits it)")
     if link is not None:
         intra = inter = link
     else:
@@ -99,13 +108,15 @@ def build_problem(train: TrainConfig, workers: tuple[int, ...], per_node: Option
     return problem
 
 
-def _measured(cfg: TrainConfig, task: Task, device: torch.device, local: int, cores: int, say) -> Compute:
+def _measured(cfg: TrainConfig, task: Task, device: torch.device, local: int, cores: int, say,
+              beside: int = 0) -> Compute:
     from ..estimate.profile import Conditions, ProbeSpec, measure
 
     if device.type == "cuda":
         conditions = Conditions(1, cfg.threads or max(1, cores // local), "cuda:0")
     else:
-        conditions = Conditions(local, cfg.threads or max(1, cores // local), "cpu")
-    say(f"measuring compute: {conditions.processes} worker process(es) at once, {conditions.threads} thread(s) "
-        f"each, on {conditions.device} ...")
+        conditions = Conditions(local, cfg.threads or max(1, cores // (local + beside)), "cpu", beside)
+    server = " and a parameter server beside them" if beside else ""
+    say(f"measuring compute: {conditions.processes} worker process(es) at once{server}, {conditions.threads} "
+        f"thread(s) each, on {conditions.device} ...")
     return measure(ProbeSpec(cfg, 20, task=task), conditions)

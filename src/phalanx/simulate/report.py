@@ -35,6 +35,7 @@ def tables(setup, results: dict[int, list]) -> dict[int, dict[str, list[Figures]
 def crossover(setup, by_workers: dict[int, dict[str, list[Figures]]]) -> list[str]:
     """One sentence per scenario: which strategy reaches the target first at which worker counts."""
     counts = sorted(by_workers)
+    goal = report.short(setup.target)
     sentences = []
     for scenario in setup.scenarios:
         winners = [next((f.strategy for f in by_workers[n][scenario.token] if f.winner), None) for n in counts]
@@ -44,15 +45,15 @@ def crossover(setup, by_workers: dict[int, dict[str, list[Figures]]]) -> list[st
             first -= 1
         where = f"under {scenario.token}"
         if last is None:
-            sentences.append(f"{where.capitalize()}, no strategy reached {setup.target.value:g} at {counts[-1]} workers.")
+            sentences.append(f"{where.capitalize()}, no strategy reached {goal} at {counts[-1]} workers.")
             continue
         if first == 0:
             span = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
-            sentences.append(f"{where.capitalize()}, {last} reaches {setup.target.value:g} first at every worker count "
+            sentences.append(f"{where.capitalize()}, {last} reaches {goal} first at every worker count "
                              f"simulated ({span}).")
             continue
         before = ", ".join(f"{w or 'none'} at {n}" for n, w in zip(counts[:first], winners[:first]))
-        sentences.append(f"{where.capitalize()}, from {counts[first]} workers on, {last} reaches {setup.target.value:g} "
+        sentences.append(f"{where.capitalize()}, from {counts[first]} workers on, {last} reaches {goal} "
                          f"first (before that: {before}).")
     return sentences
 
@@ -86,7 +87,7 @@ def scaling_plot(setup, by_workers, out: Path) -> dict[str, Any]:
         ax.set_ylim(bottom=0)
         ax.set_title(scenario.token)
         ax.set_xlabel("workers")
-        ax.set_ylabel(f"simulated time to {setup.target.value:g} (s)")
+        ax.set_ylabel(f"simulated time to {report.short(setup.target)} (s)")
         ax.grid(alpha=0.3)
     axes[-1].legend(fontsize=8)
     fig.suptitle("simulated: time to target against worker count (x at 0: not reached)")
@@ -122,7 +123,8 @@ def write(out: Path, setup, problem, results: dict[int, list], by_workers, comma
     lines = ["# phalanx compare --simulate: which strategy reaches the target first, by worker count", "",
              " ".join(sentences), "",
              f"Every figure is simulated: {setup.task.model_name} on {setup.task.data_name}, target "
-             f"{setup.target.value:g} test accuracy, medians of {setup.repeats} repeat{'s' * (setup.repeats != 1)}, the simulated training time "
+             f"{report.target_words(setup.target)}, medians of {setup.repeats} repeat{'s' * (setup.repeats != 1)}, "
+             "the simulated training time "
              "(fastest in bold).", ""] + figures_table(setup, by_workers)
     lines += ["", f"![{picture['title']}]({picture['file']})", "", "## The clock", ""]
     lines += [f"- {note}" for note in problem.clock_notes]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..costs.ps import message_seconds, predict_ps, worker_work
+from ..costs.ps import message_seconds, predict_ps, round_trip_fixed, worker_work
 from .registry import SimulatedRule
 
 if TYPE_CHECKING:
@@ -39,7 +39,8 @@ class Server(SimulatedRule):
         compute = problem.compute
         predicted = predict_ps(compute, problem.facts, problem.network, W)
         pace = predicted.step / max(predicted.parts["timeline"], 1e-30)  # >1 where the node's cores bound it
-        work, apply = worker_work(compute) * pace, compute.apply * pace
+        work = (worker_work(compute) + round_trip_fixed(compute, problem.network)) * pace  # as costs/ps.py's cycle
+        apply = compute.apply * pace
         unpack, loop = compute.unpack * pace, compute.loop * pace
         message = [m * pace for m in message_seconds(compute, problem.facts, problem.network, W)]
         rule, gate = options.aggregation(W), Gate(range(W), options.bound)
@@ -103,9 +104,9 @@ class Server(SimulatedRule):
                 reply(v, now)
             server = now
             if stepped or not math.isfinite(loss):
-                accuracy = world.evaluate(params.vector()) if stepped and world.due(step) else None
+                values = world.evaluate(params.vector()) if stepped and world.due(step) else None
                 world.outcome.applied, world.outcome.dropped = applied, dropped
-                world.step_done(step, now, accuracy, loss)
+                world.step_done(step, now, values, loss)
         state.close()
         world.final = params.snapshot()
 

@@ -8,6 +8,11 @@ loop builds them), the gradient engine, the parameter versions, the straggler de
 step (the scenario's pure pause schedule), and the strategy's cost-model prediction at W workers.
 The rule advances the simulated clock and reports each global step (:meth:`World.step_done`); the
 world evaluates when a real run would and says when to stop (the target reached, or the last step).
+
+An evaluation is a real run's: the task's metrics (accuracy, loss, perplexity, mse, a user's own),
+each batch's (sum, count) added up by :func:`~phalanx.metrics.add_up` with the run's
+:class:`~phalanx.metrics.Totals`, on the simulated parameters copied into the model; so the values
+at a step are those a real one-process evaluation of the same parameters reports.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from torch import nn
 
 from ..costs import Prediction, cost_model
 from ..data import ShardedBatches, eval_batches
+from ..metrics import Target, Totals, add_up
 from ..strategies.staleness import StalenessStats
 from ..train.schedules import Schedule, scaled_lr
 from ..train.straggle import Slowness
@@ -34,7 +40,9 @@ from .versions import Versions
 class Outcome:
     """What one simulated run measured (in simulated seconds), for the comparison's report."""
 
-    curve: list[dict[str, float]] = dataclasses.field(default_factory=list)  #: step, seconds, accuracy
+    #: every evaluation: step, seconds and the target's metric (a real run's curve); ``values``: every metric
+    curve: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    values: list[dict[str, float]] = dataclasses.field(default_factory=list)
     steps: int = 0
     seconds: float = 0.0  #: simulated training time
     examples: int = 0  #: examples a worker computed a gradient on (dropped ones included)
@@ -48,14 +56,16 @@ class Outcome:
 
 class World:
     def __init__(self, problem: Problem, options: Any, workers: int, slowness: Optional[Slowness], seed: int,
-                 max_steps: int, eval_every: int, target: float):
+                 max_steps: int, eval_every: int, target: Optional[Target]):
         self.problem, self.options, self.workers = problem, options, workers
         self.slowness, self.seed = slowness, seed
-        self.max_steps, self.eval_every, self.target = max_steps, eval_every, target
+        self.max_steps, self.eval_every = max_steps, eval_every
+        self.target = target  #: what stops the run (None: only the last step)
         self.cfg = problem.config
         self.data = problem.data(seed)
         self.template = problem.model(seed)
         self.grads = Gradients(self.template, problem.task.loss_fn)
+        self.totals = Totals(problem.task.metrics, problem.task.loss_fn)  #: what a real run's evaluation adds up
         self.versions = Versions()
         self.staleness: Optional[StalenessStats] = None  #: set by rules whose gradients can be stale
         self.outcome = Outcome()
@@ -130,39 +140,49 @@ class World:
         return max(self.delay(w, step, w + first_rank) for w in range(self.workers))
 
     # ---- evaluations, and when to stop ----
-    def evaluate(self, flat: torch.Tensor) -> float:
-        """Accuracy of the parameters ``flat`` on the whole test set."""
-        correct = total = 0
-        for x, y in eval_batches(self.data.test, 256):
-            correct += self.grads.correct(flat, x, y)
-            total += len(y)
-        return correct / max(total, 1)
+    def evaluate(self, flat: torch.Tensor) -> dict[str, float]:
+        """Every metric of the parameters ``flat`` on the whole test set."""
+        return self.totals.values(self._sums(flat, eval_batches(self.data.test, 256)).tolist())
 
-    def evaluate_parts(self, flats: list[torch.Tensor]) -> float:
-        """Each worker's own parameters on its part of the test set, the counts summed (a real run's
+    def evaluate_parts(self, flats: list[torch.Tensor]) -> dict[str, float]:
+        """Each worker's own parameters on its part of the test set, the sums added (a real run's
         collective evaluation, where replicas differ between averagings)."""
-        correct = total = 0
+        sums = self.totals.zeros()
         for part, flat in enumerate(flats):
-            for x, y in eval_batches(self.data.test, 256, part, len(flats)):
-                correct += self.grads.correct(flat, x, y)
-                total += len(y)
-        return correct / max(total, 1)
+            sums += self._sums(flat, eval_batches(self.data.test, 256, part, len(flats)))
+        return self.totals.values(sums.tolist())
+
+    def _sums(self, flat: torch.Tensor, batches) -> torch.Tensor:
+        """The (sum, count) vector of :attr:`totals` over ``batches``, the model holding ``flat``. The
+        template's own parameters are free to take it: gradients are computed with parameters given
+        to it (``functional_call``), never with its own."""
+        with torch.no_grad():
+            offset = 0
+            for p in self.template.parameters():
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        return add_up(self.template, batches, torch.device("cpu"), self.totals)
 
     def due(self, step: int) -> bool:
         """Whether a real run evaluates after global step ``step`` (every --eval-every steps, and the last)."""
         return step >= self.max_steps or step % self.eval_every == 0
 
-    def step_done(self, step: int, seconds: float, accuracy: Optional[float] = None, loss: float = 0.0) -> bool:
-        """Global step ``step`` ended at simulated ``seconds``; ``accuracy`` where the rule evaluated
-        (it must when :meth:`due`). True: stop here (the target reached, the last step, or divergence)."""
+    def step_done(self, step: int, seconds: float, values: Optional[dict[str, float]] = None,
+                  loss: float = 0.0) -> bool:
+        """Global step ``step`` ended at simulated ``seconds``; ``values``: the metrics where the rule
+        evaluated (it must when :meth:`due`). True: stop here (the target reached, the last step, or divergence)."""
         self.outcome.steps, self.outcome.seconds = step, seconds
         if not math.isfinite(loss):
             self.outcome.diverged = True
             self.stopped = True
             return True
-        if accuracy is not None:
-            self.outcome.curve.append({"step": step, "seconds": seconds, "accuracy": accuracy})
-            if accuracy >= self.target:
+        if values is not None:
+            point = {"step": step, "seconds": seconds}
+            if self.target is not None:
+                point[self.target.metric] = values.get(self.target.metric, math.nan)
+            self.outcome.curve.append(point)
+            self.outcome.values.append(values)
+            if self.target is not None and self.target.reached(values):
                 self.stopped = True
         if step >= self.max_steps:
             self.stopped = True

@@ -1,0 +1,118 @@
+"""What a step costs beyond its compute and the bytes it moves: measured, with a model too small to cost anything else.
+
+A real ``sync`` step runs DDP's machinery (its forward pre-work, a hook per gradient, the reducer's
+bookkeeping, launching and waiting for each bucket's all-reduce on gloo's threads); a real ``ps``
+update runs the parameter server's protocol (a header message each way, the server's receiving
+thread handing the push to its main loop, the update's bookkeeping, the reply handed to a sender
+thread). None of that grows with the model, and under contention for the cores it is milliseconds,
+not microseconds. The cost models price compute and bytes; this measures the rest, inside the
+estimate's measuring processes (the K that would share a node, competing as workers do), with the
+real code on a 2-parameter model:
+
+- ``ddp_tiny``: a DDP step of that model minus the same step without DDP (its one 8-byte all-reduce
+  included; the cost model takes out what it prices itself, ``costs/sync.ddp_fixed``);
+- ``round_trip_tiny``: where a parameter server runs beside the workers, a ps worker's push-to-reply
+  round trip through the real server (``strategies/ps``), while the other workers compute real
+  steps: under contention, the server's threads wait for a core (its two messages each way are
+  taken out by ``costs/ps.round_trip_fixed``).
+
+Both need two processes or more; alone, a process measures neither (0: nothing to add).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+STEPS = 30  #: timed steps of each (after WARMUP)
+WARMUP = 5
+TINY_BYTES = 8  #: the 2-parameter model's gradient
+
+
+def fixed_costs(ctx, beside: int, work: Callable[[], None]) -> dict:
+    """This rank's ``ddp_tiny`` and ``round_trip_tiny`` in seconds (every measuring rank calls it).
+
+    Without a process beside the workers (``beside`` 0), a DDP step's excess over every rank. With a
+    parameter server beside them (rank 0), the round trip as a real ps worker meets it: worker rank 1
+    pushes while every other worker runs ``work`` (one real training step) again and again, so the
+    server's threads wake up on cores the workers keep busy. Ranks that time nothing return None for it."""
+    if not ctx.distributed or ctx.world_size < 2:
+        return {"ddp_tiny": 0.0, "round_trip_tiny": 0.0}
+    if not beside:
+        return {"ddp_tiny": _ddp_tiny(), "round_trip_tiny": None}
+    return {"ddp_tiny": None, "round_trip_tiny": _round_trip_tiny(ctx, work)}
+
+
+def _tiny() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)  # the same weights on every rank, as DDP requires
+    return nn.Linear(1, 1), torch.ones(4, 1), torch.zeros(4, 1)
+
+
+def _steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Median seconds of a training step (forward, loss, backward, SGD step) of ``model``."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    seconds = []
+    dist.barrier()  # every rank steps at once, as workers do
+    for i in range(WARMUP + STEPS):
+        t = time.perf_counter()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if i >= WARMUP:
+            seconds.append(time.perf_counter() - t)
+    return statistics.median(seconds)
+
+
+def _ddp_tiny() -> float:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, x, y = _tiny()
+    bare = _steps(copy.deepcopy(model), x, y)
+    wrapped = _steps(DDP(model), x, y)
+    return max(0.0, wrapped - bare)
+
+
+DONE = "phalanx/estimate/round-trips-done"
+
+
+def _round_trip_tiny(ctx, work: Callable[[], None]) -> Optional[float]:
+    """Rank 0 serves worker rank 1 (the real :class:`~phalanx.strategies.ps.server.Server`), which times its
+    replies; the other ranks compute until it is done (it says so in the job's store)."""
+    from ..strategies.ps.aggregate import Asynchronous
+    from ..strategies.ps.protocol import WorkerChannel
+    from ..strategies.ps.server import Server
+
+    model, _, _ = _tiny()
+    rounds = WARMUP + STEPS
+    dist.barrier()
+    if ctx.rank == 0:
+        server = Server(model, torch.optim.SGD(model.parameters(), lr=0.0), 2, ctx.device, None, Asynchronous(1),
+                        rounds)
+        while server.global_step() < rounds:
+            server.serve_one_step()
+        server.drain()
+        return None
+    if ctx.rank > 1:
+        while not ctx.store.check([DONE]):
+            work()
+        return None
+    channel = WorkerChannel(2, 0, ctx.device)
+    channel.hello()
+    reply, _, _ = channel.reply()
+    grad, empty = torch.zeros(2), torch.zeros(0, dtype=torch.float64)
+    seconds, pushes = [], 0
+    while not reply.stop:
+        t = time.perf_counter()
+        channel.push(reply.version, 0.0, grad, empty)
+        pushes += 1
+        reply, _, _ = channel.reply()
+        seconds.append(time.perf_counter() - t)
+    channel.bye(pushes)
+    ctx.store.set(DONE, "1")
+    return statistics.median(seconds[WARMUP:] or seconds)
