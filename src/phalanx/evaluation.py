@@ -22,7 +22,7 @@ from torch import nn
 
 from .data import eval_batches, load_data
 from .data.datasets import DATASETS
-from .data.user import cast_inputs
+from .data.user import cast_to_model
 from .errors import PhalanxError
 from .metrics import Totals, add_up, said
 from .models import MODELS
@@ -68,7 +68,7 @@ class Evaluation:
                                              cfg.synthetic_size or 4096, cfg.seed)
         self.device = _device(cfg)
         self.model = self._model(meta, bundle).to(self.device)
-        self.data = cast_inputs(bundle, _dtype(self.model)) if self.task.data is not None else bundle
+        self.data = cast_to_model(bundle, self.model) if self.task.data is not None else bundle
 
     def _model(self, meta: dict[str, Any], bundle: Any) -> nn.Module:
         """The checkpoint's architecture: built with the input shape and classes it was trained with, then
@@ -111,10 +111,6 @@ def _device(cfg: TrainConfig) -> torch.device:
     from .devices import resolve_devices
 
     return resolve_devices(cfg.devices, strict=cfg.strict_devices)[0]
-
-
-def _dtype(model: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 # --------------------------------------------------------------------------- the command

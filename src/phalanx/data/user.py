@@ -147,6 +147,12 @@ def _split(data: ArrayDataset, fraction: float, seed: int) -> tuple[ArrayDataset
     return data.subset(order[n_out:]), data.subset(order[:n_out])
 
 
+def cast_to_model(bundle: DataBundle, model: torch.nn.Module) -> DataBundle:
+    """:func:`cast_inputs` to ``model``'s parameter dtype: its first floating parameter's (float32 if none)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return cast_inputs(bundle, dtype)
+
+
 def cast_inputs(bundle: DataBundle, dtype: torch.dtype) -> DataBundle:
     """Floating inputs (and regression targets) in the model's parameter dtype (scikit-learn gives float64),
     said once in the header."""

@@ -53,11 +53,11 @@ class EstimateResult:
 
     def plot(self, path: Union[str, Path]) -> Path:
         """What ``--plot PATH`` draws: examples/s and efficiency against workers (.png, .pdf or .svg)."""
+        from .options import check_plot_suffix
         from .report import check_plot_path, plot
 
         path = str(path)
-        if not path.lower().endswith((".png", ".pdf", ".svg")):
-            raise PhalanxError(f"plot {path}: name a .png, .pdf or .svg file")
+        check_plot_suffix(path, "plot")
         check_plot_path(path)
         plot(self.estimate, path)
         return Path(path)

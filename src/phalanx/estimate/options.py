@@ -79,8 +79,8 @@ class EstimateOptions:
         check_link_pair(self.link_bandwidth, self.link_latency)
         if self.measure_link is not None and not isinstance(self.measure_link, bool):
             raise PhalanxError(f"--measure-link is on or off, got {self.measure_link!r}")
-        if self.plot is not None and not self.plot.lower().endswith((".png", ".pdf", ".svg")):
-            raise PhalanxError(f"--plot {self.plot}: name a .png, .pdf or .svg file")
+        if self.plot is not None:
+            check_plot_suffix(self.plot)
 
     @property
     def strategies(self) -> tuple[str, ...]:
@@ -89,3 +89,9 @@ class EstimateOptions:
     @property
     def link_given(self) -> bool:
         return self.link_bandwidth is not None
+
+
+def check_plot_suffix(path: str, flag: str = "--plot") -> None:
+    """The scaling plot's file names a format matplotlib writes here, or one line."""
+    if not path.lower().endswith((".png", ".pdf", ".svg")):
+        raise PhalanxError(f"{flag} {path}: name a .png, .pdf or .svg file")

@@ -79,7 +79,7 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
         return _beside(ctx, spec, beside)
 
     from ..data import Prefetcher, ShardedBatches, load_data
-    from ..data.user import cast_inputs
+    from ..data.user import cast_to_model
     from ..task import task_from
 
     cfg, device = spec.config, ctx.device
@@ -87,7 +87,7 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
     data = task.data or load_data(cfg.data, cfg.data_dir, tuple(cfg.synthetic_shape), cfg.synthetic_size, cfg.seed)
     torch.manual_seed(cfg.seed)
     model = task.make_model(data.input_shape, data.num_classes).to(device)
-    data = cast_inputs(data, next(model.parameters()).dtype)
+    data = cast_to_model(data, model)
     workers = ctx.world_size - beside
     shards = workers if cfg.batch_size * workers <= len(data.train) else 1
     batches = ShardedBatches(data.train, cfg.batch_size, (ctx.rank - beside) % shards, shards, cfg.seed)

@@ -21,7 +21,7 @@ from ..costs import Compute, CostModel, ModelFacts, Network, Prediction, cost_mo
 from ..devices import resolve_devices
 from ..errors import PhalanxError
 from ..launcher import available_cores
-from ..data.user import cast_inputs
+from ..data.user import cast_to_model
 from ..task import Task, named_optimizer, task_from, user_task
 from ..strategies import Job, Options, strategy_class
 from ..train import TrainConfig
@@ -99,7 +99,7 @@ def prepare(options: EstimateOptions, train_values: dict, strategy_values: dict,
     torch.manual_seed(config.seed)
     model = task.make_model(facts.input_shape, facts.num_classes)
     if task.data is not None:  # float64 numpy inputs meet float32 parameters, as in train
-        facts = data_facts(config, cast_inputs(task.data, next(model.parameters()).dtype))
+        facts = data_facts(config, cast_to_model(task.data, model))
     caps = (cost_model(o).bucket_mb(o) for o in strategies.values())
     bucket_mb = next((cap for cap in caps if cap is not None), DEFAULT_BUCKET_MB)
     sizes = model_facts(model, facts.example[0], config.batch_size, bucket_mb)

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..costs import Compute, Link, ModelFacts, Network
 from ..data import DataBundle, load_data
-from ..data.user import cast_inputs
+from ..data.user import cast_to_model
 from ..task import Task, task_from
 from ..train import TrainConfig
 
@@ -46,7 +46,7 @@ class Problem:
         data = self.data(seed)
         torch.manual_seed(seed)
         model = self.task.make_model(data.input_shape, data.num_classes)
-        cast_inputs(data, next(model.parameters()).dtype)
+        cast_to_model(data, model)
         return model
 
 

@@ -24,7 +24,7 @@ from ..data import DataBundle
 from ..devices import backend_for, resolve_devices
 from ..errors import JobHung, PhalanxError, Stopped, WorkerFailed
 from ..launcher import in_torchrun, launch, launcher_rank, launcher_world_size
-from ..data.user import cast_inputs
+from ..data.user import cast_to_model
 from ..task import Task, named_optimizer, user_task
 from ..strategies import Job, Layout
 from . import checkpoint as ckpt
@@ -99,8 +99,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         model = task.make_model(facts.input_shape, facts.num_classes)
         if task.data is not None:  # float64 numpy inputs meet float32 parameters: cast once, here
-            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-            facts = checks.data_facts(cfg, cast_inputs(task.data, dtype))
+            facts = checks.data_facts(cfg, cast_to_model(task.data, model))
         checks.check_model(model, facts, task.loss_fn, task.metrics)
         checks.check_optimizer(task, model)
         devices = worker_devices(cfg)
