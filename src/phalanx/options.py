@@ -127,3 +127,11 @@ def field_flag(cls: type, name: str) -> str:
         if field.name == name:
             return flag_name(field)
     return "--" + name.replace("_", "-")
+
+
+def parsed_as_flag(cls: type, name: str, value: Any) -> Any:
+    """A keyword given from Python as the flag's text (``link_bandwidth="25GB/s"``), parsed as the flag
+    parses it; any other value (and a name ``cls`` has no field for) as given."""
+    field = next((f for f in dataclasses.fields(cls) if f.name == name), None)
+    parse = field.metadata.get("parse") if field is not None else None
+    return parse(value) if isinstance(value, str) and parse is not None else value

@@ -20,7 +20,7 @@ import dataclasses
 from typing import Any, Callable, Iterable, Optional, Union
 
 from ..errors import PhalanxError
-from ..options import declared
+from ..options import declared, parsed_as_flag
 
 #: TrainConfig fields a comparison sets per run, and what to give instead
 PER_RUN_INSTEAD = {"steps": "max_steps=", "stop_at": "target=", "stop_at_accuracy": "target=",
@@ -52,7 +52,7 @@ def compare(*, model: Any = None, train_data: Any = None, test_data: Any = None,
     if isinstance(model, str):
         settings["model"], model = model, None
     sim_names = {f.name for f in declared(SimulateOptions)} - {"simulate"}
-    sim = {k: _parsed(SimulateOptions, k, v) for k, v in settings.items() if k in sim_names}
+    sim = {k: parsed_as_flag(SimulateOptions, k, v) for k, v in settings.items() if k in sim_names}
     train = {k: v for k, v in settings.items() if k not in sim_names}
     _refuse_unknown(train, set(shared_fields()))
     options = CompareOptions(**{k: v for k, v in (("strategies", _listed(strategies, "strategies")),
@@ -89,13 +89,6 @@ def _listed(value: Any, name: str) -> Optional[str]:
     except TypeError:
         raise PhalanxError(f"{name}={value!r}: give a comma-separated string or a list, e.g. "
                            f"{name}={'(8, 64, 256)' if name == 'simulate_workers' else repr('sync,ps')}") from None
-
-
-def _parsed(cls: type, name: str, value: Any) -> Any:
-    """A string given for a field that the flag parses (``link_bandwidth="25GB/s"``), parsed as the flag is."""
-    field = next(f for f in dataclasses.fields(cls) if f.name == name)
-    parse = field.metadata.get("parse")
-    return parse(value) if isinstance(value, str) and parse is not None else value
 
 
 def _refuse_unknown(settings: dict[str, Any], shared: set[str]) -> None:

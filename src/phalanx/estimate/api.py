@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from ..errors import PhalanxError
+from ..options import parsed_as_flag
 
 
 @dataclasses.dataclass
@@ -93,8 +94,7 @@ def estimate(*, model: Any = None, train_data: Any = None, test_data: Any = None
         settings["model"], model = model, None
     if isinstance(optimizer, str):
         settings["optimizer"], optimizer = optimizer, None
-    own = {f.name: f for f in dataclasses.fields(EstimateOptions)}
-    known = set(own) | set(TRAIN_FLAGS) | set(_owners())
+    known = {f.name for f in dataclasses.fields(EstimateOptions)} | set(TRAIN_FLAGS) | set(_owners())
     for name in settings:
         if name not in known:
             raise PhalanxError(f"estimate() has no setting {name}=; it takes the flags of phalanx estimate as keywords "
@@ -102,7 +102,7 @@ def estimate(*, model: Any = None, train_data: Any = None, test_data: Any = None
         if name in ("plot", "json"):
             raise PhalanxError(f"{name}= is the command's way to show the estimate; call .{name.replace('json', 'to_dict')}"
                                f"() on the result instead")
-    values = {name: _parsed(own.get(name), value) for name, value in settings.items()}
+    values = {name: parsed_as_flag(EstimateOptions, name, value) for name, value in settings.items()}
     options, train_values, strategy_values = options_from_args(argparse.Namespace(**values))
     objects = {k: v for k, v in (("model", model), ("train_data", train_data), ("test_data", test_data),
                                  ("loss_fn", loss_fn), ("optimizer", optimizer)) if v is not None}
@@ -110,8 +110,3 @@ def estimate(*, model: Any = None, train_data: Any = None, test_data: Any = None
     say = (lambda line: None) if quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     return EstimateResult(run(setup, say))
 
-
-def _parsed(field: Optional[dataclasses.Field], value: Any) -> Any:
-    """A string given for a field the flag parses (``link_latency="10us"``), parsed as the flag is."""
-    parse = field.metadata.get("parse") if field is not None else None
-    return parse(value) if isinstance(value, str) and parse is not None else value
