@@ -2,6 +2,8 @@
 
 - the measurement runs the real code on gloo workers: DDP on 2, and the parameter server's protocol
   and server with a worker pushing while another computes (the server beside them times no step);
+  every timed round comes after one real step (gloo's threads idle, as in training), and a long
+  step means fewer rounds, the same on every rank;
 - the summary takes the medians over the measuring processes, the server's missing figures left out;
 - the cost models add exactly the measured figure less what they already price for that model (its
   all-reduce, its four messages), once per step (sync) or per update (ps), and say so in a note.
@@ -15,7 +17,7 @@ from helpers import run_workers
 from phalanx.costs import Compute, Link, ModelFacts, Network, allreduce, predict_ps, predict_sync
 from phalanx.costs.ps import round_trip_fixed
 from phalanx.costs.sync import ddp_fixed
-from phalanx.estimate.overhead import fixed_costs
+from phalanx.estimate.overhead import MIN_STEPS, STEPS, WARMUP, fixed_costs
 from phalanx.estimate.profile import Conditions, summarise
 
 MS = 1e-3
@@ -32,12 +34,18 @@ def compute(**changes) -> Compute:
     return Compute(**values)
 
 
-def _every_rank(ctx, beside):
+def _every_rank(ctx, beside, step_s=1e-3):
     import torch
     import torch.distributed as dist
 
     w = torch.randn(64, 64)
-    mine = fixed_costs(ctx, beside, lambda: (w @ w).sum().item())  # a worker's step, while another pushes
+    steps = []
+
+    def work():  # a worker's real step, while another pushes
+        steps.append((w @ w).sum().item())
+
+    mine = {**fixed_costs(ctx, beside, work, step_s if ctx.rank == ctx.world_size - 1 else 0.0),
+            "work": len(steps)}  # the last rank's step is the slowest: every rank takes its round count
     every = [None] * ctx.world_size
     dist.all_gather_object(every, mine)
     return every
@@ -49,16 +57,25 @@ ROWS = {"rows": [(1, 1, 1, 1, 1)], "blocks": [1.0], "micro": {}, "pack": 0.0, "c
 
 def test_a_tiny_models_ddp_step_is_measured_on_two_workers():
     every = run_workers(_every_rank, 2, 0)
-    assert all(r["ddp_tiny"] >= 0 and r["round_trip_tiny"] is None for r in every)
+    assert all(r["ddp_tiny"] >= 0 and r["allreduce_tiny"] > 0 and r["round_trip_tiny"] is None for r in every)
+    assert every[0]["allreduce_tiny"] == every[1]["allreduce_tiny"]  # each round's least over the ranks
+    assert [r["work"] for r in every] == [3 * (WARMUP + STEPS)] * 2  # a real step before each bare, DDP, all-reduce
+    slow = run_workers(_every_rank, 2, 0, 1.0)  # a 1-second step: the fewest rounds, on both ranks
+    assert [r["work"] for r in slow] == [3 * (WARMUP + MIN_STEPS)] * 2
+    every = [{k: v for k, v in r.items() if k != "work"} for r in every]
     c = summarise([{**ROWS, **r} for r in every], Conditions(2, 1, "cpu"), cores=2)
     assert c.ddp_tiny == pytest.approx((every[0]["ddp_tiny"] + every[1]["ddp_tiny"]) / 2) and c.round_trip_tiny == 0
-    alone = summarise([{**ROWS, "ddp_tiny": 0.0, "round_trip_tiny": 0.0}], Conditions(1, 2, "cpu"), cores=2)
-    assert (alone.ddp_tiny, alone.round_trip_tiny) == (0.0, 0.0)
+    assert c.allreduce_tiny == every[0]["allreduce_tiny"]
+    alone = summarise([{**ROWS, "ddp_tiny": 0.0, "allreduce_tiny": 0.0, "round_trip_tiny": 0.0}],
+                      Conditions(1, 2, "cpu"), cores=2)
+    assert (alone.ddp_tiny, alone.allreduce_tiny, alone.round_trip_tiny) == (0.0, 0.0, 0.0)
 
 
 def test_a_ps_round_trip_is_measured_through_the_real_server_while_another_worker_computes():
     server, pusher, computing = run_workers(_every_rank, 3, 1)  # rank 0 beside the two workers: the server
     assert pusher["round_trip_tiny"] > 0 and server["round_trip_tiny"] is computing["round_trip_tiny"] is None
+    assert pusher["allreduce_tiny"] is None
+    assert pusher["work"] == WARMUP + STEPS and server["work"] == 0  # a real step before each push
     c = summarise([{"beside": True, **server}, {**ROWS, **pusher}, {**ROWS, **computing}],
                   Conditions(2, 1, "cpu", beside=1), cores=2)
     assert c.round_trip_tiny == pusher["round_trip_tiny"] and c.ddp_tiny == 0
@@ -90,3 +107,17 @@ def test_ps_adds_the_protocols_fixed_waiting_to_every_workers_cycle_less_its_fou
     # Many workers keep the server busy: it is the bottleneck either way, and the waiting, which is not its
     # work, leaves its pace alone.
     assert predict_ps(c, FACTS, NET, 64).step == pytest.approx(predict_ps(one, FACTS, NET, 64).step, rel=1e-3)
+
+
+def test_a_periodic_round_pays_the_measured_wake_once_less_the_all_reduce_it_prices():
+    """local SGD's averaging and DiLoCo's outer round follow H steps of compute: each adds the tiny all-reduce
+    measured after a real step, less that all-reduce's price, once per round (so 1/H per step)."""
+    from phalanx.costs import predict_diloco, predict_local_sgd
+    from phalanx.costs.inputs import wake
+
+    c = compute(allreduce_tiny=2.2 * MS)
+    extra = 2.2 * MS - allreduce(NET, 2, 8)
+    assert wake(c, NET) == pytest.approx(extra) == pytest.approx(2.0 * MS, rel=1e-3)
+    for predict in (lambda c: predict_local_sgd(c, FACTS, NET, 2, 8), lambda c: predict_diloco(c, FACTS, NET, 2, 8)):
+        assert predict(c).step == pytest.approx(predict(compute()).step + extra / 8)
+    assert wake(compute(allreduce_tiny=0.1 * MS), NET) == 0.0 and wake(compute(processes=1, allreduce_tiny=1.0), NET) == 0.0

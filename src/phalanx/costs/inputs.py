@@ -49,6 +49,8 @@ class Compute:
     ddp_tiny: float = 0.0
     #: a parameter server's push-to-reply round trip through the real server, its four messages included
     round_trip_tiny: float = 0.0
+    #: an 8-byte all-reduce right after a real step (gloo's threads idle, as at a periodic averaging)
+    allreduce_tiny: float = 0.0
 
     @property
     def step(self) -> float:
@@ -126,6 +128,25 @@ def allreduce(net: Network, ranks: int, nbytes: float, hierarchical: bool = Fals
     within = 2 * ((local - 1) * net.intra.alpha + nbytes * net.intra.beta)
     messages, moved = ring_terms(nodes, nbytes)
     return within + messages * net.inter.alpha + moved * net.inter.beta
+
+
+TINY_BYTES = 8  #: the gradient of the 2-parameter model the fixed costs are measured with (estimate/overhead.py)
+
+
+def beyond_tiny_allreduce(measured: float, compute: Compute, net: Network) -> float:
+    """What a measurement with the 2-parameter model took beyond its 8-byte all-reduce as the link prices it
+    (the link is measured back to back; the measurement runs after a real step, as training does)."""
+    ranks = compute.processes
+    if measured <= 0 or ranks < 2:
+        return 0.0
+    return max(0.0, measured - allreduce(Network(net.intra, net.intra, ranks), ranks, TINY_BYTES))
+
+
+def wake(compute: Compute, net: Network) -> float:
+    """Seconds a collective that follows a stretch of compute pays beyond its messages and bytes: gloo's threads
+    have gone idle and must be woken (``compute.allreduce_tiny``: an 8-byte all-reduce right after a real step,
+    less its price). Charged once per periodic round (local SGD's averaging, DiLoCo's outer round)."""
+    return beyond_tiny_allreduce(compute.allreduce_tiny, compute, net)
 
 
 def allreduce_cpu(net: Network, ranks: int, nbytes: float) -> float:

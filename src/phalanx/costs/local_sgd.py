@@ -4,12 +4,13 @@ An averaging is torch's ``PeriodicModelAverager``: flatten the parameters into o
 divide it by N, all-reduce it, and point the parameters at their slices of it (no copy back);
 between averagings nothing crosses the link and the loop needs no collective. The workers meet
 only at an averaging, where the slowest one's lead is waited for, so per step the
-cost is the worker's own iteration plus (averaging + one step's spread between workers) / H.
+cost is the worker's own iteration plus (averaging + one step's spread between workers) / H. An
+averaging follows H steps of compute, so gloo's threads must be woken for it (``inputs.wake``, measured).
 """
 
 from __future__ import annotations
 
-from .inputs import Compute, ModelFacts, Network, allreduce, allreduce_cpu, cpu_bound
+from .inputs import Compute, ModelFacts, Network, allreduce, allreduce_cpu, cpu_bound, wake
 from .model import Alternative, CostModel
 from .prediction import Prediction
 
@@ -20,7 +21,7 @@ def predict_local_sgd(compute: Compute, facts: ModelFacts, net: Network, workers
     if workers == 1:
         return Prediction("local-sgd", 1, 1, compute.step, examples, compute.step, compute.step)
     nbytes = facts.param_bytes
-    reduce = allreduce(net, workers, nbytes)
+    reduce = allreduce(net, workers, nbytes) + wake(compute, net)
     average = compute.pack + compute.copy + reduce  # flatten into a new vector, divide it, all-reduce
     copied = (compute.pack + compute.copy + allreduce_cpu(net, workers, nbytes)) / sync_every
     notes = [f"parameters ({nbytes / 1e6:.3g} MB) averaged every {sync_every} steps: "

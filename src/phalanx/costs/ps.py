@@ -30,7 +30,7 @@ from __future__ import annotations
 import heapq
 from typing import Optional
 
-from .inputs import Compute, ModelFacts, Network, cpu_bound
+from .inputs import TINY_BYTES, Compute, ModelFacts, Network, cpu_bound
 from .model import Alternative, CostModel
 from .prediction import Prediction
 
@@ -85,7 +85,6 @@ def steady_state(groups: list[tuple[int, float, float, float]], apply: float, un
     return workers / rate
 
 
-TINY_BYTES = 8  #: the gradient of the 2-parameter model the round trip is measured with (estimate/overhead.py)
 
 
 def round_trip_fixed(compute: Compute, net: Network) -> float:

@@ -19,21 +19,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from .inputs import Compute, ModelFacts, Network, allreduce, allreduce_cpu, cpu_bound
+from .inputs import Compute, ModelFacts, Network, allreduce, allreduce_cpu, beyond_tiny_allreduce, cpu_bound
 from .model import Alternative, CostModel
 from .prediction import Prediction
 from .timeline import Op, finish, one_stream
 
-TINY_BYTES = 8  #: the gradient of the 2-parameter model the fixed cost is measured with (estimate/overhead.py)
-
-
 def ddp_fixed(compute: Compute, net: Network) -> float:
     """DDP's fixed seconds per step: the measured DDP step of a 2-parameter model over its bare step
     (``compute.ddp_tiny``, in the measuring processes), less the 8-byte all-reduce this model prices itself."""
-    ranks = compute.processes
-    if compute.ddp_tiny <= 0 or ranks < 2:
-        return 0.0
-    return max(0.0, compute.ddp_tiny - allreduce(Network(net.intra, net.intra, ranks), ranks, TINY_BYTES))
+    return beyond_tiny_allreduce(compute.ddp_tiny, compute, net)
 
 
 def overlaps(compute: Compute, extra_processes: int = 0) -> bool:

@@ -127,7 +127,8 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    result.update(fixed_costs(ctx, beside, work))  # beyond compute and bytes: DDP's machinery, a ps round trip
+    step_s = statistics.median(sum(row[:4]) for row in rows)
+    result.update(fixed_costs(ctx, beside, work, step_s))  # beyond compute and bytes: DDP's machinery, a ps round trip
     if not ctx.distributed:
         return [result]
     every: list = [None] * ctx.world_size
@@ -144,7 +145,7 @@ def _beside(ctx, spec: ProbeSpec, beside: int) -> list[dict]:
     if spec.micro_batches:  # every rank creates every group the workers' pipelining schedule makes (_engine)
         for r in range(dist.get_world_size()):
             dist.new_group([r])
-    result = {"beside": True, **fixed_costs(ctx, beside, lambda: None)}
+    result = {"beside": True, **fixed_costs(ctx, beside, lambda: None, 0.0)}
     every: list = [None] * ctx.world_size
     dist.all_gather_object(every, result)
     return every
@@ -313,6 +314,7 @@ def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = 
 
     trips = [r["round_trip_tiny"] for r in every if r.get("round_trip_tiny") is not None]
     excess = [r["ddp_tiny"] for r in every if r.get("ddp_tiny") is not None]
+    woken = [r["allreduce_tiny"] for r in every if r.get("allreduce_tiny") is not None]
     every = [r for r in every if not r.get("beside")]  # they timed no step
     rows = [row for result in every for row in result["rows"]]
     med = [statistics.median(row[k] for row in rows) for k in range(5)]
@@ -326,6 +328,7 @@ def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = 
     engine = {m: statistics.median(result["engine"][m] for result in every) for m in every[0].get("engine", {})}
     on_cpu = conditions.device == "cpu"
     fixed = {"ddp_tiny": statistics.median(excess) if excess else 0.0,
+             "allreduce_tiny": statistics.median(woken) if woken else 0.0,
              "round_trip_tiny": statistics.median(trips) if trips else 0.0}
     return Compute(forward=med[0], backward=med[1], optimizer=med[2], loop=med[3], slowest=slowest, cpu=med[4],
                    processes=conditions.processes, threads=conditions.threads,

@@ -30,8 +30,9 @@ def describe(est: Estimate) -> str:
             lines.append(f"    beyond compute and bytes: a parameter server's round trip of a 2-parameter model, "
                          f"another worker computing: {fmt_seconds(m.round_trip_tiny)}")
         elif cond.processes > 1 and cond.device == "cpu":
-            lines.append(f"    beyond compute and bytes: a DDP step of a 2-parameter model, over its bare step: "
-                         f"+{fmt_seconds(m.ddp_tiny)}")
+            lines.append(f"    beyond compute and bytes, each after a real step: a DDP step of a 2-parameter model, "
+                         f"over its bare step: +{fmt_seconds(m.ddp_tiny)}; its all-reduce alone: "
+                         f"{fmt_seconds(m.allreduce_tiny)}")
     lines += [f"link {note}" for note in est.link_notes]
     for cls in s.predicted:
         rows = [p for p in est.predictions if p.strategy == cls.name]
