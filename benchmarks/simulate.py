@@ -2,11 +2,11 @@
 
 Two parts, each printed with medians and saved with the machine:
 
-1. **validation at W = 2**: the same comparison run for real (``Trainer`` runs, real gloo workers)
-   and simulated (the compute and the link measured here, as ``phalanx estimate`` measures them),
-   every strategy and scenario ``--repeats`` times; per (scenario, strategy) the median steps to
-   target and the median time to target of each, and simulated / real. The issue's goal: steps
-   within ±20%, time within ±25%.
+1. **validation at W = 2 and 3** (``--validate-workers``): the same comparison run for real
+   (``Trainer`` runs, real gloo workers) and simulated (the compute and the link measured here, as
+   ``phalanx estimate`` measures them), every simulated strategy and scenario ``--repeats`` times;
+   per (workers, scenario, strategy) the median steps to target and the median time to target of
+   each, and simulated / real. The issue's goal: steps within ±20%, time within ±25%.
 2. **scale**: ``--scale-workers`` (256) simulated workers x every simulated strategy x scenarios, one
    repeat each, with ``--step-time`` and a given link (the target machine's figures): the wall time
    of each simulated run and of the whole, and the peak memory of this process.
@@ -38,8 +38,8 @@ GOALS = {"steps": 0.20, "seconds": 0.25}
 
 
 def setup(strategies: str, scenarios: str, repeats: int, max_steps: int, eval_every: int, target: float,
-          batch_size: int, model: str):
-    train = TrainConfig(model=model, devices="cpu", workers=2, batch_size=batch_size)
+          batch_size: int, model: str, workers: int = 2):
+    train = TrainConfig(model=model, devices="cpu", workers=workers, batch_size=batch_size)
     options = CompareOptions(strategies=strategies, scenarios=scenarios, repeats=repeats, max_steps=max_steps,
                              eval_every=eval_every, target=target)
     return setup_from(options, train)
@@ -57,39 +57,55 @@ def medians(runs: list[RunResult]) -> dict[tuple[str, str], dict]:
 
 
 def validate(args) -> dict:
+    out = {"rows": [], "clock": {}, "real_wall_s": 0.0, "simulated_wall_s": 0.0}
+    for n in (int(w) for w in args.validate_workers.split(",")):
+        rows, clock, real_wall, sim_wall = validate_at(args, n)
+        out["rows"] += rows
+        out["clock"][n] = clock
+        out["real_wall_s"] += real_wall
+        out["simulated_wall_s"] += sim_wall
+    rows = out["rows"]
+    print(f"\n{'W':>2} {'scenario':<12} {'strategy':<12} {'real steps':>10} {'sim steps':>10} {'ratio':>6}   "
+          f"{'real s':>7} {'sim s':>7} {'ratio':>6}")
+    fmt = lambda v, f: f"{v:{f}}" if v is not None else "-"  # noqa: E731
+    for row in rows:
+        r, m = row["real"], row["simulated"]
+        print(f"{row['workers']:>2} {row['scenario']:<12} {row['strategy']:<12} {fmt(r['steps'], '10.0f')} "
+              f"{fmt(m['steps'], '10.0f')} {fmt(row['steps_ratio'], '6.2f')}   {fmt(r['seconds'], '7.2f')} "
+              f"{fmt(m['seconds'], '7.2f')} {fmt(row['seconds_ratio'], '6.2f')}")
+    within = {what: [abs(row[f"{what}_ratio"] - 1) <= goal for row in rows if row[f"{what}_ratio"] is not None]
+              for what, goal in GOALS.items()}
+    out["within"] = {what: [sum(w), len(w)] for what, w in within.items()}
+    print(f"within goal: steps {sum(within['steps'])}/{len(within['steps'])} (±20%), time "
+          f"{sum(within['seconds'])}/{len(within['seconds'])} (±25%); real runs took {out['real_wall_s']:.0f} s, "
+          f"the simulation {out['simulated_wall_s']:.0f} s (its measurements included)")
+    return out
+
+
+def validate_at(args, workers: int) -> tuple[list[dict], list[str], float, float]:
+    """One worker count: every real run, then every simulated one; the rows of medians."""
     s = setup(args.strategies, args.scenarios, args.repeats, args.max_steps, args.eval_every, args.target,
-              args.batch_size, args.model)
-    print(f"validation at 2 workers: {args.strategies} under {args.scenarios}, {args.repeats} repeats, {args.model}, "
-          f"target {args.target}", flush=True)
+              args.batch_size, args.model, workers)
+    print(f"validation at {workers} workers: {args.strategies} under {args.scenarios}, {args.repeats} repeats, "
+          f"{args.model}, target {args.target}", flush=True)
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         real = run_all(s, check(s), Path(tmp))
     real_wall = time.perf_counter() - began
     began = time.perf_counter()
     sim = SimulateOptions(simulate=True)  # compute and link measured here, as the estimate measures them
-    problem, simulated = simulate_compare(dataclasses.replace(s, simulated=True), (2,), sim,
+    problem, simulated = simulate_compare(dataclasses.replace(s, simulated=True), (workers,), sim,
                                           lambda line: print(line, file=sys.stderr, flush=True))
     sim_wall = time.perf_counter() - began
-    r, m = medians(real), medians(simulated[2])
+    r, m = medians(real), medians(simulated[workers])
     rows = []
-    print(f"\n{'scenario':<12} {'strategy':<12} {'real steps':>10} {'sim steps':>10} {'ratio':>6}   "
-          f"{'real s':>7} {'sim s':>7} {'ratio':>6}")
     for key in r:
-        row = {"scenario": key[0], "strategy": key[1], "real": r[key], "simulated": m[key]}
+        row = {"workers": workers, "scenario": key[0], "strategy": key[1], "real": r[key], "simulated": m[key]}
         for what in ("steps", "seconds"):
             a, b = r[key][what], m[key][what]
             row[f"{what}_ratio"] = b / a if a and b else None
         rows.append(row)
-        fmt = lambda v, f: f"{v:{f}}" if v is not None else "-"  # noqa: E731
-        print(f"{key[0]:<12} {key[1]:<12} {fmt(r[key]['steps'], '10.0f')} {fmt(m[key]['steps'], '10.0f')} "
-              f"{fmt(row['steps_ratio'], '6.2f')}   {fmt(r[key]['seconds'], '7.2f')} {fmt(m[key]['seconds'], '7.2f')} "
-              f"{fmt(row['seconds_ratio'], '6.2f')}")
-    within = {what: [abs(row[f"{what}_ratio"] - 1) <= goal for row in rows if row[f"{what}_ratio"] is not None]
-              for what, goal in GOALS.items()}
-    print(f"within goal: steps {sum(within['steps'])}/{len(within['steps'])} (±20%), time "
-          f"{sum(within['seconds'])}/{len(within['seconds'])} (±25%); real runs took {real_wall:.0f} s, "
-          f"the simulation {sim_wall:.0f} s (its measurements included)")
-    return {"rows": rows, "clock": list(problem.clock_notes), "real_wall_s": real_wall, "simulated_wall_s": sim_wall}
+    return rows, list(problem.clock_notes), real_wall, sim_wall
 
 
 def scale(args) -> dict:
@@ -123,12 +139,13 @@ def scale(args) -> dict:
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--model", default="mlp")
-    p.add_argument("--strategies", default="sync,ps,local-sgd:8")
-    p.add_argument("--scenarios", default="none,slow:1:2")
+    p.add_argument("--validate-workers", default="2,3")
+    p.add_argument("--strategies", default="sync,ps,ssp:2,backup:1,local-sgd:8,diloco:8")
+    p.add_argument("--scenarios", default="none,slow:1:2,pauses:0.1:4")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--max-steps", type=int, default=300)
-    p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--target", type=float, default=0.9)
+    p.add_argument("--max-steps", type=int, default=400)
+    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--target", type=float, default=0.95)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--scale-workers", type=int, default=256)
     p.add_argument("--scale-strategies", default="sync,ps,ssp:2,backup:8,local-sgd:8,diloco:8")
@@ -140,9 +157,10 @@ def main() -> None:
     p.add_argument("--link-bandwidth", type=float, default=1.25e9, help="bytes/s (default 10 Gb/s)")
     p.add_argument("--link-latency", type=float, default=20e-6)
     p.add_argument("--skip-validation", action="store_true")
+    p.add_argument("--skip-scale", action="store_true")
     args = p.parse_args()
     validation = None if args.skip_validation else validate(args)
-    scaled = scale(args)
+    scaled = None if args.skip_scale else scale(args)
     save_result("simulate", args, validation=validation, scale=scaled)
 
 
