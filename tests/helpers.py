@@ -7,6 +7,7 @@ the first failing worker's traceback raised in the test), so the tests exercise 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import subprocess
@@ -58,6 +59,30 @@ def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.Completed
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run(phalanx_cmd() + list(args), cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def run_in_process(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``phalanx *args`` in ``cwd``, run by the command's own ``main()`` in this process: the same flags,
+    checks, messages and exit status as :func:`run_cli`, without a fresh interpreter importing torch
+    (seconds), and its workers fork from this process's fork server, already warm after the first run.
+
+    For a run whose printed lines the test does not read: ``stdout`` holds this process's own lines
+    only (the header and the report are rank 0's, printed by that worker to its own stdout); ``stderr``
+    holds every error the command prints, since errors are printed here."""
+    from phalanx.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse's own usage errors exit directly
+                code = e.code
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(["phalanx", *args], code, out.getvalue(), err.getvalue())
 
 
 def python_script(path: Path, *args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
