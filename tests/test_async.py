@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch
 
-from helpers import run_and_signal, run_cli, run_workers
+from helpers import run_and_signal, run_cli, run_main, run_workers
 from phalanx import TrainConfig, Trainer
 from phalanx.errors import PhalanxError, TrainingDiverged, WorkerFailed
 from phalanx.data import load_data
@@ -187,9 +187,11 @@ def test_sync_fails_fast_naming_the_killed_rank_then_resumes(tmp_path):
     (["--strategy", "ps", "--workers", "1"], "--strategy ps needs at least 2 workers"),
     (["--straggler", "slow"], "--straggler 'slow' is not RANK:FACTOR"),
 ])
-def test_bad_input(tmp_path, flags, message):
-    out = run_cli("train", *flags, cwd=tmp_path)
-    assert out.returncode == 2 and message in out.stderr, out.stderr
+def test_bad_input(tmp_path, flags, message, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # (the command's main() in this process: refused before anything starts)
+    code, out = run_main(["train", *flags], capsys)
+    assert code == 2 and message in out.err, out.err
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_hogwild_refuses_cuda():
