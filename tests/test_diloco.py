@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import run_cli, run_workers
+from helpers import run_cli, run_in_process, run_workers
 from phalanx import DiLoCo, LocalSGD, PhalanxError, Sync
 from phalanx.compare.tokens import parse_strategy
 from phalanx.strategies import Job, runtime_for
@@ -289,6 +289,6 @@ def test_resume_from_a_checkpoint_between_syncs_is_exact(digits):
 
 
 def test_cli_refuses_a_bad_option_with_exit_2(tmp_path):
-    out = run_cli("train", "--strategy", "diloco", "--outer-lr", "0", cwd=tmp_path)
+    out = run_in_process("train", "--strategy", "diloco", "--outer-lr", "0", cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.strip().endswith("--outer-lr must be positive, got 0.0"), out.stderr
     assert out.stderr.count("\n") == 1
