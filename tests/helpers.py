@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -66,23 +67,48 @@ def run_in_process(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     checks, messages and exit status as :func:`run_cli`, without a fresh interpreter importing torch
     (seconds), and its workers fork from this process's fork server, already warm after the first run.
 
-    For a run whose printed lines the test does not read: ``stdout`` holds this process's own lines
-    only (the header and the report are rank 0's, printed by that worker to its own stdout); ``stderr``
-    holds every error the command prints, since errors are printed here."""
+    ``stdout`` and ``stderr`` are what the command printed, its workers' lines included: fds 1 and 2
+    point at files of this call while it runs, and the launcher hands a worker the parent's fds as they
+    are at launch. Not for what only a process of its own shows: its exit at interpreter teardown, a
+    signal, the console script, a cold start (those tests use :func:`run_cli`)."""
     from phalanx.cli import main
 
-    out, err = io.StringIO(), io.StringIO()
     here = os.getcwd()
-    os.chdir(cwd)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        os.chdir(cwd)
+        try:
+            with _fd_to(1, out), _fd_to(2, err):
+                try:
+                    code = main(list(args))
+                except SystemExit as e:  # argparse's own usage errors exit directly
+                    code = e.code
+        finally:
+            os.chdir(here)
+        printed = []
+        for f in (out, err):
+            f.seek(0)
+            printed.append(f.read())
+    return subprocess.CompletedProcess(["phalanx", *args], code, *printed)
+
+
+@contextlib.contextmanager
+def _fd_to(fd: int, target):
+    """File descriptor ``fd`` and its Python stream (``sys.stdout`` for 1) write to ``target`` meanwhile,
+    line by line, in the order they were printed."""
+    name = {1: "stdout", 2: "stderr"}[fd]
+    getattr(sys, name).flush()
+    saved = os.dup(fd)
+    os.dup2(target.fileno(), fd)
+    stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), line_buffering=True)
+    old = getattr(sys, name)
+    setattr(sys, name, stream)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = main(list(args))
-            except SystemExit as e:  # argparse's own usage errors exit directly
-                code = e.code
+        yield
     finally:
-        os.chdir(here)
-    return subprocess.CompletedProcess(["phalanx", *args], code, out.getvalue(), err.getvalue())
+        stream.flush()
+        setattr(sys, name, old)
+        os.dup2(saved, fd)
+        os.close(saved)
 
 
 def python_script(path: Path, *args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
