@@ -64,7 +64,7 @@ def test_a_new_run_is_refused_in_another_runs_directory_and_overwrite_starts_ove
                                      "another --metrics\n")
     assert not (tmp_path / "new").exists() and _snapshot(ck) == before
 
-    out = run_cli("train", *QUICK, "--steps", "20", "--checkpoint-every", "10", "--overwrite", cwd=tmp_path)
+    out = run_in_process("train", *QUICK, "--steps", "20", "--checkpoint-every", "10", "--overwrite", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "checkpoint checkpoints/step-00000020.pt" in out.stdout
     assert [p.name for p in list_checkpoints(ck)] == ["step-00000010.pt", "step-00000020.pt"]
@@ -82,8 +82,8 @@ def test_retention_keeps_the_last_written_and_a_continued_run_appends_its_metric
     run_id = read_run(ck).run_id
     # Back to step 20, on to 35: 25, 30 and 35 are written after 40. Kept by step number, 40 (the
     # abandoned timeline) would stay and 25 go, and a bare --resume would take 40.
-    out = run_cli("train", *QUICK, "--steps", "35", "--checkpoint-every", "5", "--resume",
-                  "checkpoints/step-00000020.pt", cwd=tmp_path)
+    out = run_in_process("train", *QUICK, "--steps", "35", "--checkpoint-every", "5", "--resume",
+                         "checkpoints/step-00000020.pt", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert sorted(p.name for p in ck.glob("step-*.pt")) == ["step-00000025.pt", "step-00000030.pt",
                                                              "step-00000035.pt"]
@@ -94,7 +94,7 @@ def test_retention_keeps_the_last_written_and_a_continued_run_appends_its_metric
     assert [(e["step"], e["run_id"]) for e in resume] == [(20, run_id)]
     assert [e["step"] for e in events if e["event"] == "step"] == [10, 20, 30, 35]
 
-    out = run_cli("train", *QUICK, "--steps", "40", "--resume", cwd=tmp_path)
+    out = run_in_process("train", *QUICK, "--steps", "40", "--resume", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "resuming at step 35" in out.stdout.splitlines()[0]
     assert read_run(ck).run_id == run_id and load_checkpoint(ck)["run_id"] == run_id
@@ -177,7 +177,8 @@ def test_under_torchrun_a_restarted_attempt_continues_only_its_own_run(tmp_path,
 
     for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(name)
-    out = run_in_process("train", "--model", "mlp", "--workers", "1", "--steps", "20", "--resume", cwd=tmp_path)  # explicit
+    out = run_in_process("train", "--model", "mlp", "--workers", "1", "--steps", "20", "--resume",  # explicit
+                         cwd=tmp_path)
     assert out.returncode == 2
     assert out.stderr == ("error: checkpoint checkpoints/step-00000020.pt is already at step 20 and --steps is 20; "
                           "raise --steps to train further\n")
