@@ -73,7 +73,7 @@ def test_bare_resume_skips_a_corrupt_newest_checkpoint_naming_it(trained, tmp_pa
     newest = tmp_path / "checkpoints" / "step-00000030.pt"
     weight = load_checkpoint(newest)["model"]["0.0.weight"]
     _flip_a_byte_inside(newest, weight.numpy().tobytes()[:32])
-    out = run_cli("train", "--steps", "40", "--resume", "--log-every", "10", cwd=tmp_path)
+    out = run_in_process("train", "--steps", "40", "--resume", "--log-every", "10", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert re.search(r"warning: skipped checkpoints/step-00000030.pt, newer than step-00000020.pt: checkpoint .* is "
                      r"corrupt \(its checksum does not match", out.stderr), out.stderr
