@@ -7,10 +7,12 @@ the first failing worker's traceback raised in the test), so the tests exercise 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,6 +60,55 @@ def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.Completed
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run(phalanx_cmd() + list(args), cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def run_in_process(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``phalanx *args`` in ``cwd``, run by the command's own ``main()`` in this process: the same flags,
+    checks, messages and exit status as :func:`run_cli`, without a fresh interpreter importing torch
+    (seconds), and its workers fork from this process's fork server, already warm after the first run.
+
+    ``stdout`` and ``stderr`` are what the command printed, its workers' lines included: fds 1 and 2
+    point at files of this call while it runs, and the launcher hands a worker the parent's fds as they
+    are at launch. Not for what only a process of its own shows: its exit at interpreter teardown, a
+    signal, the console script, a cold start (those tests use :func:`run_cli`)."""
+    from phalanx.cli import main
+
+    here = os.getcwd()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        os.chdir(cwd)
+        try:
+            with _fd_to(1, out), _fd_to(2, err):
+                try:
+                    code = main(list(args))
+                except SystemExit as e:  # argparse's own usage errors exit directly
+                    code = e.code
+        finally:
+            os.chdir(here)
+        printed = []
+        for f in (out, err):
+            f.seek(0)
+            printed.append(f.read())
+    return subprocess.CompletedProcess(["phalanx", *args], code, *printed)
+
+
+@contextlib.contextmanager
+def _fd_to(fd: int, target):
+    """File descriptor ``fd`` and its Python stream (``sys.stdout`` for 1) write to ``target`` meanwhile,
+    line by line, in the order they were printed."""
+    name = {1: "stdout", 2: "stderr"}[fd]
+    getattr(sys, name).flush()
+    saved = os.dup(fd)
+    os.dup2(target.fileno(), fd)
+    stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), line_buffering=True)
+    old = getattr(sys, name)
+    setattr(sys, name, stream)
+    try:
+        yield
+    finally:
+        stream.flush()
+        setattr(sys, name, old)
+        os.dup2(saved, fd)
+        os.close(saved)
 
 
 def python_script(path: Path, *args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:

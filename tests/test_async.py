@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch
 
-from helpers import run_and_signal, run_cli, run_workers
+from helpers import run_and_signal, run_in_process, run_main, run_workers
 from phalanx import TrainConfig, Trainer
 from phalanx.errors import PhalanxError, TrainingDiverged, WorkerFailed
 from phalanx.data import load_data
@@ -25,7 +25,7 @@ def _summary(directory):
                                    ["--strategy", "hogwild"], ["--strategy", "local-sgd", "--sync-every", "4"]],
                          ids=["ps", "ssp", "hogwild", "local-sgd"])
 def test_each_strategy_trains_digits(tmp_path, flags):
-    out = run_cli("train", *flags, "--steps", "250", cwd=tmp_path)
+    out = run_in_process("train", *flags, "--steps", "250", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     accuracy = float(re.search(r"test accuracy (\d\.\d+)", out.stdout).group(1))
     assert accuracy >= 0.93
@@ -112,8 +112,8 @@ def test_local_sgd_averaging_every_step_equals_sync_with_plain_sgd(tmp_path):
 
 
 def test_ssp_bound_holds_with_a_straggler_and_every_gradient_is_applied_once(tmp_path):
-    out = run_cli("train", "--strategy", "ssp", "--staleness", "1", "--straggler", "1:3", "--steps", "80",
-                  "--log-every", "40", cwd=tmp_path)
+    out = run_in_process("train", "--strategy", "ssp", "--staleness", "1", "--straggler", "1:3", "--steps", "80",
+                         "--log-every", "40", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     s = _summary(tmp_path / "checkpoints")
     assert s["max_clock_gap"] <= 1  # no worker ever began a step more than 1 ahead of the slowest
@@ -126,7 +126,7 @@ def test_ssp_bound_holds_with_a_straggler_and_every_gradient_is_applied_once(tmp
 
 
 def test_ps_staleness_is_unbounded_and_consistent(tmp_path):
-    out = run_cli("train", "--strategy", "ps", "--straggler", "1:3", "--steps", "60", cwd=tmp_path)
+    out = run_in_process("train", "--strategy", "ps", "--straggler", "1:3", "--steps", "60", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     s = _summary(tmp_path / "checkpoints")
     assert s["staleness_bound"] is None and s["max_clock_gap"] >= 2  # the fast worker ran ahead freely
@@ -176,7 +176,7 @@ def test_sync_fails_fast_naming_the_killed_rank_then_resumes(tmp_path):
     assert re.search(r"last checkpoint: checkpoints/step-\d+\.pt; continue with --resume checkpoints/step-", err)
     last = load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))["step"]
     assert last >= 40  # the newest checkpoint before the kill is intact
-    resumed = run_cli("train", "--steps", str(last + 20), "--resume", cwd=tmp_path)
+    resumed = run_in_process("train", "--steps", str(last + 20), "--resume", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resuming at step {last}" in resumed.stdout
 
@@ -187,9 +187,11 @@ def test_sync_fails_fast_naming_the_killed_rank_then_resumes(tmp_path):
     (["--strategy", "ps", "--workers", "1"], "--strategy ps needs at least 2 workers"),
     (["--straggler", "slow"], "--straggler 'slow' is not RANK:FACTOR"),
 ])
-def test_bad_input(tmp_path, flags, message):
-    out = run_cli("train", *flags, cwd=tmp_path)
-    assert out.returncode == 2 and message in out.stderr, out.stderr
+def test_bad_input(tmp_path, flags, message, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # (the command's main() in this process: refused before anything starts)
+    code, out = run_main(["train", *flags], capsys)
+    assert code == 2 and message in out.err, out.err
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_hogwild_refuses_cuda():
@@ -211,8 +213,8 @@ def test_a_dead_server_ends_the_job_and_the_last_checkpoint_loads(tmp_path):
 def test_ps_divergence_stops_at_once_naming_its_step_and_a_checkpoint_that_exists(tmp_path, strategy):
     """lr 1e6: step 1 is finite and checkpointed, a later loss is NaN. The server stops at the first NaN
     push (no 60 s wait for workers it never told to stop, so --hang-timeout does not call it a hang)."""
-    out = run_cli("train", "--strategy", *strategy, "--lr", "1e6", "--steps", "40", "--checkpoint-every", "1",
-                  "--hang-timeout", "10", cwd=tmp_path)
+    out = run_in_process("train", "--strategy", *strategy, "--lr", "1e6", "--steps", "40", "--checkpoint-every", "1",
+                         "--hang-timeout", "10", cwd=tmp_path)
     assert out.returncode == 1, out.stderr[-3000:]
     found = re.search(r"error: model diverged with loss = nan at step (\d+); last good checkpoint: (\S+) ", out.stderr)
     assert found, out.stderr[-3000:]

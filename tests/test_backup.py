@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from helpers import run_cli
+from helpers import run_in_process
 from phalanx.strategies.ps.aggregate import Asynchronous, Rounds
 
 
@@ -35,8 +35,8 @@ def test_rounds_average_the_first_w_minus_b_fresh_gradients():
 def straggling_backup(tmp_path_factory):
     """3 workers, 1 backup, worker 3 four times as slow: most of its gradients arrive late."""
     root = tmp_path_factory.mktemp("backup")
-    out = run_cli("train", "--strategy", "backup", "--backup-workers", "1", "--workers", "3", "--straggler", "3:4",
-                  "--steps", "40", "--log-every", "20", "--eval-every", "20", cwd=root)
+    out = run_in_process("train", "--strategy", "backup", "--backup-workers", "1", "--workers", "3", "--straggler",
+                         "3:4", "--steps", "40", "--log-every", "20", "--eval-every", "20", cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     events = [json.loads(line) for line in (root / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
     return out.stdout, events

@@ -1,4 +1,9 @@
-"""End to end through the installed ``phalanx`` command, on the embedded digits data."""
+"""End to end through the installed ``phalanx`` command, on the embedded digits data.
+
+Input refused before anything starts goes through the command's own ``main()`` in this process (the
+same parsing, checks, message and exit status, without a second of interpreter start-up per case);
+one refusal still goes through the installed command.
+"""
 
 import json
 import re
@@ -8,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from helpers import run_cli
+from helpers import run_cli, run_in_process, run_main
 from phalanx.train.checkpoint import list_checkpoints
 
 
@@ -55,26 +60,28 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize("flags, message", BAD_INPUTS, ids=[f[1][:24] for f in BAD_INPUTS])
-def test_bad_input_is_one_line_and_exit_2(tmp_path, flags, message):
-    out = run_cli("train", *flags, cwd=tmp_path)
-    assert out.returncode == 2
-    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
-    assert len(errors) == 1 and message in errors[0], out.stderr
-    assert "Traceback" not in out.stderr
+def test_bad_input_is_one_line_and_exit_2(tmp_path, flags, message, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out = run_main(["train", *flags], capsys)
+    assert code == 2 and out.out == "", out
+    errors = [ln for ln in out.err.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], out.err
+    assert "Traceback" not in out.err
     assert not (tmp_path / "checkpoints").exists()  # no partial files left behind
 
 
 def test_unwritable_checkpoint_directory(tmp_path):
+    """Through the installed command: its exit status and stderr, not only main()'s."""
     (tmp_path / "afile").write_text("not a directory")
     out = run_cli("train", "--checkpoint-dir", "afile/ckpt", cwd=tmp_path)
-    assert out.returncode == 2
+    assert out.returncode == 2 and out.stdout == ""
     assert "error: cannot write checkpoints to afile/ckpt" in out.stderr and "choose another --checkpoint-dir" in out.stderr
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("trained")
-    out = run_cli("train", "--steps", "20", "--checkpoint-every", "10", cwd=root)
+    out = run_in_process("train", "--steps", "20", "--checkpoint-every", "10", cwd=root)
     assert out.returncode == 0, out.stderr
     return root
 
@@ -83,13 +90,14 @@ def _snapshot(directory):
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
-def test_corrupt_checkpoint_on_resume(trained, tmp_path):
+def test_corrupt_checkpoint_on_resume(trained, tmp_path, capsys, monkeypatch):
     bad = tmp_path / "step-00000010.pt"
     bad.write_bytes(b"\x00garbage" * 100)
     before = _snapshot(tmp_path)
-    out = run_cli("train", "--steps", "40", "--resume", str(bad), "--checkpoint-dir", str(tmp_path), cwd=tmp_path)
-    assert out.returncode == 2
-    assert "is corrupt or not a phalanx checkpoint" in out.stderr and "resume from an earlier step-*.pt" in out.stderr
+    monkeypatch.chdir(tmp_path)
+    code, out = run_main(["train", "--steps", "40", "--resume", str(bad), "--checkpoint-dir", str(tmp_path)], capsys)
+    assert code == 2
+    assert "is corrupt or not a phalanx checkpoint" in out.err and "resume from an earlier step-*.pt" in out.err
     assert _snapshot(tmp_path) == before  # the user's files are untouched
 
 
@@ -98,12 +106,13 @@ def test_corrupt_checkpoint_on_resume(trained, tmp_path):
     (["--data", "synthetic"], "written with data = 'digits' but this run has 'synthetic'"),
     (["--steps", "20"], "already at step 20 and --steps is 20"),
 ])
-def test_mismatched_checkpoint_on_resume(trained, flags, message):
+def test_mismatched_checkpoint_on_resume(trained, flags, message, capsys, monkeypatch):
     before = _snapshot(trained / "checkpoints")
-    out = run_cli("train", "--resume", *flags, cwd=trained) if "--steps" in flags else \
-        run_cli("train", "--steps", "40", "--resume", *flags, cwd=trained)
-    assert out.returncode == 2, out.stderr
-    assert message in out.stderr
+    monkeypatch.chdir(trained)
+    code, out = run_main(["train", "--resume", *flags] if "--steps" in flags else
+                         ["train", "--steps", "40", "--resume", *flags], capsys)
+    assert code == 2, out.err
+    assert message in out.err
     assert _snapshot(trained / "checkpoints") == before
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import run_cli, run_workers
+from helpers import run_in_process, run_workers
 from phalanx import DiLoCo, LocalSGD, PhalanxError, Sync
 from phalanx.compare.tokens import parse_strategy
 from phalanx.strategies import Job, runtime_for
@@ -245,8 +245,9 @@ def _metrics(directory):
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("diloco")
-    out = run_cli("train", "--strategy", "diloco", "--sync-every", "10", "--fragments", "2", "--optimizer", "adam",
-                  "--lr", "0.002", "--steps", "100", "--checkpoint-every", "45", "--log-every", "50", cwd=cwd)
+    out = run_in_process("train", "--strategy", "diloco", "--sync-every", "10", "--fragments", "2", "--optimizer",
+                         "adam", "--lr", "0.002", "--steps", "100", "--checkpoint-every", "45", "--log-every", "50",
+                         cwd=cwd)
     assert out.returncode == 0, out.stderr[-3000:]
     return cwd, out
 
@@ -274,9 +275,9 @@ def test_resume_from_a_checkpoint_between_syncs_is_exact(digits):
     middle = torch.load(cwd / "checkpoints" / "step-00000045.pt", weights_only=True)
     workers = middle["diloco"]["workers"]
     assert len(workers) == 2 and not torch.equal(workers[0]["model"]["3.weight"], workers[1]["model"]["3.weight"])
-    out = run_cli("train", "--strategy", "diloco", "--sync-every", "10", "--fragments", "2", "--optimizer", "adam",
-                  "--lr", "0.002", "--steps", "100", "--log-every", "50", "--checkpoint-dir", "resumed",
-                  "--resume", "checkpoints/step-00000045.pt", cwd=cwd)
+    out = run_in_process("train", "--strategy", "diloco", "--sync-every", "10", "--fragments", "2", "--optimizer",
+                         "adam", "--lr", "0.002", "--steps", "100", "--log-every", "50", "--checkpoint-dir", "resumed",
+                         "--resume", "checkpoints/step-00000045.pt", cwd=cwd)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming at step 45" in out.stdout
     straight = torch.load(cwd / "checkpoints" / "step-00000100.pt", weights_only=True)
@@ -289,6 +290,6 @@ def test_resume_from_a_checkpoint_between_syncs_is_exact(digits):
 
 
 def test_cli_refuses_a_bad_option_with_exit_2(tmp_path):
-    out = run_cli("train", "--strategy", "diloco", "--outer-lr", "0", cwd=tmp_path)
+    out = run_in_process("train", "--strategy", "diloco", "--outer-lr", "0", cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.strip().endswith("--outer-lr must be positive, got 0.0"), out.stderr
     assert out.stderr.count("\n") == 1

@@ -1,6 +1,7 @@
 """Elastic resume: another worker count, another strategy, flags that win over the checkpoint's.
 
-Real runs of the ``phalanx`` command (real gloo workers); one uninterrupted run is shared by every
+Real runs of the ``phalanx`` command (real gloo workers), by its ``main()`` in this process (no interpreter
+start-up per run; the workers fork from a warm fork server); one uninterrupted run is shared by every
 test that resumes from its step-20 checkpoint. The data position is pure logic, tested without processes.
 """
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import run_cli
+from helpers import run_in_process
 from phalanx import TrainConfig, Trainer
 from phalanx.data import ArrayDataset, ShardedBatches
 from phalanx.data.loader import Position, advance, epoch_generator
@@ -26,7 +27,7 @@ QUIET = ["--log-every", "4"]
 def straight(tmp_path_factory):
     """Sync on 2 workers x 48 for 40 steps, a checkpoint at step 20 and at step 40."""
     root = tmp_path_factory.mktemp("straight")
-    out = run_cli("train", "--steps", "40", "--batch-size", "48", "--checkpoint-every", "20", *QUIET, cwd=root)
+    out = run_in_process("train", "--steps", "40", "--batch-size", "48", "--checkpoint-every", "20", *QUIET, cwd=root)
     assert out.returncode == 0, out.stderr
     return root / "checkpoints"
 
@@ -44,8 +45,8 @@ def _steps(metrics) -> list[dict]:
 # ---- another worker count ----
 
 def test_three_workers_keeping_the_global_batch_end_where_two_uninterrupted_workers_end(straight, tmp_path):
-    out = run_cli("train", "--steps", "40", "--workers", "3", "--keep-global-batch", "--resume",
-                  str(straight / "step-00000020.pt"), "--checkpoint-dir", "resumed", *QUIET, cwd=tmp_path)
+    out = run_in_process("train", "--steps", "40", "--workers", "3", "--keep-global-batch", "--resume",
+                         str(straight / "step-00000020.pt"), "--checkpoint-dir", "resumed", *QUIET, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert ", resuming at step 20" in lines[0] and "global batch 96 (32 per worker x 3)" in lines[0]
@@ -57,8 +58,8 @@ def test_three_workers_keeping_the_global_batch_end_where_two_uninterrupted_work
 
 
 def test_a_global_batch_that_does_not_split_is_refused_with_the_arithmetic(straight, tmp_path):
-    out = run_cli("train", "--steps", "40", "--workers", "5", "--keep-global-batch", "--resume",
-                  str(straight / "step-00000020.pt"), "--checkpoint-dir", "resumed", cwd=tmp_path)
+    out = run_in_process("train", "--steps", "40", "--workers", "5", "--keep-global-batch", "--resume",
+                         str(straight / "step-00000020.pt"), "--checkpoint-dir", "resumed", cwd=tmp_path)
     assert out.returncode == 2, out.stderr
     assert "error: global batch 96 cannot be kept on 5 workers: 96 / 5 is not whole" in out.stderr
     assert "resume on another worker count (it splits over 4 or 6), or without --keep-global-batch (global batch " \
@@ -69,9 +70,9 @@ def test_a_global_batch_that_does_not_split_is_refused_with_the_arithmetic(strai
 
 def test_flags_given_at_resume_win_and_the_global_batch_follows_the_workers(straight, tmp_path):
     """Per-worker batch 48 kept on 3 workers: global batch 144; --lr and --lr-base-batch replace the checkpoint's."""
-    out = run_cli("train", "--steps", "24", "--workers", "3", "--batch-size", "48", "--lr", "0.01",
-                  "--lr-base-batch", "96", "--resume", str(straight / "step-00000020.pt"), "--checkpoint-dir",
-                  "resumed", *QUIET, cwd=tmp_path)
+    out = run_in_process("train", "--steps", "24", "--workers", "3", "--batch-size", "48", "--lr", "0.01",
+                         "--lr-base-batch", "96", "--resume", str(straight / "step-00000020.pt"), "--checkpoint-dir",
+                         "resumed", *QUIET, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[1] == ("resuming at step 20 with global batch 144 (was 96): the per-worker batch stays 48; lr 0.01 x "
@@ -85,8 +86,9 @@ def test_flags_given_at_resume_win_and_the_global_batch_follows_the_workers(stra
 
 
 def test_another_optimizer_starts_fresh_with_one_line(straight, tmp_path):
-    out = run_cli("train", "--steps", "24", "--optimizer", "adam", "--lr", "0.001", "--batch-size", "48",
-                  "--resume", str(straight / "step-00000020.pt"), "--checkpoint-dir", "resumed", *QUIET, cwd=tmp_path)
+    out = run_in_process("train", "--steps", "24", "--optimizer", "adam", "--lr", "0.001", "--batch-size", "48",
+                         "--resume", str(straight / "step-00000020.pt"), "--checkpoint-dir", "resumed", *QUIET,
+                         cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     said = [ln for ln in out.stdout.splitlines() if ln.startswith("--optimizer")]
     assert said == ["--optimizer adam replaces the checkpoint's sgd: adam starts from a fresh state (sgd's does not "
@@ -114,9 +116,9 @@ def test_every_strategy_resumes_another_strategys_checkpoint_on_another_worker_c
     checkpoint, step = straight / "step-00000020.pt", 20
     for strategy, workers, flags in CHAIN:
         where = tmp_path / f"{step + 3}-{strategy}"
-        out = run_cli("train", "--strategy", strategy, "--workers", str(workers), *flags, "--steps", str(step + 3),
-                      "--log-every", "1", "--keep-global-batch", "--resume", str(checkpoint), "--checkpoint-dir",
-                      str(where), cwd=tmp_path)
+        out = run_in_process("train", "--strategy", strategy, "--workers", str(workers), *flags, "--steps",
+                             str(step + 3), "--log-every", "1", "--keep-global-batch", "--resume", str(checkpoint),
+                             "--checkpoint-dir", str(where), cwd=tmp_path)
         assert out.returncode == 0, f"{strategy} on {workers}: {out.stderr}"
         assert f", resuming at step {step}" in out.stdout.splitlines()[0], out.stdout
         first, loss = re.search(r"step (\d+), loss = ([\d.]+)", out.stdout).groups()

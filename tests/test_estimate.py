@@ -486,35 +486,46 @@ def test_estimate_json_numbers_are_consistent(estimate_json):
 
 
 @pytest.mark.slow
-def test_estimate_table_with_a_measured_link(tmp_path):
-    out = run_cli("estimate", "--model", "cnn", "--strategy", "sync", "--workers", "1", "--measure-link",
-                  "--measure-steps", "3", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "measured here: gloo all-reduces of 8 sizes" in out.stdout
-    assert "sync (DDP)" in out.stdout and "examples/s" in out.stdout
-    row = next(line for line in out.stdout.splitlines() if line.split()[:2] == ["1", "1"])
+def test_estimate_table_of_one_sync_worker(tmp_path, monkeypatch):
+    """The printed table, through ``phalanx.estimate`` in this process (its ``table`` is what the command prints;
+    the command itself runs above and below)."""
+    import phalanx
+
+    monkeypatch.chdir(tmp_path)
+    table = phalanx.estimate(model="cnn", strategy="sync", workers=(1,), link_bandwidth="10GB/s", link_latency="5us",
+                             measure_steps=3, quiet=True).table
+    assert "sync (DDP)" in table and "examples/s" in table
+    row = next(line for line in table.splitlines() if line.split()[:2] == ["1", "1"])
     assert float(row.split()[-3]) == pytest.approx(1.0)  # one worker: speedup 1
 
 
 @pytest.mark.slow
-def test_a_million_ps_workers_is_answered_in_closed_form_with_little_memory(tmp_path):
-    """It took 123 s (and 10^8 workers 23 GB) while the event simulation played out every update."""
-    out = run_cli("estimate", "--strategy", "ps", "--workers", "1000000", "--link-bandwidth", "10GB/s",
-                  "--link-latency", "5us", "--measure-steps", "3", "--json", cwd=tmp_path)
+def test_a_million_ps_workers_is_answered_in_closed_form_with_little_memory_on_a_measured_link(tmp_path):
+    """It took 123 s (and 10^8 workers 23 GB) while the event simulation played out every update. The link
+    is measured here (--measure-link), not given."""
+    out = run_cli("estimate", "--strategy", "ps", "--workers", "1000000", "--measure-link", "--measure-steps", "3",
+                  "--json", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = json.loads(out.stdout)["predictions"]
+    data = json.loads(out.stdout)
+    rows = data["predictions"]
     assert [r["workers"] for r in rows] == [1_000_000] and rows[0]["step_s"] > 0
     assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 4 * 2 ** 20  # KiB: every process so far
+    within = data["links"]["within_machine"]
+    assert within["source"].startswith("measured here: gloo all-reduces of 8 sizes"), within
+    assert within["bandwidth_bytes_per_s"] > 0 and within["alpha_s"] >= 0
+    assert any("measured here: gloo all-reduces of 8 sizes" in line for line in data["links"]["notes"])
 
 
 @pytest.mark.slow
-def test_a_pipeline_estimate_of_the_cifar10_network(tmp_path):
-    """The rows once seen wrong: 1 worker faster than one worker alone (speedup 1.82), 8 workers on 5 blocks refused."""
-    out = run_cli("estimate", "--model", "cifar10", "--strategy", "pipeline", "--workers", "1,8", "--per-node", "1",
-                  "--batch-size", "16", "--link-bandwidth", "10GB/s", "--link-latency", "5us", "--measure-steps", "3",
-                  "--json", cwd=tmp_path)  # one worker per machine: one measurement serves both rows
-    assert out.returncode == 0, out.stderr[-2000:]
-    data = json.loads(out.stdout)
+def test_a_pipeline_estimate_of_the_cifar10_network(tmp_path, monkeypatch):
+    """The rows once seen wrong: 1 worker faster than one worker alone (speedup 1.82), 8 workers on 5 blocks refused.
+    (``phalanx.estimate`` in this process: ``to_dict()`` is what ``--json`` prints.)"""
+    import phalanx
+
+    monkeypatch.chdir(tmp_path)
+    data = phalanx.estimate(model="cifar10", strategy="pipeline", workers=(1, 8), per_node=1, batch_size=16,
+                            link_bandwidth="10GB/s", link_latency="5us", measure_steps=3,
+                            quiet=True).to_dict()  # one worker per machine: one measurement serves both rows
     rows = {p["workers"]: p for p in data["predictions"]}
     assert set(rows) == {1, 8} and data["skipped"] == []
     assert rows[1]["speedup"] <= 1 + 1e-9  # the same measured worker, micro-batched: never faster

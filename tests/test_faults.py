@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers import phalanx_cmd, run_and_signal, run_cli, spawned_children
+from helpers import phalanx_cmd, run_and_signal, run_cli, run_in_process, spawned_children
 from phalanx import TrainConfig, Trainer
 from phalanx.errors import JobHung
 from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -102,7 +102,7 @@ def test_the_hang_report_is_pure_logic_over_what_the_ranks_published():
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("straight")
-    out = run_cli("train", "--steps", "60", "--checkpoint-every", "1000", cwd=root)
+    out = run_in_process("train", "--steps", "60", "--checkpoint-every", "1000", cwd=root)
     assert out.returncode == 0, out.stderr
     return load_checkpoint(root / "checkpoints" / "step-00000060.pt")
 
@@ -117,7 +117,7 @@ def test_sigterm_stops_every_worker_at_one_step_and_its_checkpoint_resumes_to_th
     step = int(stopped.group(1))
     assert 20 < step < 60 and load_checkpoint(tmp_path / stopped.group(2))["step"] == step
     assert "Traceback" not in err + out and not spawned_children(os.getpid())
-    resumed = run_cli("train", "--steps", "60", "--checkpoint-every", "1000", "--resume", cwd=tmp_path)
+    resumed = run_in_process("train", "--steps", "60", "--checkpoint-every", "1000", "--resume", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     _same_parameters(uninterrupted["model"], load_checkpoint(tmp_path / "checkpoints" / "step-00000060.pt")["model"])
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import REPO
+from helpers import REPO, run_in_process
 from phalanx import Pipeline, TrainConfig, Trainer
 from phalanx.errors import PhalanxError
 from phalanx.strategies import Job
@@ -82,8 +82,8 @@ BAD_CLI = [
 
 @pytest.mark.parametrize("flags,message", BAD_CLI, ids=[" ".join(f) for f, _ in BAD_CLI])
 def test_bad_pipeline_input_is_one_clear_line(tmp_path, flags, message):
-    out = run("-m", "phalanx", "train", "--strategy", "pipeline", "--model", "lstm", "--steps", "5", *flags,
-              cwd=tmp_path)
+    # (the command's main() in this process: refused before anything starts, no interpreter start-up per case)
+    out = run_in_process("train", "--strategy", "pipeline", "--model", "lstm", "--steps", "5", *flags, cwd=tmp_path)
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.startswith("error: ") and message in out.stderr, out.stderr
     assert "Traceback" not in out.stderr

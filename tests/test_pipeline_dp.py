@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import gather, run_cli, run_workers
+from helpers import gather, run_cli, run_in_process, run_workers
 from phalanx.launcher import WorkerContext
 from phalanx.models import cnn
 from phalanx.strategies import Pipeline, runtime_for
@@ -114,7 +114,7 @@ def test_cli_trains_the_default_digits_model_to_095_on_two_stages_times_two_repl
 
 
 def test_workers_not_a_multiple_of_stages_is_one_line_with_the_arithmetic(tmp_path):
-    out = run_cli("train", "--strategy", "pipeline", "--stages", "2", "--workers", "3", cwd=tmp_path)
+    out = run_in_process("train", "--strategy", "pipeline", "--stages", "2", "--workers", "3", cwd=tmp_path)
     assert out.returncode == 2
     assert out.stderr == ("error: --workers 3 is not a multiple of --stages 2 (3 / 2 = 1.5 replicas of the pipeline); "
                           "use --workers 2 or 4\n")

@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch
 
-from helpers import run_and_signal, run_cli, small_filesystem
+from helpers import run_and_signal, run_cli, run_in_process, small_filesystem
 from phalanx.errors import PhalanxError, StorageError
 from phalanx.strategies.hogwild import reclaim_leftovers
 from phalanx.train.checkpoint import (DirectoryLock, latest_checkpoint, list_checkpoints, load_checkpoint,
@@ -61,7 +61,7 @@ def test_truncated_checkpoint_message_names_the_file_not_torchs_advice(tmp_path)
 def trained(tmp_path_factory):
     """One run: 30 steps, checkpoints at 10, 20, 30, progress logged every 10 steps."""
     root = tmp_path_factory.mktemp("trained")
-    out = run_cli("train", "--steps", "30", "--checkpoint-every", "10", "--log-every", "10", cwd=root)
+    out = run_in_process("train", "--steps", "30", "--checkpoint-every", "10", "--log-every", "10", cwd=root)
     assert out.returncode == 0, out.stderr
     return root
 
@@ -73,7 +73,7 @@ def test_bare_resume_skips_a_corrupt_newest_checkpoint_naming_it(trained, tmp_pa
     newest = tmp_path / "checkpoints" / "step-00000030.pt"
     weight = load_checkpoint(newest)["model"]["0.0.weight"]
     _flip_a_byte_inside(newest, weight.numpy().tobytes()[:32])
-    out = run_cli("train", "--steps", "40", "--resume", "--log-every", "10", cwd=tmp_path)
+    out = run_in_process("train", "--steps", "40", "--resume", "--log-every", "10", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert re.search(r"warning: skipped checkpoints/step-00000030.pt, newer than step-00000020.pt: checkpoint .* is "
                      r"corrupt \(its checksum does not match", out.stderr), out.stderr
@@ -86,7 +86,7 @@ def test_metrics_after_a_resume_carry_a_marker_and_repeat_no_step(trained, tmp_p
 
     shutil.copytree(trained / "checkpoints", tmp_path / "checkpoints")
     (tmp_path / "checkpoints" / "step-00000030.pt").unlink()  # as if the job died after step 30's log line
-    out = run_cli("train", "--steps", "40", "--resume", "--log-every", "10", cwd=tmp_path)
+    out = run_in_process("train", "--steps", "40", "--resume", "--log-every", "10", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     events = [json.loads(line) for line in (tmp_path / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
     steps = [e["step"] for e in events if e["event"] == "step"]

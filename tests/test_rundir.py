@@ -1,4 +1,9 @@
-"""One run per checkpoint directory: refused, overwritten, continued, restarted, complete (real phalanx runs)."""
+"""One run per checkpoint directory: refused, overwritten, continued, restarted, complete (real phalanx runs).
+
+A run refused before it starts is the command's own ``main()`` in this process (the same checks, message
+and exit status, without an interpreter's start-up per refusal); every run that trains is the
+installed command.
+"""
 
 import json
 import os
@@ -8,7 +13,7 @@ import socket
 
 import pytest
 
-from helpers import python_script, run_cli, small_filesystem
+from helpers import python_script, run_cli, run_in_process, run_main, small_filesystem
 from phalanx.train.checkpoint import RUN_NAME, list_checkpoints, load_checkpoint, read_run
 
 QUICK = ["--model", "mlp", "--workers", "2", "--log-every", "10", "--progress", "lines"]
@@ -27,7 +32,7 @@ def _snapshot(root):
 def first_run(tmp_path_factory):
     """A finished 40-step run: checkpoints at 20, 30, 40 (the newest 3), its metrics beside them."""
     root = tmp_path_factory.mktemp("first")
-    out = run_cli("train", *QUICK, "--steps", "40", "--checkpoint-every", "10", cwd=root)
+    out = run_in_process("train", *QUICK, "--steps", "40", "--checkpoint-every", "10", cwd=root)
     assert out.returncode == 0, out.stderr
     return root
 
@@ -38,26 +43,28 @@ def _copy(first_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_new_run_is_refused_in_another_runs_directory_and_overwrite_starts_over(first_run, tmp_path):
+def test_a_new_run_is_refused_in_another_runs_directory_and_overwrite_starts_over(first_run, tmp_path, capsys,
+                                                                                   monkeypatch):
     ck = _copy(first_run, tmp_path)
     before = _snapshot(ck)
     old = read_run(ck).run_id
+    monkeypatch.chdir(tmp_path)
     # A restarting job would have resumed the old run's step 40 at its first restart: it never starts.
-    out = run_cli("train", *QUICK, "--steps", "20", "--max-restarts", "1", cwd=tmp_path)
-    assert out.returncode == 2 and out.stdout == "", out.stderr
-    assert out.stderr == ("error: --checkpoint-dir checkpoints holds the checkpoints of another run (newest "
-                          "checkpoints/step-00000040.pt); continue that run with --resume, start over with "
-                          "--overwrite (removes them), or choose another --checkpoint-dir\n")
+    code, out = run_main(["train", *QUICK, "--steps", "20", "--max-restarts", "1"], capsys)
+    assert code == 2 and out.out == "", out.err
+    assert out.err == ("error: --checkpoint-dir checkpoints holds the checkpoints of another run (newest "
+                       "checkpoints/step-00000040.pt); continue that run with --resume, start over with "
+                       "--overwrite (removes them), or choose another --checkpoint-dir\n")
     assert _snapshot(ck) == before  # nothing touched: checkpoints, record, metrics
     # Its metrics file is the other run's too, wherever the new run's checkpoints go.
-    out = run_cli("train", *QUICK, "--steps", "20", "--checkpoint-dir", "new", "--metrics",
-                  "checkpoints/metrics.jsonl", cwd=tmp_path)
-    assert out.returncode == 2 and out.stderr == ("error: --metrics checkpoints/metrics.jsonl holds another run's "
-                                                  "metrics; start over with --overwrite (replaces it), or choose "
-                                                  "another --metrics\n")
+    code, out = run_main(["train", *QUICK, "--steps", "20", "--checkpoint-dir", "new", "--metrics",
+                          "checkpoints/metrics.jsonl"], capsys)
+    assert code == 2 and out.err == ("error: --metrics checkpoints/metrics.jsonl holds another run's "
+                                     "metrics; start over with --overwrite (replaces it), or choose "
+                                     "another --metrics\n")
     assert not (tmp_path / "new").exists() and _snapshot(ck) == before
 
-    out = run_cli("train", *QUICK, "--steps", "20", "--checkpoint-every", "10", "--overwrite", cwd=tmp_path)
+    out = run_in_process("train", *QUICK, "--steps", "20", "--checkpoint-every", "10", "--overwrite", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "checkpoint checkpoints/step-00000020.pt" in out.stdout
     assert [p.name for p in list_checkpoints(ck)] == ["step-00000010.pt", "step-00000020.pt"]
@@ -75,8 +82,8 @@ def test_retention_keeps_the_last_written_and_a_continued_run_appends_its_metric
     run_id = read_run(ck).run_id
     # Back to step 20, on to 35: 25, 30 and 35 are written after 40. Kept by step number, 40 (the
     # abandoned timeline) would stay and 25 go, and a bare --resume would take 40.
-    out = run_cli("train", *QUICK, "--steps", "35", "--checkpoint-every", "5", "--resume",
-                  "checkpoints/step-00000020.pt", cwd=tmp_path)
+    out = run_in_process("train", *QUICK, "--steps", "35", "--checkpoint-every", "5", "--resume",
+                         "checkpoints/step-00000020.pt", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert sorted(p.name for p in ck.glob("step-*.pt")) == ["step-00000025.pt", "step-00000030.pt",
                                                              "step-00000035.pt"]
@@ -87,7 +94,7 @@ def test_retention_keeps_the_last_written_and_a_continued_run_appends_its_metric
     assert [(e["step"], e["run_id"]) for e in resume] == [(20, run_id)]
     assert [e["step"] for e in events if e["event"] == "step"] == [10, 20, 30, 35]
 
-    out = run_cli("train", *QUICK, "--steps", "40", "--resume", cwd=tmp_path)
+    out = run_in_process("train", *QUICK, "--steps", "40", "--resume", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "resuming at step 35" in out.stdout.splitlines()[0]
     assert read_run(ck).run_id == run_id and load_checkpoint(ck)["run_id"] == run_id
@@ -170,26 +177,29 @@ def test_under_torchrun_a_restarted_attempt_continues_only_its_own_run(tmp_path,
 
     for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(name)
-    out = run_cli("train", "--model", "mlp", "--workers", "1", "--steps", "20", "--resume", cwd=tmp_path)  # explicit
+    out = run_in_process("train", "--model", "mlp", "--workers", "1", "--steps", "20", "--resume",  # explicit
+                         cwd=tmp_path)
     assert out.returncode == 2
     assert out.stderr == ("error: checkpoint checkpoints/step-00000020.pt is already at step 20 and --steps is 20; "
                           "raise --steps to train further\n")
 
 
-def test_empty_paths_are_refused_when_the_flags_are_read(tmp_path):
+def test_empty_paths_are_refused_when_the_flags_are_read(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     for flag in ("--checkpoint-dir", "--metrics"):
-        out = run_cli("train", flag, " ", cwd=tmp_path)
-        assert out.returncode == 2 and out.stderr.startswith(f"error: {flag} is empty (' '); give a path"), out.stderr
-    out = run_cli("train", "--overwrite", "--resume", cwd=tmp_path)
-    assert out.returncode == 2 and out.stderr == ("error: --overwrite starts a new run and --resume continues one: "
-                                                  "give one of them\n")
+        code, out = run_main(["train", flag, " "], capsys)
+        assert code == 2 and out.err.startswith(f"error: {flag} is empty (' '); give a path"), out.err
+    code, out = run_main(["train", "--overwrite", "--resume"], capsys)
+    assert code == 2 and out.err == ("error: --overwrite starts a new run and --resume continues one: "
+                                     "give one of them\n")
     assert os.listdir(tmp_path) == []
 
 
-def test_a_directory_named_like_a_checkpoint_is_refused_before_the_run(tmp_path):
+def test_a_directory_named_like_a_checkpoint_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
     (tmp_path / "checkpoints" / "step-00000100.pt").mkdir(parents=True)
-    out = run_cli("train", "--model", "mlp", "--steps", "5", cwd=tmp_path)
-    assert out.returncode == 2 and out.stderr == (
+    monkeypatch.chdir(tmp_path)
+    code, out = run_main(["train", "--model", "mlp", "--steps", "5"], capsys)
+    assert code == 2 and out.err == (
         "error: checkpoints/step-00000100.pt is a directory, not a checkpoint, but phalanx names its checkpoints "
         "so; move it out of --checkpoint-dir, or choose another --checkpoint-dir\n")
 

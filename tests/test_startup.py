@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from helpers import run_cli, run_workers
+from helpers import run_cli, run_in_process, run_workers
 from phalanx.train.checkpoint import load_checkpoint
 
 
@@ -50,9 +50,9 @@ def test_forked_and_spawned_workers_train_to_the_same_parameters_and_the_start_u
     assert all(b >= a for a, b in zip(phases.values(), list(phases.values())[1:])), phases  # in order, in time
 
 
-def test_an_unknown_start_method_is_refused_in_one_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "phalanx", "train", "--steps", "1", "--model", "mlp"], cwd=tmp_path,
-                         capture_output=True, text=True, env=dict(os.environ, PHALANX_START_METHOD="fork"))
+def test_an_unknown_start_method_is_refused_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("PHALANX_START_METHOD", "fork")
+    out = run_in_process("train", "--steps", "1", "--model", "mlp", cwd=tmp_path)
     assert out.returncode == 2
     assert out.stderr.strip() == ("error: PHALANX_START_METHOD=fork is not a way to start workers: use one of "
                                   "forkserver, spawn, or unset it"), out.stderr

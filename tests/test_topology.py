@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, run_cli
+from helpers import REPO, run_cli, run_in_process
 from phalanx.errors import PhalanxError
 from phalanx.topology import (Topology, cpu_info, order_by_islands, parse_p2p_matrix, parse_topo_matrix,
                               rank_islands)
@@ -96,7 +96,7 @@ def test_cli_on_this_machine(tmp_path):
     assert out.returncode == 0, out.stderr
     cpu = cpu_info()
     assert f"{cpu.threads} logical CPU" in out.stdout and f"{cpu.cores} core" in out.stdout
-    as_json = json.loads(run_cli("topology", "--json", cwd=tmp_path).stdout)
+    as_json = json.loads(run_in_process("topology", "--json", cwd=tmp_path).stdout)  # (printed by this process)
     assert as_json["cpu"]["threads"] == cpu.threads
     if not as_json["gpus"]:
         assert "GPUs: none" in out.stdout
@@ -106,7 +106,7 @@ def test_cli_from_a_saved_file(tmp_path):
     path = LOCAL / "h100-1gpu-ansi.txt"
     out = run_cli("topology", "--from-file", str(path), cwd=tmp_path)
     assert out.returncode == 0 and "islands (devices that all reach each other directly): [0]" in out.stdout
-    missing = run_cli("topology", "--from-file", "nope.txt", cwd=tmp_path)
+    missing = run_in_process("topology", "--from-file", "nope.txt", cwd=tmp_path)
     assert missing.returncode == 2 and "error: cannot read nope.txt" in missing.stderr
 
 
