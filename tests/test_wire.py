@@ -116,15 +116,17 @@ def test_each_collective_matches_the_loopbacks_own_count(shaping_allowed):
     """Three ranks: the sum of what every rank's meter says it sent against the payload the loopback
     carried (a fast link: 10 Gbit/s): its bytes less a TCP/IP header per packet it counted. How many
     packets (a segment of up to 64 kB under segmentation offload, an acknowledgement) depends on how
-    busy the machine is: the bytes beyond the meter's count were 0.1% to 0.6% on a quiet machine and 2.1%
-    (gather) on a loaded one. Less the headers, what is left is gloo's small control messages and a
-    barrier: under 0.5% measured, well under 1%."""
+    busy the machine is: the bytes beyond the meter's count were 0.1% to 0.6% on a quiet machine and
+    2.1% (gather) on a loaded one. Less the headers, what is left is gloo's small control messages, a
+    barrier and, on a loaded machine, segments the token bucket dropped and TCP sent again (0.45% at
+    most measured quiet, 1.0% loaded): within 2%, where a wrong count is off by a share of a rank's
+    bytes (a third, here)."""
     with shaped(parse_rate("10gbit")):
         out = run_workers(_collectives, 3)
     for name, (counted, link, packets) in out.items():
         assert counted > 0, name
         payload = link - HEADERS * packets
-        assert abs(payload - counted) <= 0.01 * counted, \
+        assert abs(payload - counted) <= 0.02 * counted, \
             f"{name}: counted {counted}, the loopback carried {link} bytes in {packets} packets ({payload} of payload)"
 
 
