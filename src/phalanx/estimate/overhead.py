@@ -75,42 +75,42 @@ def _tiny() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return nn.Linear(1, 1), torch.ones(4, 1), torch.zeros(4, 1)
 
 
-def _steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, work: Callable[[], None], rounds: int) -> list[float]:
-    """Seconds of each timed training step (forward, loss, backward, SGD step) of ``model``, each right
-    after a real step of the workers' model (``work``)."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+def _after_work(op: Callable[[], None], work: Callable[[], None], rounds: int) -> list[float]:
+    """Seconds of ``op`` in each timed round, each right after a real step of the workers' model (``work``)."""
     seconds = []
-    dist.barrier()  # every rank steps at once, as workers do
+    dist.barrier()  # every rank starts at once, as workers do
     for i in range(WARMUP + rounds):
         work()
         t = time.perf_counter()
-        nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        op()
         if i >= WARMUP:
             seconds.append(time.perf_counter() - t)
     return seconds
+
+
+def _training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    """One training step (forward, loss, backward, SGD step) of ``model``."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def step() -> None:
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
 
 
 def _ddp_tiny(work: Callable[[], None], rounds: int) -> float:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model, x, y = _tiny()
-    bare = statistics.median(_steps(copy.deepcopy(model), x, y, work, rounds))
-    return max(0.0, _least_over_ranks(_steps(DDP(model), x, y, work, rounds)) - bare)
+    bare = statistics.median(_after_work(_training_step(copy.deepcopy(model), x, y), work, rounds))
+    return max(0.0, _least_over_ranks(_after_work(_training_step(DDP(model), x, y), work, rounds)) - bare)
 
 
 def _allreduce_tiny(work: Callable[[], None], rounds: int) -> float:
     tiny = torch.zeros(2)
-    seconds = []
-    dist.barrier()
-    for i in range(WARMUP + rounds):
-        work()
-        t = time.perf_counter()
-        dist.all_reduce(tiny)
-        if i >= WARMUP:
-            seconds.append(time.perf_counter() - t)
-    return _least_over_ranks(seconds)
+    return _least_over_ranks(_after_work(lambda: dist.all_reduce(tiny), work, rounds))
 
 
 def _least_over_ranks(seconds: list[float]) -> float:
