@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from helpers import run_cli, run_workers
-from phalanx.shaped_link import loopback_bytes, parse_rate, shaped
+from phalanx.shaped_link import loopback_counters, parse_rate, shaped
 from phalanx.wire import Meter, metering, traffic
 
 MIB4 = 1 << 20  #: float32 elements in 4 MiB
@@ -82,7 +82,7 @@ def _collectives(ctx):
         op()  # warm-up: connections made, buffers sized
         dist.barrier()
         time.sleep(0.2)  # every ack of the warm-up has crossed
-        before = _loopback()
+        before = loopback_counters()
         dist.barrier()  # no rank sends before rank 0 has read the counter (a busy machine delays rank 0)
         with metering() as meter:
             meter.begin()
@@ -91,7 +91,7 @@ def _collectives(ctx):
             meter.end()
         dist.barrier()
         time.sleep(0.2)
-        after = _loopback()
+        after = loopback_counters()
         counted = [None] * n
         dist.all_gather_object(counted, meter.sent)
         out[name] = (sum(counted), after[0] - before[0], after[1] - before[1])
@@ -101,15 +101,6 @@ def _collectives(ctx):
 HEADERS = 14 + 20 + 32  #: bytes of a TCP segment on the loopback beyond its payload: Ethernet, IPv4, TCP with timestamps
 
 
-def _loopback() -> tuple[int, int]:
-    """The loopback's transmitted (bytes, packets) in this thread's namespace (as ``loopback_bytes`` reads them)."""
-    with open("/proc/thread-self/net/dev") as f:
-        for line in f:
-            name, _, values = line.partition(":")
-            if name.strip() == "lo":
-                fields = values.split()
-                return int(fields[8]), int(fields[9])
-    raise OSError("no lo in /proc/thread-self/net/dev")
 
 
 def test_each_collective_matches_the_loopbacks_own_count(shaping_allowed):

@@ -195,12 +195,19 @@ def loopback_bytes() -> int:
     """The bytes this thread's loopback has sent: in a shaped link's namespace, exactly the job's
     traffic so far, TCP/IP headers included (each byte crosses it once: its transmit count equals its
     receive count). A worker of the job, whose whole process is in the namespace, reads the same
-    counters. Its packet count is not kept: segmentation offload hands the loopback up to 64 kB at a time."""
+    counters."""
+    return loopback_counters()[0]
+
+
+def loopback_counters() -> tuple[int, int]:
+    """The bytes and the packets this thread's loopback has sent. A packet is a segment of up to 64 kB
+    under segmentation offload, or an acknowledgement: each carries one TCP/IP header."""
     with open("/proc/thread-self/net/dev") as f:  # thread-self: the namespace is this thread's
         for line in f:
             name, _, values = line.partition(":")
             if name.strip() == "lo":
-                return int(values.split()[8])  # receive: 8 fields, then transmit bytes
+                fields = values.split()  # receive: 8 fields, then transmit bytes, packets
+                return int(fields[8]), int(fields[9])
     raise OSError("no lo in /proc/thread-self/net/dev")
 
 
@@ -248,5 +255,5 @@ def size(n: float) -> str:
     return f"{n:.0f} B"
 
 
-__all__ = ["Link", "LinkRate", "LinkUnavailable", "check", "inside", "loopback_bytes", "parse_rate", "probe",
+__all__ = ["Link", "LinkRate", "LinkUnavailable", "check", "inside", "loopback_bytes", "loopback_counters", "parse_rate", "probe",
            "shaped", "size"]
