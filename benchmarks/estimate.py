@@ -5,12 +5,13 @@ message) and a 20.1 M-parameter ``mlp`` on synthetic 1x280x280 inputs (bandwidth
 gradients per step). For each, and each worker count, every round first runs the estimate (compute
 measured under the workers' conditions, the link measured with ``--measure-link``, all workers on
 this machine: ``--per-node N``), then trains with ``sync``, ``ps``, ``local-sgd`` and ``pipeline``
-(the order rotates from round to round). A run's step time is the median ``sec_per_batch`` of its
-metrics file's log intervals, the first (warm-up) interval left out. The figure judged is, per
+(the order rotates from round to round). A run's step time is the mean ``sec_per_batch`` of its
+metrics file's log intervals (of equal steps), the first (warm-up) interval left out. The figure judged is, per
 model, worker count and strategy, the median prediction over rounds against the median measured
 step: the goal is every error within ±15%. Beside it, from the same measurements, the prediction
-without the fixed costs measured beyond compute and bytes (``estimate/overhead.py``: DDP's machinery,
-the parameter server's round trip), so what they add is judged on the same run.
+without the costs measured beyond compute and bytes (``estimate/overhead.py``: the model's DDP step
+over its bare step, the parameters' all-reduce after a real step, the parameter server's round trip), so
+what they add is judged on the same run.
 
     python3 benchmarks/estimate.py                     # 3 rounds; 2 workers (and 4 where there are >= 4 cores)
     python3 benchmarks/estimate.py --rounds 1 --cases cnn --cnn-steps 60 --mlp-steps 12   # a quick check
@@ -57,14 +58,15 @@ def predict(case: str, workers: int, args) -> tuple[dict, dict, dict]:
     for line in text[2:text.index("")]:  # what was measured: compute per condition, the links
         print(f"    {line}", flush=True)
     bare = {row.strategy: est_predict(setup, row, dataclasses.replace(
-        est.computes[conditions_for(setup, row)], ddp_tiny=0.0, allreduce_tiny=0.0, round_trip_tiny=0.0), est.network).step
+        est.computes[conditions_for(setup, row)], ddp_excess=0.0, allreduce_params=0.0, round_trip_tiny=0.0), est.network).step
         for row in setup.rows}
     steps = {p.strategy: p.step for p in est.predictions if p.strategy in STRATEGIES}
     return steps, {s: bare[s] for s in steps}, est.to_dict()
 
 
 def measure(case: str, strategy: str, workers: int, steps: int) -> float:
-    """Median sec_per_batch of a phalanx train run's log intervals after the first."""
+    """Mean sec_per_batch of a phalanx train run's log intervals after the first (intervals of equal steps: the
+    mean step; a median of intervals would miss local SGD's averaging, which only some intervals hold)."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig(strategy=strategy_class(strategy)(), workers=workers, devices="cpu", steps=steps,
                           progress="none", checkpoint_dir=tmp, checkpoint_every=0, log_every=LOG_EVERY[case],
@@ -72,7 +74,7 @@ def measure(case: str, strategy: str, workers: int, steps: int) -> float:
         Trainer(cfg).fit()
         events = [json.loads(line) for line in Path(cfg.metrics).read_text().splitlines()]
     intervals = [e["sec_per_batch"] for e in events if e["event"] == "step"]
-    return statistics.median(intervals[1:] if len(intervals) > 1 else intervals)
+    return statistics.mean(intervals[1:] if len(intervals) > 1 else intervals)
 
 
 def main() -> None:

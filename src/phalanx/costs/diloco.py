@@ -36,7 +36,7 @@ def predict_diloco(compute: Compute, facts: ModelFacts, net: Network, workers: i
         return Prediction("diloco", 1, 1, compute.step, examples, compute.step, compute.step)
     nbytes = facts.param_bytes / fragments  # one fragment's share
     passes = compute.copy * 4 / fragments  # pseudo-gradient, outer step, copy back: over 1/F of the model
-    reduce = round_seconds(net, workers, nbytes, precision) + wake(compute, net)  # a round follows compute
+    reduce = round_seconds(net, workers, nbytes, precision) + wake(compute, facts, net)  # a round follows compute
     rounds_per_step = fragments / sync_every
     cpu_per_step = rounds_per_step * (passes + allreduce_cpu(net, workers, nbytes * WIRE_SHARE[precision]))
     notes = [f"pseudo-gradient of {nbytes / 1e6:.3g} MB ({precision} on the wire) reduced {fragments} time(s) "

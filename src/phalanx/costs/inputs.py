@@ -44,13 +44,14 @@ class Compute:
     #: per micro-batch count M: seconds torch.distributed.pipelining's schedule adds per micro-batch and stage
     #: (its own bookkeeping, over running the same micro-batches by hand)
     engine: dict = dataclasses.field(default_factory=dict)
-    #: what a step costs beyond its compute and its bytes, measured with a 2-parameter model in these processes
-    #: (``estimate/overhead.py``): a DDP step minus the bare step, its 8-byte all-reduce included
-    ddp_tiny: float = 0.0
-    #: a parameter server's push-to-reply round trip through the real server, its four messages included
+    #: what a step costs beyond its compute and its bytes, measured in these processes (``estimate/overhead.py``):
+    #: a DDP step of the model in lockstep minus its bare step (the slowest rank's each)
+    ddp_excess: float = 0.0
+    #: a parameter server's push-to-reply round trip of a 2-parameter model through the real server, its four
+    #: messages included
     round_trip_tiny: float = 0.0
-    #: an 8-byte all-reduce right after a real step (gloo's threads idle, as at a periodic averaging)
-    allreduce_tiny: float = 0.0
+    #: an all-reduce of the parameters right after a real step (gloo's threads idle, as at a periodic averaging)
+    allreduce_params: float = 0.0
 
     @property
     def step(self) -> float:
@@ -130,23 +131,23 @@ def allreduce(net: Network, ranks: int, nbytes: float, hierarchical: bool = Fals
     return within + messages * net.inter.alpha + moved * net.inter.beta
 
 
-TINY_BYTES = 8  #: the gradient of the 2-parameter model the fixed costs are measured with (estimate/overhead.py)
+TINY_BYTES = 8  #: the gradient of the 2-parameter model a ps round trip is measured with (estimate/overhead.py)
 
 
-def beyond_tiny_allreduce(measured: float, compute: Compute, net: Network) -> float:
-    """What a measurement with the 2-parameter model took beyond its 8-byte all-reduce as the link prices it
-    (the link is measured back to back; the measurement runs after a real step, as training does)."""
-    ranks = compute.processes
-    if measured <= 0 or ranks < 2:
-        return 0.0
-    return max(0.0, measured - allreduce(Network(net.intra, net.intra, ranks), ranks, TINY_BYTES))
+def at_measuring(compute: Compute, net: Network) -> Network:
+    """The network of the measuring processes: the K of one node, on its own link."""
+    return Network(net.intra, net.intra, compute.processes)
 
 
-def wake(compute: Compute, net: Network) -> float:
+def wake(compute: Compute, facts: ModelFacts, net: Network) -> float:
     """Seconds a collective that follows a stretch of compute pays beyond its messages and bytes: gloo's threads
-    have gone idle and must be woken (``compute.allreduce_tiny``: an 8-byte all-reduce right after a real step,
-    less its price). Charged once per periodic round (local SGD's averaging, DiLoCo's outer round)."""
-    return beyond_tiny_allreduce(compute.allreduce_tiny, compute, net)
+    have gone idle and must be woken (``compute.allreduce_params``: the parameters' all-reduce right after a
+    real step, less its price on the measuring processes' link, measured back to back). Charged once per
+    periodic round (local SGD's averaging, DiLoCo's outer round)."""
+    ranks = compute.processes
+    if compute.allreduce_params <= 0 or ranks < 2:
+        return 0.0
+    return max(0.0, compute.allreduce_params - allreduce(at_measuring(compute, net), ranks, facts.param_bytes))
 
 
 def allreduce_cpu(net: Network, ranks: int, nbytes: float) -> float:

@@ -21,7 +21,7 @@ def predict_local_sgd(compute: Compute, facts: ModelFacts, net: Network, workers
     if workers == 1:
         return Prediction("local-sgd", 1, 1, compute.step, examples, compute.step, compute.step)
     nbytes = facts.param_bytes
-    reduce = allreduce(net, workers, nbytes) + wake(compute, net)
+    reduce = allreduce(net, workers, nbytes) + wake(compute, facts, net)
     average = compute.pack + compute.copy + reduce  # flatten into a new vector, divide it, all-reduce
     copied = (compute.pack + compute.copy + allreduce_cpu(net, workers, nbytes)) / sync_every
     notes = [f"parameters ({nbytes / 1e6:.3g} MB) averaged every {sync_every} steps: "

@@ -7,8 +7,10 @@ is computed, i.e. when backward reaches the earliest block holding one of its gr
 reductions run one after another on the communication stream while backward continues. The
 optimizer waits for the last one. (phalanx's loop all-reduces the losses only at log steps: no
 collective of its own per step.) DDP's own machinery (pre-forward work, a hook per gradient, the
-reducer's bookkeeping, waking gloo's threads) costs a fixed time per step that grows with neither
-compute nor bytes: measured with a 2-parameter model (:func:`ddp_fixed`), added once per step.
+reducer's bookkeeping, waking gloo's threads idle after the backward pass) costs a time per step beyond
+what its compute and bytes are priced: measured as the model's DDP step over its bare step in the
+measuring processes, less this model's own price for that step there (:func:`ddp_fixed`), added once
+per step at any worker count.
 
 Where compute and communication share the cores (CPU workers that fill every core), nothing
 overlaps. A CPU node also bounds the step from below by the CPU-seconds its processes need.
@@ -19,15 +21,26 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from .inputs import Compute, ModelFacts, Network, allreduce, allreduce_cpu, beyond_tiny_allreduce, cpu_bound
+from .inputs import Compute, ModelFacts, Network, allreduce, allreduce_cpu, at_measuring, cpu_bound
 from .model import Alternative, CostModel
 from .prediction import Prediction
 from .timeline import Op, finish, one_stream
 
-def ddp_fixed(compute: Compute, net: Network) -> float:
-    """DDP's fixed seconds per step: the measured DDP step of a 2-parameter model over its bare step
-    (``compute.ddp_tiny``, in the measuring processes), less the 8-byte all-reduce this model prices itself."""
-    return beyond_tiny_allreduce(compute.ddp_tiny, compute, net)
+def ddp_fixed(compute: Compute, facts: ModelFacts, net: Network) -> float:
+    """DDP's fixed seconds per step: the measured DDP step of the model over its bare step, in the measuring
+    processes (``compute.ddp_excess``), less what this model prices itself for that step on their link."""
+    ranks = compute.processes
+    if compute.ddp_excess <= 0 or ranks < 2:
+        return 0.0
+    here = at_measuring(compute, net)
+    ops = sync_ops(compute, facts, here, ranks, _pace(compute), fixed=0.0)
+    priced = finish(ops if overlaps(compute) else one_stream(ops)) - compute.slowest
+    return max(0.0, compute.ddp_excess - priced)
+
+
+def _pace(compute: Compute) -> float:
+    """Lockstep's pace: the slowest worker sets it (every compute op is scaled by slowest / step)."""
+    return compute.slowest / compute.step if compute.step > 0 else 1.0
 
 
 def overlaps(compute: Compute, extra_processes: int = 0) -> bool:
@@ -45,7 +58,7 @@ def bucket_ready(compute: Compute, facts: ModelFacts) -> list[float]:
 
 
 def sync_ops(compute: Compute, facts: ModelFacts, net: Network, workers: int, pace: float,
-             compress: Optional[str] = None, hierarchical: bool = False) -> list[Op]:
+             compress: Optional[str] = None, hierarchical: bool = False, fixed: Optional[float] = None) -> list[Op]:
     """The step as ops: forward, backward cut at every bucket's ready point, all-reduces, optimizer, loss.
 
     DDP also passes over every gradient byte three times: copying each gradient into its bucket as
@@ -70,7 +83,8 @@ def sync_ops(compute: Compute, facts: ModelFacts, net: Network, workers: int, pa
     ops.append(Op("backward rest", "compute", (1.0 - done) * compute.backward * pace, (previous,)))
     ops.append(Op("copy back", "compute", compute.copy * pace, ("backward rest", *reductions)))
     ops.append(Op("optimizer", "compute", compute.optimizer * pace, ("copy back",)))
-    ops.append(Op("DDP's fixed work", "compute", ddp_fixed(compute, net), ("optimizer",)))
+    fixed = ddp_fixed(compute, facts, net) if fixed is None else fixed
+    ops.append(Op("DDP's fixed work", "compute", fixed, ("optimizer",)))
     ops.append(Op("loop", "compute", compute.loop * pace, ("DDP's fixed work",)))
     return ops
 
@@ -83,8 +97,8 @@ def predict_sync(compute: Compute, facts: ModelFacts, net: Network, workers: int
         return Prediction("sync", 1, 1, compute.step, examples, compute.step, compute.step,
                           parts={"forward": compute.forward, "backward": compute.backward,
                                  "optimizer": compute.optimizer, "loop": compute.loop})
-    pace = compute.slowest / compute.step if compute.step > 0 else 1.0  # lockstep: the slowest worker sets it
-    ops = sync_ops(compute, facts, net, workers, pace, compress, hierarchical)
+    fixed = ddp_fixed(compute, facts, net)
+    ops = sync_ops(compute, facts, net, workers, _pace(compute), compress, hierarchical, fixed)
     overlap = overlaps(compute)
     timeline = finish(ops if overlap else one_stream(ops))
     scale = 0.5 if compress else 1.0
@@ -94,12 +108,11 @@ def predict_sync(compute: Compute, facts: ModelFacts, net: Network, workers: int
     floor = cpu_bound(work, compute.cores)
     step = max(timeline, floor)
     comm = sum(op.seconds for op in ops if op.stream == "comm")
-    fixed = ddp_fixed(compute, net)
     notes = [f"{len(facts.buckets)} bucket(s), all-reduced {'while backward runs' if overlap else 'after backward'}"
              f"{' (the workers fill every core)' if not overlap else ''}"]
     if fixed > 0:
-        notes.append(f"DDP's fixed work: {fixed * 1e3:.3g} ms per step (measured: a 2-parameter model's DDP step over "
-                     "its bare step, less its all-reduce)")
+        notes.append(f"DDP's fixed work: {fixed * 1e3:.3g} ms per step (measured: the model's DDP step over its bare "
+                     f"step on {compute.processes} processes here, less what this model prices for it)")
     if floor > timeline:
         notes.append(f"CPU-bound: {local} processes need {work * 1e3:.1f} CPU-ms per step on {compute.cores} cores")
     return Prediction("sync", workers, nodes, step, examples, compute.slowest, compute.step, notes=tuple(notes),

@@ -60,7 +60,8 @@ class EstimateOptions:
         None, "time all-reduces of 4 KiB to 64 MiB between 2 local ranks and fit α and β (--no-measure-link: "
               "the --link-* figures, or on GPUs the topology's datasheet figures)",
         show="on for CPU workers unless --link-* is given; off on GPUs")
-    measure_steps: int = option(20, "timed steps per compute measurement, after 5 warm-up steps")
+    measure_steps: int = option(20, "timed steps per compute measurement, after 5 warm-up steps (more where they take "
+                                       "under a second)")
     plot: Optional[str] = option(None, "write a scaling plot to this file (.png, .pdf or .svg)")
     json: bool = option(False, "print the estimate as JSON (progress goes to stderr)")
 

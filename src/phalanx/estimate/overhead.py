@@ -1,36 +1,38 @@
-"""What a step costs beyond its compute and the bytes it moves: measured, with a model too small to cost anything else.
+"""What a step costs beyond its compute and the bytes the cost models price: measured, as training meets it.
 
-A real ``sync`` step runs DDP's machinery (its forward pre-work, a hook per gradient, the reducer's
-bookkeeping, launching and waiting for each bucket's all-reduce on gloo's threads); a real ``ps``
-update runs the parameter server's protocol (a header message each way, the server's receiving
-thread handing the push to its main loop, the update's bookkeeping, the reply handed to a sender
-thread). None of that grows with the model, and under contention for the cores it is milliseconds,
-not microseconds. The cost models price compute and bytes; this measures the rest, inside the
-estimate's measuring processes (the K that would share a node, competing as workers do), with the
-real code on a 2-parameter model:
+The cost models price compute (measured) and bytes (the link, measured back to back). A real step
+pays more, and on a machine whose cores the workers fill it is milliseconds, not microseconds:
 
-- ``ddp_tiny``: a DDP step of that model minus the same step without DDP (its one 8-byte all-reduce
-  included; the cost model takes out what it prices itself, ``costs/sync.ddp_fixed``);
-- ``allreduce_tiny``: that model's 8-byte all-reduce alone (what a periodic averaging pays beyond its
-  bytes: ``costs/inputs.wake``);
+- a ``sync`` step runs DDP's machinery (its forward pre-work, a hook per gradient, the reducer's
+  bookkeeping, launching and waiting for each bucket's all-reduce on gloo's threads), and its
+  all-reduces meet gloo's threads idle after the backward pass: waking them costs more than the
+  message does back to back. On the 2-core machine this was written on, the digits cnn's 605 kB
+  all-reduce took 0.6–0.8 ms back to back and 1.3–3 ms right after a real step, and a DDP step of
+  the cnn took 3.5–6 ms more than its bare step where the back-to-back figures priced 1.2 ms;
+- a periodic averaging (local SGD, DiLoCo) follows H steps of compute and meets the same idle threads;
+- a ``ps`` update runs the parameter server's protocol (a header message each way, the server's
+  receiving thread handing the push to its main loop, the update's bookkeeping, the reply handed to
+  a sender thread).
+
+So each is measured in the estimate's measuring processes (the K that would share a node,
+competing as workers do), with the user's model and a real batch:
+
+- ``ddp_excess``: a DDP step of the model, in lockstep as training runs it, minus its bare step
+  (the slowest rank's, as the lockstep's pace), each the median over rounds; the cost model takes
+  out what it prices itself for the same step at K (``costs/sync.ddp_fixed``);
+- ``allreduce_params``: an all-reduce of the model's parameters (one new flat vector, as an averaging
+  makes) right after a real step; a round's time is the least over the ranks, since the rank that
+  arrives last waited for no other's compute (``costs/inputs.wake`` takes out its price);
 - ``round_trip_tiny``: where a parameter server runs beside the workers, a ps worker's push-to-reply
-  round trip through the real server (``strategies/ps``), while the other workers compute real
-  steps: under contention, the server's threads wait for a core (its two messages each way are
-  taken out by ``costs/ps.round_trip_fixed``).
+  round trip of a 2-parameter model through the real server (``strategies/ps``), right after a real
+  step, while the other workers compute real steps: under contention, the server's threads wait for
+  a core (its two messages each way are taken out by ``costs/ps.round_trip_fixed``).
 
-Each timed round comes right after one real step of the model (``work``), as in training: gloo's and
-the server's threads have gone idle during it, and waking them is part of what a step pays. Timed
-back to back instead, the threads are still awake: on the 2-core machine this was written on, an
-8-byte all-reduce took 0.6 ms back to back and 2.7 ms after 5 ms of compute, and the cnn's real DDP
-step paid about 3.3 ms over its bare step where the back-to-back figures priced 1.2. In a round the
-rank that arrives last waited for nobody, so a round's time is the least over the ranks.
-
-Both need two processes or more; alone, a process measures neither (0: nothing to add).
+All need two processes or more; alone, a process measures none (0: nothing to add).
 """
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from typing import Callable, Optional
@@ -44,23 +46,28 @@ WARMUP = 5
 MIN_STEPS = 5
 ROUNDS_BUDGET_S = 1.5  #: seconds of real steps the timed rounds of one measurement may take
 
+Step = Callable[[], None]
 
-def fixed_costs(ctx, beside: int, work: Callable[[], None], step_s: float) -> dict:
-    """This rank's ``ddp_tiny``, ``allreduce_tiny`` and ``round_trip_tiny`` in seconds (every measuring rank calls it).
 
-    ``work`` runs one real training step of the model (``step_s`` seconds; 0 where the rank runs
-    none). Without a process beside the workers (``beside`` 0), a DDP step's excess and an all-reduce,
-    each round after a real step. With a parameter server beside them (rank 0), the round trip as a real ps
-    worker meets it: worker rank 1 computes a real step, then pushes, while every other worker runs
-    real steps again and again, so the server's threads wake up on cores the workers keep busy.
-    Ranks that time nothing return None for it."""
+def fixed_costs(ctx, beside: int, work: Step, step_s: float, ddp_step: Optional[Callable[[], Step]] = None,
+                params: Optional[Callable[[], torch.Tensor]] = None) -> dict:
+    """This rank's ``ddp_excess``, ``allreduce_params`` and ``round_trip_tiny`` in seconds (every measuring rank
+    calls it).
+
+    ``work`` runs one real training step of the model (``step_s`` seconds; 0 where the rank runs none);
+    ``ddp_step`` makes the same step of a DDP-wrapped copy of the model (a collective: every worker calls it
+    at once), ``params`` returns the model's parameters as one new flat vector. Without a process beside the
+    workers (``beside`` 0), the DDP step's excess and the parameters' all-reduce. With a parameter server
+    beside them (rank 0), the round trip as a real ps worker meets it: worker rank 1 computes a real step,
+    then pushes, while every other worker runs real steps again and again, so the server's threads wake up
+    on cores the workers keep busy. Ranks that time nothing return None for it."""
     if not ctx.distributed or ctx.world_size < 2:
-        return {"ddp_tiny": 0.0, "allreduce_tiny": 0.0, "round_trip_tiny": 0.0}
+        return {"ddp_excess": 0.0, "allreduce_params": 0.0, "round_trip_tiny": 0.0}
     rounds = _rounds(step_s)
     if not beside:
-        return {"ddp_tiny": _ddp_tiny(work, rounds), "allreduce_tiny": _allreduce_tiny(work, rounds),
-                "round_trip_tiny": None}
-    return {"ddp_tiny": None, "allreduce_tiny": None, "round_trip_tiny": _round_trip_tiny(ctx, work, rounds)}
+        return {"ddp_excess": _ddp_excess(work, ddp_step(), rounds),
+                "allreduce_params": _allreduce_params(work, params, rounds), "round_trip_tiny": None}
+    return {"ddp_excess": None, "allreduce_params": None, "round_trip_tiny": _round_trip_tiny(ctx, work, rounds)}
 
 
 def _rounds(step_s: float) -> int:
@@ -70,54 +77,48 @@ def _rounds(step_s: float) -> int:
     return max(MIN_STEPS, min(STEPS, int(ROUNDS_BUDGET_S / max(slowest.item(), 1e-9))))
 
 
-def _tiny() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(0)  # the same weights on every rank, as DDP requires
-    return nn.Linear(1, 1), torch.ones(4, 1), torch.zeros(4, 1)
-
-
-def _after_work(op: Callable[[], None], work: Callable[[], None], rounds: int) -> list[float]:
-    """Seconds of ``op`` in each timed round, each right after a real step of the workers' model (``work``)."""
+def _timed(step: Step, rounds: int) -> list[float]:
+    """Seconds of each of ``rounds`` steps in a row, after :data:`WARMUP` more; every rank starts at once."""
     seconds = []
-    dist.barrier()  # every rank starts at once, as workers do
+    dist.barrier()
     for i in range(WARMUP + rounds):
-        work()
         t = time.perf_counter()
-        op()
+        step()
         if i >= WARMUP:
             seconds.append(time.perf_counter() - t)
     return seconds
 
 
-def _training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
-    """One training step (forward, loss, backward, SGD step) of ``model``."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-
-    def step() -> None:
-        nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
-
-
-def _ddp_tiny(work: Callable[[], None], rounds: int) -> float:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model, x, y = _tiny()
-    bare = statistics.median(_after_work(_training_step(copy.deepcopy(model), x, y), work, rounds))
-    return max(0.0, _least_over_ranks(_after_work(_training_step(DDP(model), x, y), work, rounds)) - bare)
+def _ddp_excess(work: Step, ddp_step: Step, rounds: int) -> float:
+    """The median DDP step over the median bare step, each round's slowest rank (the pace of lockstep); bare
+    and DDP alternate in halves, so that both meet the machine as it is."""
+    half = max(1, rounds // 2)
+    bare, ddp = [], []
+    for _ in range(2):
+        bare += _timed(work, half)
+        ddp += _timed(ddp_step, half)
+    return max(0.0, _over_ranks(ddp, dist.ReduceOp.MAX) - _over_ranks(bare, dist.ReduceOp.MAX))
 
 
-def _allreduce_tiny(work: Callable[[], None], rounds: int) -> float:
-    tiny = torch.zeros(2)
-    return _least_over_ranks(_after_work(lambda: dist.all_reduce(tiny), work, rounds))
+def _allreduce_params(work: Step, params: Callable[[], torch.Tensor], rounds: int) -> float:
+    """An all-reduce of the parameters (a new flat vector, as an averaging makes) right after a real step."""
+    seconds = []
+    dist.barrier()  # every rank starts at once, as workers do
+    for i in range(WARMUP + rounds):
+        work()
+        flat = params()
+        t = time.perf_counter()
+        dist.all_reduce(flat)
+        if i >= WARMUP:
+            seconds.append(time.perf_counter() - t)
+    return _over_ranks(seconds, dist.ReduceOp.MIN)
 
 
-def _least_over_ranks(seconds: list[float]) -> float:
-    """The median over rounds of each round's least time over the ranks: the rank that arrived last waited for
-    no other's compute."""
+def _over_ranks(seconds: list[float], op) -> float:
+    """The median over rounds of each round's time reduced over the ranks by ``op``: MIN, the rank that arrived
+    last (it waited for no other's compute); MAX, the slowest (the pace of steps in lockstep)."""
     each = torch.tensor(seconds, dtype=torch.float64)
-    dist.all_reduce(each, op=dist.ReduceOp.MIN)
+    dist.all_reduce(each, op=op)
     return statistics.median(each.tolist())
 
 
@@ -132,7 +133,8 @@ def _round_trip_tiny(ctx, work: Callable[[], None], rounds: int) -> Optional[flo
     from ..strategies.ps.protocol import WorkerChannel
     from ..strategies.ps.server import Server
 
-    model, _, _ = _tiny()
+    torch.manual_seed(0)
+    model = nn.Linear(1, 1)  # 2 parameters: the protocol, not the bytes
     rounds = WARMUP + rounds
     dist.barrier()
     if ctx.rank == 0:

@@ -17,10 +17,11 @@ Every process sends its timings to rank 0, which returns them; :func:`summarise`
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import statistics
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
@@ -31,10 +32,14 @@ from ..costs import Compute
 from .overhead import fixed_costs
 
 WARMUP_STEPS = 5
+TIMED_S = 1.0  #: seconds of timed steps a measurement takes at least (where --measure-steps take less)
+MAX_TIMED_STEPS = 200
 #: timed repeats (after one warm-up) of the per-block timings and the passes over the gradient bytes:
 #: memory-bound work on large buffers is noisy where processes share the memory bus, so medians of 9
 OP_REPEATS = 9
-ENGINE_REPEATS = 5  #: of the one-stage pipeline schedule (a whole step each)
+ENGINE_REPEATS = 5  #: of the one-stage pipeline schedule and the same by hand (a whole step each), at least
+MAX_ENGINE_REPEATS = 40
+ENGINE_S = 0.5  #: seconds of those pairs per micro-batch count, where ENGINE_REPEATS take less
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +68,10 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _optimizer(cfg, params):
+def _optimizer(cfg, task, params):
+    """The run's optimizer: the user's factory, else the config's."""
+    if task.make_optimizer:
+        return task.optimizer(params)
     if cfg.optimizer in ("adam", "adamw"):
         make = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
         return make(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -92,28 +100,30 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
     shards = workers if cfg.batch_size * workers <= len(data.train) else 1
     batches = ShardedBatches(data.train, cfg.batch_size, (ctx.rank - beside) % shards, shards, cfg.seed)
     prefetcher = Prefetcher(batches(0), device, cfg.prefetch)
-    optimizer = task.optimizer(model.parameters()) if task.make_optimizer else _optimizer(cfg, model.parameters())
+    optimizer = _optimizer(cfg, task, model.parameters())
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+    def one_step() -> tuple[float, ...]:  # forward, backward, optimizer, the rest of the loop; CPU-seconds
+        cpu0, t0 = time.process_time(), _now(device)
+        x, y = next(prefetcher)
+        t1 = _now(device)
+        loss = task.loss_fn(model(x), y)
+        t2 = _now(device)
+        loss.backward()
+        t3 = _now(device)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        t4 = _now(device)
+        schedule.step()
+        float(loss.detach())
+        t5 = _now(device)
+        return t2 - t1, t3 - t2, t4 - t3, (t1 - t0) + (t5 - t4), time.process_time() - cpu0
+
     if ctx.distributed:
         dist.barrier()  # start together: the processes compete as workers do
-    rows = []
     try:
-        for i in range(WARMUP_STEPS + spec.steps):
-            cpu0, t0 = time.process_time(), _now(device)
-            x, y = next(prefetcher)
-            t1 = _now(device)
-            loss = task.loss_fn(model(x), y)
-            t2 = _now(device)
-            loss.backward()
-            t3 = _now(device)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            t4 = _now(device)
-            schedule.step()
-            float(loss.detach())
-            t5 = _now(device)
-            if i >= WARMUP_STEPS:
-                rows.append((t2 - t1, t3 - t2, t4 - t3, (t1 - t0) + (t5 - t4), time.process_time() - cpu0))
+        warm = [sum(one_step()[:4]) for _ in range(WARMUP_STEPS)]
+        rows = [one_step() for _ in range(_timed_steps(ctx, spec.steps, warm))]
         x, y = next(prefetcher)
     finally:
         prefetcher.close()
@@ -122,18 +132,43 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
         result["engine"] = _engine(ctx, model, x, y, spec.micro_batches, task.loss_fn)
     result.update(_vector_ops(model, optimizer, x, y, device, task.loss_fn))
 
-    def work() -> None:  # one more training step (the other workers' load during a ps round trip)
-        task.loss_fn(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def ddp_step() -> Callable[[], None]:  # the same step of a DDP copy of the model (every worker makes it at once)
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        replica = DDP(copy.deepcopy(model))
+        return _step(replica, _optimizer(cfg, task, replica.parameters()), x, y, task.loss_fn, device)
 
     step_s = statistics.median(sum(row[:4]) for row in rows)
-    result.update(fixed_costs(ctx, beside, work, step_s))  # beyond compute and bytes: DDP's machinery, a ps round trip
+    result.update(fixed_costs(ctx, beside, _step(model, optimizer, x, y, task.loss_fn, device), step_s, ddp_step,
+                              lambda: parameters_to_vector(model.parameters())))  # beyond compute and bytes
     if not ctx.distributed:
         return [result]
     every: list = [None] * ctx.world_size
     dist.all_gather_object(every, result)
     return every
+
+
+def _timed_steps(ctx, least: int, warm: list[float]) -> int:
+    """Timed steps every process agrees on: ``least``, more where they take less than :data:`TIMED_S` (a
+    measurement of a fraction of a second meets whatever else the machine is doing in it)."""
+    import torch.distributed as dist
+
+    slowest = torch.tensor([statistics.median(warm[-3:])], dtype=torch.float64)
+    if ctx.distributed:
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return max(least, min(MAX_TIMED_STEPS, int(TIMED_S / max(slowest.item(), 1e-9))))
+
+
+def _step(model, optimizer, x, y, loss_fn, device: torch.device) -> Callable[[], None]:
+    """One training step of ``model`` on the batch (x, y), finished on the device."""
+
+    def step() -> None:
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _now(device)
+
+    return step
 
 
 def _beside(ctx, spec: ProbeSpec, beside: int) -> list[dict]:
@@ -142,6 +177,7 @@ def _beside(ctx, spec: ProbeSpec, beside: int) -> list[dict]:
     import torch.distributed as dist
 
     dist.barrier()  # the workers start timing
+    _timed_steps(ctx, 0, [0.0])  # the workers agree on how many: a collective all join
     if spec.micro_batches:  # every rank creates every group the workers' pipelining schedule makes (_engine)
         for r in range(dist.get_world_size()):
             dist.new_group([r])
@@ -233,25 +269,31 @@ def _engine(ctx, model, x, y, micro_batches, loss_fn) -> dict:
             stage_model = copy.deepcopy(model)
             stage = PipelineStage(stage_model, 0, 1, ctx.device, group=groups[dist.get_rank()])
             schedule = ScheduleGPipe(stage, m, loss_fn=loss_fn, scale_grads=True)
-            engine, by_hand = [], []
-            for _ in range(ENGINE_REPEATS + 1):
-                t0 = _now(ctx.device)
-                schedule.step(x, target=y, losses=[])
-                t1 = _now(ctx.device)
-                stage_model.zero_grad(set_to_none=True)
-                for xs, ys in zip(x.chunk(m), y.chunk(m)):
-                    loss_fn(stage_model(xs), ys).backward()
-                for p in stage_model.parameters():  # the schedule's scale_grads, which the model prices apart
-                    p.grad.div_(m)
-                t2 = _now(ctx.device)
-                stage_model.zero_grad(set_to_none=True)
-                engine.append(t1 - t0)
-                by_hand.append(t2 - t1)
-            out[m] = max(0.0, (statistics.median(engine[1:]) - statistics.median(by_hand[1:])) / m)
+            pair = (schedule, stage_model, x, y, m, loss_fn, ctx.device)
+            warm = sum(_schedule_and_by_hand(*pair))  # as many pairs as fit in ENGINE_S, at least ENGINE_REPEATS
+            repeats = max(ENGINE_REPEATS, min(MAX_ENGINE_REPEATS, int(ENGINE_S / max(warm, 1e-9))))
+            added = [engine - by_hand for engine, by_hand in (_schedule_and_by_hand(*pair) for _ in range(repeats))]
+            out[m] = max(0.0, statistics.median(added) / m)
         return out
     finally:
         if own:
             dist.destroy_process_group()
+
+
+def _schedule_and_by_hand(schedule, stage_model, x, y, m: int, loss_fn, device) -> tuple[float, float]:
+    """Seconds of the one-stage schedule's step, then of the same work by hand (its difference is the engine's;
+    taken pair by pair, the machine's drift cancels)."""
+    t0 = _now(device)
+    schedule.step(x, target=y, losses=[])
+    t1 = _now(device)
+    stage_model.zero_grad(set_to_none=True)
+    for xs, ys in zip(x.chunk(m), y.chunk(m)):
+        loss_fn(stage_model(xs), ys).backward()
+    for p in stage_model.parameters():  # the schedule's scale_grads, which the model prices apart
+        p.grad.div_(m)
+    t2 = _now(device)
+    stage_model.zero_grad(set_to_none=True)
+    return t1 - t0, t2 - t1
 
 
 def _vector_ops(model, optimizer, x, y, device, loss_fn) -> dict:
@@ -313,8 +355,8 @@ def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = 
     from ..launcher import available_cores
 
     trips = [r["round_trip_tiny"] for r in every if r.get("round_trip_tiny") is not None]
-    excess = [r["ddp_tiny"] for r in every if r.get("ddp_tiny") is not None]
-    woken = [r["allreduce_tiny"] for r in every if r.get("allreduce_tiny") is not None]
+    excess = [r["ddp_excess"] for r in every if r.get("ddp_excess") is not None]
+    woken = [r["allreduce_params"] for r in every if r.get("allreduce_params") is not None]
     every = [r for r in every if not r.get("beside")]  # they timed no step
     rows = [row for result in every for row in result["rows"]]
     med = [statistics.median(row[k] for row in rows) for k in range(5)]
@@ -327,8 +369,8 @@ def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = 
            for k in ("pack", "copy", "unpack", "apply", "fresh")}
     engine = {m: statistics.median(result["engine"][m] for result in every) for m in every[0].get("engine", {})}
     on_cpu = conditions.device == "cpu"
-    fixed = {"ddp_tiny": statistics.median(excess) if excess else 0.0,
-             "allreduce_tiny": statistics.median(woken) if woken else 0.0,
+    fixed = {"ddp_excess": statistics.median(excess) if excess else 0.0,
+             "allreduce_params": statistics.median(woken) if woken else 0.0,
              "round_trip_tiny": statistics.median(trips) if trips else 0.0}
     return Compute(forward=med[0], backward=med[1], optimizer=med[2], loop=med[3], slowest=slowest, cpu=med[4],
                    processes=conditions.processes, threads=conditions.threads,

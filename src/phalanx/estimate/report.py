@@ -19,7 +19,8 @@ def describe(est: Estimate) -> str:
              f"worker, {cfg.optimizer}; measured on {where}; {s.per_node} workers per machine",
              f"model: {facts.params:,} parameters, {fmt_bytes(facts.param_bytes)} of gradients in "
              f"{len(facts.buckets)} DDP bucket(s) of {s.bucket_mb:g} MiB at most",
-             f"compute per worker (medians of {s.options.measure_steps} steps after 5 warm-up steps):"]
+             f"compute per worker (medians of {s.options.measure_steps} steps or more, a second of them at least, after "
+             f"5 warm-up steps):"]
     for cond, m in est.computes.items():
         server = " (a parameter server beside them)" if cond.beside else ""
         lines.append(f"  {cond.processes} process(es) x {cond.threads} thread(s) on {cond.device}{server}: forward "
@@ -30,9 +31,8 @@ def describe(est: Estimate) -> str:
             lines.append(f"    beyond compute and bytes: a parameter server's round trip of a 2-parameter model, "
                          f"another worker computing: {fmt_seconds(m.round_trip_tiny)}")
         elif cond.processes > 1 and cond.device == "cpu":
-            lines.append(f"    beyond compute and bytes, each after a real step: a DDP step of a 2-parameter model, "
-                         f"over its bare step: +{fmt_seconds(m.ddp_tiny)}; its all-reduce alone: "
-                         f"{fmt_seconds(m.allreduce_tiny)}")
+            lines.append(f"    beyond compute: the model's DDP step over its bare step +{fmt_seconds(m.ddp_excess)}; "
+                         f"its parameters' all-reduce right after a real step {fmt_seconds(m.allreduce_params)}")
     lines += [f"link {note}" for note in est.link_notes]
     for cls in s.predicted:
         rows = [p for p in est.predictions if p.strategy == cls.name]
