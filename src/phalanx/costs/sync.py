@@ -33,7 +33,7 @@ def ddp_fixed(compute: Compute, facts: ModelFacts, net: Network) -> float:
     if compute.ddp_excess <= 0 or ranks < 2:
         return 0.0
     here = at_measuring(compute, net)
-    ops = sync_ops(compute, facts, here, ranks, _pace(compute), fixed=0.0)
+    ops = sync_ops(compute, facts, here, ranks, _pace(compute), 0.0)
     priced = finish(ops if overlaps(compute) else one_stream(ops)) - compute.slowest
     return max(0.0, compute.ddp_excess - priced)
 
@@ -57,9 +57,10 @@ def bucket_ready(compute: Compute, facts: ModelFacts) -> list[float]:
     return [done_after[first] for _, first in facts.buckets]
 
 
-def sync_ops(compute: Compute, facts: ModelFacts, net: Network, workers: int, pace: float,
-             compress: Optional[str] = None, hierarchical: bool = False, fixed: Optional[float] = None) -> list[Op]:
-    """The step as ops: forward, backward cut at every bucket's ready point, all-reduces, optimizer, loss.
+def sync_ops(compute: Compute, facts: ModelFacts, net: Network, workers: int, pace: float, fixed: float,
+             compress: Optional[str] = None, hierarchical: bool = False) -> list[Op]:
+    """The step as ops: forward, backward cut at every bucket's ready point, all-reduces, optimizer, DDP's
+    ``fixed`` work (:func:`ddp_fixed`), the loop.
 
     DDP also passes over every gradient byte three times: copying each gradient into its bucket as
     it is produced, dividing the bucket by N before its all-reduce, and copying the result back into
@@ -83,7 +84,6 @@ def sync_ops(compute: Compute, facts: ModelFacts, net: Network, workers: int, pa
     ops.append(Op("backward rest", "compute", (1.0 - done) * compute.backward * pace, (previous,)))
     ops.append(Op("copy back", "compute", compute.copy * pace, ("backward rest", *reductions)))
     ops.append(Op("optimizer", "compute", compute.optimizer * pace, ("copy back",)))
-    fixed = ddp_fixed(compute, facts, net) if fixed is None else fixed
     ops.append(Op("DDP's fixed work", "compute", fixed, ("optimizer",)))
     ops.append(Op("loop", "compute", compute.loop * pace, ("DDP's fixed work",)))
     return ops
@@ -98,7 +98,7 @@ def predict_sync(compute: Compute, facts: ModelFacts, net: Network, workers: int
                           parts={"forward": compute.forward, "backward": compute.backward,
                                  "optimizer": compute.optimizer, "loop": compute.loop})
     fixed = ddp_fixed(compute, facts, net)
-    ops = sync_ops(compute, facts, net, workers, _pace(compute), compress, hierarchical, fixed)
+    ops = sync_ops(compute, facts, net, workers, _pace(compute), fixed, compress, hierarchical)
     overlap = overlaps(compute)
     timeline = finish(ops if overlap else one_stream(ops))
     scale = 0.5 if compress else 1.0
