@@ -28,6 +28,7 @@ from pathlib import Path
 
 from phalanx import TrainConfig, Trainer
 from phalanx.estimate import EstimateOptions
+from phalanx.estimate.overhead import FIGURES
 from phalanx.estimate.report import describe
 from phalanx.estimate.run import run as run_estimate
 from phalanx.estimate.setup import conditions_for, prepare
@@ -58,7 +59,7 @@ def predict(case: str, workers: int, args) -> tuple[dict, dict, dict]:
     for line in text[2:text.index("")]:  # what was measured: compute per condition, the links
         print(f"    {line}", flush=True)
     bare = {row.strategy: est_predict(setup, row, dataclasses.replace(
-        est.computes[conditions_for(setup, row)], ddp_excess=0.0, allreduce_params=0.0, round_trip_tiny=0.0), est.network).step
+        est.computes[conditions_for(setup, row)], **dict.fromkeys(FIGURES, 0.0)), est.network).step
         for row in setup.rows}
     steps = {p.strategy: p.step for p in est.predictions if p.strategy in STRATEGIES}
     return steps, {s: bare[s] for s in steps}, est.to_dict()

@@ -47,6 +47,8 @@ MIN_STEPS = 5
 ROUNDS_BUDGET_S = 1.5  #: seconds of real steps the timed rounds of one measurement may take
 
 Step = Callable[[], None]
+#: the figures :func:`fixed_costs` returns (None where a rank times nothing), as named in ``costs.Compute``
+FIGURES = ("ddp_excess", "allreduce_params", "round_trip_tiny")
 
 
 def fixed_costs(ctx, beside: int, work: Step, step_s: float, ddp_step: Optional[Callable[[], Step]] = None,
@@ -62,7 +64,7 @@ def fixed_costs(ctx, beside: int, work: Step, step_s: float, ddp_step: Optional[
     then pushes, while every other worker runs real steps again and again, so the server's threads wake up
     on cores the workers keep busy. Ranks that time nothing return None for it."""
     if not ctx.distributed or ctx.world_size < 2:
-        return {"ddp_excess": 0.0, "allreduce_params": 0.0, "round_trip_tiny": 0.0}
+        return dict.fromkeys(FIGURES, 0.0)
     rounds = _rounds(step_s)
     if not beside:
         return {"ddp_excess": _ddp_excess(work, ddp_step(), rounds),

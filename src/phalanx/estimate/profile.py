@@ -10,8 +10,9 @@ cores and memory as real workers do. After warm-up steps, each phase is timed pe
 model's blocks are timed one by one (at the batch and at each micro-batch size a pipeline would
 use, interleaved, and the pipelining schedule's own overhead per micro-batch), and the passes over
 the gradient bytes that DDP, local SGD and a parameter server make (and the server's update of one
-gradient); last, with a 2-parameter model, what a step costs beyond its compute and its bytes
-(``overhead.py``: DDP's machinery, a parameter server's round trip).
+gradient); last, what a step costs beyond its compute and its bytes (``overhead.py``: the model's DDP
+step over its bare step, its parameters' all-reduce right after a real step, a parameter server's
+round trip).
 Every process sends its timings to rank 0, which returns them; :func:`summarise` takes medians.
 """
 
@@ -29,7 +30,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from ..launcher import launch
 from ..pipeline.split import blocks_or_whole
 from ..costs import Compute
-from .overhead import fixed_costs
+from .overhead import FIGURES, fixed_costs
 
 WARMUP_STEPS = 5
 TIMED_S = 1.0  #: seconds of timed steps a measurement takes at least (where --measure-steps take less)
@@ -354,9 +355,8 @@ def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = 
     """Medians over every process's timed steps; the pace of lockstep from the slowest process each step."""
     from ..launcher import available_cores
 
-    trips = [r["round_trip_tiny"] for r in every if r.get("round_trip_tiny") is not None]
-    excess = [r["ddp_excess"] for r in every if r.get("ddp_excess") is not None]
-    woken = [r["allreduce_params"] for r in every if r.get("allreduce_params") is not None]
+    measured = {k: [r[k] for r in every if r.get(k) is not None] for k in FIGURES}  # the ranks that timed each
+    fixed = {k: statistics.median(values) if values else 0.0 for k, values in measured.items()}
     every = [r for r in every if not r.get("beside")]  # they timed no step
     rows = [row for result in every for row in result["rows"]]
     med = [statistics.median(row[k] for row in rows) for k in range(5)]
@@ -369,9 +369,6 @@ def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = 
            for k in ("pack", "copy", "unpack", "apply", "fresh")}
     engine = {m: statistics.median(result["engine"][m] for result in every) for m in every[0].get("engine", {})}
     on_cpu = conditions.device == "cpu"
-    fixed = {"ddp_excess": statistics.median(excess) if excess else 0.0,
-             "allreduce_params": statistics.median(woken) if woken else 0.0,
-             "round_trip_tiny": statistics.median(trips) if trips else 0.0}
     return Compute(forward=med[0], backward=med[1], optimizer=med[2], loop=med[3], slowest=slowest, cpu=med[4],
                    processes=conditions.processes, threads=conditions.threads,
                    cores=(cores or available_cores()) if on_cpu else None, block_seconds=tuple(blocks),

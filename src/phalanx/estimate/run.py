@@ -18,6 +18,7 @@ from ..costs import Compute, Network, Prediction, cost_model
 from ..errors import PhalanxError
 from .advice import advise
 from .link import Link, describe_link, measure_link, ring_of_gpus
+from .overhead import FIGURES
 from .profile import Conditions, ProbeSpec, measure
 from .setup import Setup, alone, conditions_for, predict
 
@@ -43,8 +44,7 @@ class Estimate:
             "gradient_bytes": s.facts.param_bytes, "ddp_buckets_bytes": [b for b, _ in s.facts.buckets],
             "compute": [{"processes": c.processes, "threads": c.threads, "device": c.device, "beside": c.beside,
                          **{k: getattr(m, k) for k in ("forward", "backward", "optimizer", "loop", "slowest", "cpu",
-                                                       "pack", "copy", "unpack", "apply", "fresh", "ddp_excess",
-                                                       "allreduce_params", "round_trip_tiny")},
+                                                       "pack", "copy", "unpack", "apply", "fresh", *FIGURES)},
                          "block_seconds": list(m.block_seconds),
                          "micro_batch_block_seconds": {str(k): list(v) for k, v in m.micro_seconds.items()},
                          "engine_per_micro_batch": {str(k): v for k, v in m.engine.items()}}
