@@ -51,6 +51,9 @@ class ProbeSpec:
     steps: int  #: timed steps (after WARMUP_STEPS)
     micro_batches: tuple[int, ...] = ()  #: M values whose per-block micro-batch times a pipeline needs
     task: Any = None  #: the user's problem where the API gave objects (None: the config's names make it)
+    #: seconds of timed steps at least (more steps than ``steps`` where they take less); 0: ``steps`` exactly,
+    #: for a probe whose compute is not used
+    seconds: float = TIMED_S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +127,7 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
         dist.barrier()  # start together: the processes compete as workers do
     try:
         warm = [sum(one_step()[:4]) for _ in range(WARMUP_STEPS)]
-        rows = [one_step() for _ in range(_timed_steps(ctx, spec.steps, warm))]
+        rows = [one_step() for _ in range(_timed_steps(ctx, spec, warm))]
         x, y = next(prefetcher)
     finally:
         prefetcher.close()
@@ -149,15 +152,15 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
     return every
 
 
-def _timed_steps(ctx, least: int, warm: list[float]) -> int:
-    """Timed steps every process agrees on: ``least``, more where they take less than :data:`TIMED_S` (a
+def _timed_steps(ctx, spec: ProbeSpec, warm: list[float]) -> int:
+    """Timed steps every process agrees on: ``spec.steps``, more where they take less than ``spec.seconds`` (a
     measurement of a fraction of a second meets whatever else the machine is doing in it)."""
     import torch.distributed as dist
 
     slowest = torch.tensor([statistics.median(warm[-3:])], dtype=torch.float64)
     if ctx.distributed:
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return max(least, min(MAX_TIMED_STEPS, int(TIMED_S / max(slowest.item(), 1e-9))))
+    return max(spec.steps, min(MAX_TIMED_STEPS, int(spec.seconds / max(slowest.item(), 1e-9))))
 
 
 def _step(model, optimizer, x, y, loss_fn, device: torch.device) -> Callable[[], None]:
@@ -178,7 +181,7 @@ def _beside(ctx, spec: ProbeSpec, beside: int) -> list[dict]:
     import torch.distributed as dist
 
     dist.barrier()  # the workers start timing
-    _timed_steps(ctx, 0, [0.0])  # the workers agree on how many: a collective all join
+    _timed_steps(ctx, dataclasses.replace(spec, steps=0, seconds=0.0), [0.0])  # the workers agree on how many
     if spec.micro_batches:  # every rank creates every group the workers' pipelining schedule makes (_engine)
         for r in range(dist.get_world_size()):
             dist.new_group([r])
@@ -340,6 +343,13 @@ def _vector_ops(model, optimizer, x, y, device, loss_fn) -> dict:
     return {"pack": statistics.median(pack[1:]), "copy": statistics.median(copy[1:]),
             "unpack": statistics.median(unpack[1:]), "apply": statistics.median(apply[1:]),
             "fresh": max(0.0, statistics.median(fresh[1:]))}
+
+
+def describe_conditions(conditions: Conditions) -> str:
+    """The measurement's conditions in words, as the commands say them while measuring."""
+    server = " and a parameter server beside them" if conditions.beside else ""
+    return (f"{conditions.processes} worker process(es) at once{server}, {conditions.threads} thread(s) each, on "
+            f"{conditions.device}")
 
 
 def measure(spec: ProbeSpec, conditions: Conditions) -> Compute:

@@ -19,7 +19,7 @@ from ..errors import PhalanxError
 from .advice import advise
 from .link import Link, describe_link, measure_link, ring_of_gpus
 from .overhead import FIGURES
-from .profile import Conditions, ProbeSpec, measure
+from .profile import Conditions, ProbeSpec, describe_conditions, measure
 from .setup import Setup, alone, conditions_for, predict
 
 Say = Callable[[str], None]
@@ -70,9 +70,7 @@ def run(setup: Setup, say: Say) -> Estimate:
     computes: dict[Conditions, Compute] = {}
     for cond in dict.fromkeys(wanted):
         started = time.perf_counter()
-        server = " and a parameter server beside them" if cond.beside else ""
-        say(f"measuring compute: {cond.processes} worker process(es) at once{server}, {cond.threads} thread(s) each, "
-            f"on {cond.device} ...")
+        say(f"measuring compute: {describe_conditions(cond)} ...")
         computes[cond] = measure(spec, cond)
         say(f"  done in {time.perf_counter() - started:.1f} s")
     network, notes = settle_links(setup, say)

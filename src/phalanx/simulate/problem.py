@@ -90,7 +90,7 @@ def build_problem(train: TrainConfig, workers: tuple[int, ...], per_node: Option
         notes.append(f"compute: measured here, {compute.processes} worker process(es) at once, {compute.threads} "
                      f"thread(s) each: {compute.step * 1e3:.3g} ms per step")
         if beside and device.type == "cpu":
-            trip = _measured(cfg, task, device, local, available_cores(), say, beside, steps=3).round_trip_tiny
+            trip = _measured(cfg, task, device, local, available_cores(), say, beside).round_trip_tiny
             compute = dataclasses.replace(compute, round_trip_tiny=trip)
             notes.append(f"a parameter server's round trip of a 2-parameter model, another worker computing: "
                          f"{trip * 1e3:.3g} ms, measured here (beyond its four messages, every ps update waits it)")
@@ -109,16 +109,15 @@ def build_problem(train: TrainConfig, workers: tuple[int, ...], per_node: Option
 
 
 def _measured(cfg: TrainConfig, task: Task, device: torch.device, local: int, cores: int, say,
-              beside: int = 0, steps: int = 20) -> Compute:
-    """The probe under these conditions; ``steps``: timed steps (a probe run for its server's round trip
-    alone, whose compute is not used, times the fewest the probe takes)."""
-    from ..estimate.profile import Conditions, ProbeSpec, measure
+              beside: int = 0) -> Compute:
+    """The probe under these conditions. A probe with a server beside the workers runs for the server's
+    round trip alone: its compute is not used, so it times the fewest steps the probe takes."""
+    from ..estimate.profile import Conditions, ProbeSpec, describe_conditions, measure
 
     if device.type == "cuda":
         conditions = Conditions(1, cfg.threads or max(1, cores // local), "cuda:0")
     else:
         conditions = Conditions(local, cfg.threads or max(1, cores // (local + beside)), "cpu", beside)
-    server = " and a parameter server beside them" if beside else ""
-    say(f"measuring compute: {conditions.processes} worker process(es) at once{server}, {conditions.threads} "
-        f"thread(s) each, on {conditions.device} ...")
-    return measure(ProbeSpec(cfg, steps, task=task), conditions)
+    say(f"measuring compute: {describe_conditions(conditions)} ...")
+    spec = ProbeSpec(cfg, 3, task=task, seconds=0.0) if beside else ProbeSpec(cfg, 20, task=task)
+    return measure(spec, conditions)
