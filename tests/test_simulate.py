@@ -37,17 +37,19 @@ def problem(**train):
     return build_problem(config, (2,), None, 0.01, LINK, lambda line: None)
 
 
-def simulate(options, workers=2, steps=10, slowness=None, target=None, **train):
-    world = World(problem(**train), options, workers, slowness, 0, steps, steps, target)
+def simulate(options, workers=2, steps=10, slowness=None, target=None, seed=0, **train):
+    world = World(problem(**train), options, workers, slowness, seed, steps, steps, target)
     simulated_rule(options).run(options, world)
     world.finish()
     return world
 
 
 def test_simulated_sync_ends_with_the_parameters_of_one_process_on_the_global_batch(tmp_path):
-    world = simulate(Sync(), workers=2, steps=10)
+    """At a repeat's seed (compare's repeat r runs seed + r), not only the comparison's: the model, the split
+    and the order of the batches are all the run's own."""
+    world = simulate(Sync(), workers=2, steps=10, seed=3)
     cfg = TrainConfig(model="mlp", devices="cpu", workers=1, batch_size=32, steps=10, checkpoint_dir=str(tmp_path),
-                      progress="none")
+                      progress="none", seed=3)
     Trainer(cfg).fit()
     state = load_checkpoint(str(tmp_path))["model"]
     real = torch.cat([t.reshape(-1) for name, t in state.items()])

@@ -107,11 +107,11 @@ class World:
 
     def reader(self, worker: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Worker ``worker``'s batches, its own step after step (data shard ``worker`` of W)."""
-        return ShardedBatches(self.data.train, self.cfg.batch_size, worker, self.workers, self.cfg.seed)(0)
+        return ShardedBatches(self.data.train, self.cfg.batch_size, worker, self.workers, self.seed)(0)
 
     def global_reader(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Every worker's batch of a step at once: the W shards, in order, are one slice of the epoch's shuffle."""
-        return ShardedBatches(self.data.train, self.global_batch, 0, 1, self.cfg.seed)(0)
+        return ShardedBatches(self.data.train, self.global_batch, 0, 1, self.seed)(0)
 
     def prediction(self, options: Any = None) -> Prediction:
         """The strategy's cost model at W workers: its step time and where the time goes."""
