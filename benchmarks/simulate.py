@@ -93,7 +93,9 @@ def validate_at(args, workers: int) -> tuple[list[dict], list[str], float, float
         real = run_all(s, check(s), Path(tmp))
     real_wall = time.perf_counter() - began
     began = time.perf_counter()
-    sim = SimulateOptions(simulate=True)  # compute and link measured here, as the estimate measures them
+    # compute and link measured here, as the estimate measures them, with the W processes per machine the real
+    # runs had (3 workers share these 2 cores: their steps are measured that way)
+    sim = SimulateOptions(simulate=True, per_node=workers)
     problem, simulated = simulate_compare(dataclasses.replace(s, simulated=True), (workers,), sim,
                                           lambda line: print(line, file=sys.stderr, flush=True))
     sim_wall = time.perf_counter() - began

@@ -18,11 +18,18 @@ So each is measured in the estimate's measuring processes (the K that would shar
 competing as workers do), with the user's model and a real batch:
 
 - ``ddp_excess``: a DDP step of the model, in lockstep as training runs it, minus its bare step
-  (the slowest rank's, as the lockstep's pace), each the median over rounds; the cost model takes
+  (the slowest rank's, as the lockstep's pace), each the mean over rounds; the cost model takes
   out what it prices itself for the same step at K (``costs/sync.ddp_fixed``);
 - ``allreduce_params``: an all-reduce of the model's parameters (one new flat vector, as an averaging
-  makes) right after a real step; a round's time is the least over the ranks, since the rank that
-  arrives last waited for no other's compute (``costs/inputs.wake`` takes out its price);
+  makes) right after a real step, the mean over rounds; a round's time is the least over the ranks,
+  since the rank that arrives last waited for no other's compute (``costs/inputs.wake`` takes out its
+  price);
+
+These are means, not medians: a run's time is the sum of its steps, so a slow round (gloo's threads
+woken late, a core taken by the other process) costs it what it costs the mean. On the 2-core machine
+this was written on the tail is most of the difference: the digits MLP's DDP step had a median of
+2.4–2.9 ms and a mean of 3.0–3.5 ms, its parameters' all-reduce after a step 0.56 ms and 1.8 ms, and a
+real sync run of it took 3.5–4.3 ms a step.
 - ``round_trip_tiny``: where a parameter server runs beside the workers, a ps worker's push-to-reply
   round trip of a 2-parameter model through the real server (``strategies/ps``), right after a real
   step, while the other workers compute real steps: under contention, the server's threads wait for
@@ -41,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-STEPS = 30  #: timed rounds of each (after WARMUP), fewer where a real step is long (ROUNDS_BUDGET_S)
+STEPS = 60  #: timed rounds of each (after WARMUP), fewer where a real step is long (ROUNDS_BUDGET_S)
 WARMUP = 5
 MIN_STEPS = 5
 ROUNDS_BUDGET_S = 1.5  #: seconds of real steps the timed rounds of one measurement may take
@@ -92,7 +99,7 @@ def _timed(step: Step, rounds: int) -> list[float]:
 
 
 def _ddp_excess(work: Step, ddp_step: Step, rounds: int) -> float:
-    """The median DDP step over the median bare step, each round's slowest rank (the pace of lockstep); bare
+    """The mean DDP step over the mean bare step, each round's slowest rank (the pace of lockstep); bare
     and DDP alternate in halves, so that both meet the machine as it is."""
     half = max(1, rounds // 2)
     bare, ddp = [], []
@@ -117,11 +124,11 @@ def _allreduce_params(work: Step, params: Callable[[], torch.Tensor], rounds: in
 
 
 def _over_ranks(seconds: list[float], op) -> float:
-    """The median over rounds of each round's time reduced over the ranks by ``op``: MIN, the rank that arrived
+    """The mean over rounds of each round's time reduced over the ranks by ``op``: MIN, the rank that arrived
     last (it waited for no other's compute); MAX, the slowest (the pace of steps in lockstep)."""
     each = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(each, op=op)
-    return statistics.median(each.tolist())
+    return statistics.fmean(each.tolist())
 
 
 DONE = "phalanx/estimate/round-trips-done"
@@ -164,4 +171,4 @@ def _round_trip_tiny(ctx, work: Callable[[], None], rounds: int) -> Optional[flo
         seconds.append(time.perf_counter() - t)
     channel.bye(pushes)
     ctx.store.set(DONE, "1")
-    return statistics.median(seconds[WARMUP:] or seconds)
+    return statistics.fmean(seconds[WARMUP:] or seconds)
