@@ -1,6 +1,7 @@
 """Metrics (issue 19, item 4): exact over ranks (sums and counts, never an average of averages), with a
 direction; regression with float targets; targets to stop at (``loss<=0.3``), and bad ones in one line."""
 
+import json
 import math
 
 import pytest
@@ -152,6 +153,8 @@ def test_a_loss_target_stops_the_run_and_a_user_metric_is_reported(tmp_path):
     assert summary["stopped_at_target"] and summary["target"] == "loss<=0.5" and summary["steps"] < 400
     assert list(summary["test_metrics"]) == ["mae", "median_error", "loss"]
     assert summary["test_metrics"]["loss"] <= 0.5
+    evaluated = [r["step"] for r in map(json.loads, open(summary["metrics"])) if r.get("event") == "eval"]
+    assert evaluated.count(summary["steps"]) == 1  # the evaluation that reached it is the final one, not repeated
 
 
 def test_a_user_metric_with_a_direction_is_a_target_and_a_wrong_way_is_refused(tmp_path):

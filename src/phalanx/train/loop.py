@@ -194,7 +194,10 @@ class WorkerRun:
         self._count_wire(False)
         elapsed = time.perf_counter() - start - self.eval_seconds
         stopped = self.stop_name if self.stop_at is not None and self.step >= self.stop_at else None
-        values = None if stopped else self._evaluate(start, final=True)  # a stop asked for speed: save, go
+        if stopped:  # a stop asked for speed: save, go
+            values = None
+        elif not reached:  # (a target reached was reached by this step's evaluation: not evaluated twice)
+            values = self._evaluate(start, final=True)
         if self.last_checkpoint is None or not self.last_checkpoint.endswith(f"{self.step:08d}.pt"):
             self._save()
         return self._summary(values, self.step - first_step, elapsed, reached, stopped)
