@@ -17,8 +17,9 @@ pays more, and on a machine whose cores the workers fill it is milliseconds, not
 So each is measured in the estimate's measuring processes (the K that would share a node,
 competing as workers do), with the user's model and a real batch:
 
-- ``ddp_excess``: a DDP step of the model, in lockstep as training runs it, minus its bare step
-  (the slowest rank's, as the lockstep's pace), each the mean over rounds; the cost model takes
+- ``ddp_excess``: a DDP step of the model, in lockstep as training runs it (a rank's mean step: the
+  all-reduce holds it to the slowest), minus its bare step (each round's slowest rank, as the
+  lockstep's pace), each a mean over rounds; the cost model takes
   out what it prices itself for the same step at K (``costs/sync.ddp_fixed``);
 - ``allreduce_params``: an all-reduce of the model's parameters (one new flat vector, as an averaging
   makes) right after a real step, the mean over rounds; a round's time is the least over the ranks,
@@ -99,14 +100,20 @@ def _timed(step: Step, rounds: int) -> list[float]:
 
 
 def _ddp_excess(work: Step, ddp_step: Step, rounds: int) -> float:
-    """The mean DDP step over the mean bare step, each round's slowest rank (the pace of lockstep); bare
-    and DDP alternate in halves, so that both meet the machine as it is."""
+    """The DDP steps' pace over the bare steps', both means; bare and DDP alternate in halves, so that both
+    meet the machine as it is.
+
+    DDP's all-reduce holds every rank to the slowest, so a rank's own mean DDP step is the pace (its
+    rounds include the waiting; the ranks' means differ by a round's skew at most: the largest is
+    taken). Bare steps run apart, so their pace in lockstep is each round's slowest rank, as the cost
+    model's ``slowest`` is. (Each round's slowest DDP step would count one hiccup twice: the rank that
+    had it and the rank that waited for it finish that round at different times.)"""
     half = max(1, rounds // 2)
     bare, ddp = [], []
     for _ in range(2):
         bare += _timed(work, half)
         ddp += _timed(ddp_step, half)
-    return max(0.0, _over_ranks(ddp, dist.ReduceOp.MAX) - _over_ranks(bare, dist.ReduceOp.MAX))
+    return max(0.0, _each_rank(ddp, dist.ReduceOp.MAX) - _over_ranks(bare, dist.ReduceOp.MAX))
 
 
 def _allreduce_params(work: Step, params: Callable[[], torch.Tensor], rounds: int) -> float:
@@ -129,6 +136,13 @@ def _over_ranks(seconds: list[float], op) -> float:
     each = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(each, op=op)
     return statistics.fmean(each.tolist())
+
+
+def _each_rank(seconds: list[float], op) -> float:
+    """Each rank's mean over its rounds, reduced over the ranks by ``op``."""
+    mean = torch.tensor([statistics.fmean(seconds)], dtype=torch.float64)
+    dist.all_reduce(mean, op=op)
+    return mean.item()
 
 
 DONE = "phalanx/estimate/round-trips-done"

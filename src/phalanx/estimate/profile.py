@@ -54,6 +54,7 @@ class ProbeSpec:
     #: seconds of timed steps at least (more steps than ``steps`` where they take less); 0: ``steps`` exactly,
     #: for a probe whose compute is not used
     seconds: float = TIMED_S
+    bucket_mb: float = 25.0  #: the DDP bucket cap of the measured DDP step (the run's, as the sizes' buckets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +140,7 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
     def ddp_step() -> Callable[[], None]:  # the same step of a DDP copy of the model (every worker makes it at once)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        replica = DDP(copy.deepcopy(model))
+        replica = DDP(copy.deepcopy(model), bucket_cap_mb=spec.bucket_mb)
         return _step(replica, _optimizer(cfg, task, replica.parameters()), x, y, task.loss_fn, device)
 
     step_s = statistics.median(sum(row[:4]) for row in rows)
@@ -362,7 +363,8 @@ def measure(spec: ProbeSpec, conditions: Conditions) -> Compute:
 
 
 def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = None) -> Compute:
-    """Medians over every process's timed steps; the pace of lockstep from the slowest process each step."""
+    """Medians over every process's timed steps; the pace of lockstep from the slowest process each step, its
+    mean over the steps (a run's time is the sum of its steps: a slow step costs it what it costs the mean)."""
     from ..launcher import available_cores
 
     measured = {k: [r[k] for r in every if r.get(k) is not None] for k in FIGURES}  # the ranks that timed each
@@ -371,7 +373,7 @@ def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = 
     rows = [row for result in every for row in result["rows"]]
     med = [statistics.median(row[k] for row in rows) for k in range(5)]
     steps = min(len(result["rows"]) for result in every)
-    slowest = statistics.median(max(sum(result["rows"][i][:4]) for result in every) for i in range(steps))
+    slowest = statistics.fmean(max(sum(result["rows"][i][:4]) for result in every) for i in range(steps))
     blocks = [statistics.mean(result["blocks"][b] for result in every) for b in range(len(every[0]["blocks"]))]
     micro = {m: tuple(statistics.mean(result["micro"][m][b] for result in every) for b in range(len(blocks)))
              for m in every[0]["micro"]}

@@ -26,7 +26,7 @@ def describe(est: Estimate) -> str:
         lines.append(f"  {cond.processes} process(es) x {cond.threads} thread(s) on {cond.device}{server}: forward "
                      f"{fmt_seconds(m.forward)}, backward {fmt_seconds(m.backward)}, optimizer "
                      f"{fmt_seconds(m.optimizer)}, rest of the loop {fmt_seconds(m.loop)}"
-                     f"{f'; slowest worker {fmt_seconds(m.slowest)}' if cond.processes > 1 else ''}")
+                     f"{f'; slowest worker {fmt_seconds(m.slowest)} (each step, on average)' if cond.processes > 1 else ''}")
         if cond.beside:
             lines.append(f"    beyond compute and bytes: a parameter server's round trip of a 2-parameter model, "
                          f"another worker computing: {fmt_seconds(m.round_trip_tiny)}")

@@ -89,7 +89,8 @@ def _probe_spec(setup: Setup) -> ProbeSpec:
     batch = setup.config.batch_size
     micro = {m for cls in setup.predicted for m in
              cost_model(cls).micro_batches(setup.strategies[cls], batch)}
-    return ProbeSpec(setup.config, setup.options.measure_steps, tuple(sorted(micro)), task=setup.task)
+    return ProbeSpec(setup.config, setup.options.measure_steps, tuple(sorted(micro)), task=setup.task,
+                     bucket_mb=setup.bucket_mb)
 
 
 # --------------------------------------------------------------------------- the links
