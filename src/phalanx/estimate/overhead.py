@@ -25,16 +25,16 @@ competing as workers do), with the user's model and a real batch:
   makes) right after a real step, the mean over rounds; a round's time is the least over the ranks,
   since the rank that arrives last waited for no other's compute (``costs/inputs.wake`` takes out its
   price);
+- ``round_trip_tiny``: where a parameter server runs beside the workers, a ps worker's push-to-reply
+  round trip of a 2-parameter model through the real server (``strategies/ps``), right after a real
+  step, while the other workers compute real steps: under contention, the server's threads wait for
+  a core (its two messages each way are taken out by ``costs/ps.round_trip_fixed``).
 
 These are means, not medians: a run's time is the sum of its steps, so a slow round (gloo's threads
 woken late, a core taken by the other process) costs it what it costs the mean. On the 2-core machine
 this was written on the tail is most of the difference: the digits MLP's DDP step had a median of
 2.4–2.9 ms and a mean of 3.0–3.5 ms, its parameters' all-reduce after a step 0.56 ms and 1.8 ms, and a
 real sync run of it took 3.5–4.3 ms a step.
-- ``round_trip_tiny``: where a parameter server runs beside the workers, a ps worker's push-to-reply
-  round trip of a 2-parameter model through the real server (``strategies/ps``), right after a real
-  step, while the other workers compute real steps: under contention, the server's threads wait for
-  a core (its two messages each way are taken out by ``costs/ps.round_trip_fixed``).
 
 All need two processes or more; alone, a process measures none (0: nothing to add).
 """
