@@ -4,7 +4,7 @@ import torch
 
 from phalanx.data import ArrayDataset, ShardedBatches, eval_batches, load_cifar10, load_digits, load_synthetic
 from phalanx.data.datasets import cifar_augment_params, cifar_eval_transform, cifar_train_transform, standardize
-from phalanx.data.loader import Prefetcher
+from phalanx.data.loader import Prefetcher, prefetch_depth
 from phalanx.errors import PhalanxError
 
 
@@ -136,6 +136,24 @@ def test_prefetcher_keeps_order_and_bounds_queue():
     assert len(produced) <= 4  # one consumed, at most depth queued, one in hand
     assert [x.item() for x, _ in pf] == list(range(1, 10))
     pf.close()
+
+
+def test_depth_zero_reads_each_batch_when_asked_and_is_the_cpu_default():
+    produced = []
+
+    def batches():
+        for i in range(5):
+            produced.append(i)
+            yield torch.tensor([i]), torch.tensor([i])
+        produced.append("closed")  # not reached: close() ends the source where it stands
+
+    pf = Prefetcher(batches(), torch.device("cpu"), depth=0)
+    assert pf.thread is None and produced == []
+    assert [next(pf)[0].item() for _ in range(3)] == [0, 1, 2] and produced == [0, 1, 2]
+    pf.close()
+    assert produced == [0, 1, 2] and pf.inline.gi_frame is None  # the generator was closed
+    assert (prefetch_depth(None, torch.device("cpu")), prefetch_depth(None, torch.device("cuda"))) == (0, 2)
+    assert prefetch_depth(3, torch.device("cpu")) == 3
 
 
 def test_prefetcher_surfaces_loader_errors():

@@ -123,6 +123,16 @@ def eval_batches(data: ArrayDataset, batch_size: int, rank: int = 0, world_size:
 _DONE = object()
 
 
+def prefetch_depth(given: Optional[int], device: torch.device) -> int:
+    """``--prefetch``, or its default for the device: 2 batches ahead on a GPU (the copy to the device
+    overlaps the step), none on CPU. There the workers fill the cores, so the thread only competes with
+    its own worker: reading each batch in the loop made 2-worker runs on 2 cores 1-11% faster a step
+    (the digits mlp and cnn, sync and local SGD, 3 interleaved runs each)."""
+    if given is not None:
+        return given
+    return 2 if device.type == "cuda" else 0
+
+
 class Prefetcher:
     """Produce batches on a background thread, at most ``depth`` ahead of the consumer.
 
@@ -132,13 +142,17 @@ class Prefetcher:
     """
 
     def __init__(self, batches: Iterator, device: torch.device, depth: int = 2):
-        if depth < 1:
-            raise PhalanxError(f"prefetch depth must be at least 1, got {depth}")
+        if depth < 0:
+            raise PhalanxError(f"prefetch depth must be 0 or more, got {depth}")
         self.device = device
         self.cuda = device.type == "cuda"
+        self.stop = threading.Event()
+        self.inline = iter(batches) if depth == 0 else None  #: depth 0: each batch read when it is asked for
+        self.thread: Optional[threading.Thread] = None
+        if self.inline is not None:
+            return
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
-        self.stop = threading.Event()
         self.thread = threading.Thread(target=self._produce, args=(batches,), daemon=True)
         self.thread.start()
 
@@ -173,6 +187,9 @@ class Prefetcher:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inline is not None:
+            x, y = next(self.inline)
+            return (x, y) if self.device.type == "cpu" else (x.to(self.device), y.to(self.device))
         item = self.queue.get()
         if item is _DONE:
             raise StopIteration
@@ -189,6 +206,9 @@ class Prefetcher:
         """Stop the producer and wait for it: a thread still inside a torch op while the
         interpreter shuts down aborts the whole process."""
         self.stop.set()
+        if self.inline is not None:  # a reader holding DataLoader worker processes ends them now
+            getattr(self.inline, "close", lambda: None)()
+            return
         while self.thread.is_alive():
             try:
                 while True:

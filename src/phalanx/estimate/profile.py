@@ -3,7 +3,7 @@
 Who talks to whom: the parent starts K processes through phalanx's own launcher, K being the
 worker processes that would share one node (each with the torch threads phalanx would give it:
 its share of the cores). Every process runs what a worker of ``phalanx train`` runs per step,
-on the same data path (the sharded batches and the prefetch thread), the same model and the same
+on the same data path (the sharded batches, read ahead by a thread where training's are), the same model and the same
 optimizer, with no communication: forward, backward, optimizer step, and the rest of the loop
 (next batch, learning-rate schedule, the loss as a number). All K run at once, so they compete for
 cores and memory as real workers do. After warm-up steps, each phase is timed per step; then the
@@ -92,6 +92,7 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
         return _beside(ctx, spec, beside)
 
     from ..data import Prefetcher, ShardedBatches, load_data
+    from ..data.loader import prefetch_depth
     from ..data.user import cast_to_model
     from ..task import task_from
 
@@ -104,7 +105,7 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
     workers = ctx.world_size - beside
     shards = workers if cfg.batch_size * workers <= len(data.train) else 1
     batches = ShardedBatches(data.train, cfg.batch_size, (ctx.rank - beside) % shards, shards, cfg.seed)
-    prefetcher = Prefetcher(batches(0), device, cfg.prefetch)
+    prefetcher = Prefetcher(batches(0), device, prefetch_depth(cfg.prefetch, device))
     optimizer = _optimizer(cfg, task, model.parameters())
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 

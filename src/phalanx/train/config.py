@@ -156,7 +156,9 @@ class TrainConfig:
     profile_startup: bool = option(False, "print where the seconds before the first step went (imports, workers "
                                           "joining, data, model, calibration, strategy, first step); always in "
                                           "the metrics file")
-    prefetch: int = option(2, "batches prepared ahead of the towers")
+    prefetch: Optional[int] = option(None, "batches read ahead of the towers on a background thread (0: each "
+                                           "read in the loop when it is needed)",
+                                     show="2 on a GPU; 0 on CPU, where the thread competes with the workers")
     master_addr: str = option("127.0.0.1", "address the workers rendezvous on (one machine)")
     link: Optional[Union[str, LinkRate]] = option(
         None, "run the job on a real slow link: a private network namespace whose loopback the kernel shapes to "
@@ -209,7 +211,7 @@ class TrainConfig:
                                "run with its optimizer and step: give one of them")
 
     def _check_counts(self) -> None:
-        for name in ("batch_size", "accumulate", "log_every", "keep_checkpoints", "prefetch"):
+        for name in ("batch_size", "accumulate", "log_every", "keep_checkpoints"):
             _positive_int(name, getattr(self, name))
         for name in ("steps", "lr_decay_every", "lr_base_batch", "synthetic_size"):
             if getattr(self, name) is not None:
@@ -218,9 +220,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise PhalanxError(f"--{name} must be at least 1, got {value!r}")
-        for name in ("eval_every", "checkpoint_every", "warmup_steps", "seed", "max_restarts", "loader_workers"):
+        for name in ("eval_every", "checkpoint_every", "warmup_steps", "seed", "max_restarts", "loader_workers",
+                     "prefetch"):
             value = getattr(self, name)
-            if value is None and name in PLAIN_DEFAULTS:
+            if value is None and (name in PLAIN_DEFAULTS or name == "prefetch"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise PhalanxError(f"{_flag(name)} must be 0 or more, got {value!r}")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..data import Prefetcher, ShardedBatches, eval_batches, load_data
-from ..data.loader import Position, advance
+from ..data.loader import Position, advance, prefetch_depth
 from ..errors import TrainingDiverged
 from ..launcher import WorkerContext
 from ..memory import Held, describe, held, largest
@@ -143,7 +143,8 @@ class WorkerRun:
     def _inputs(self) -> Iterator:
         if self.batches is None:
             return itertools.repeat((None, None))
-        self.prefetcher = Prefetcher(self.batches(self._position()), self.ctx.device, self.cfg.prefetch)
+        self.prefetcher = Prefetcher(self.batches(self._position()), self.ctx.device,
+                                     prefetch_depth(self.cfg.prefetch, self.ctx.device))
         return self.prefetcher
 
     # ---- the loop ----
