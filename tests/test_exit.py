@@ -94,3 +94,33 @@ def test_ctrl_c_to_the_process_group_stops_at_one_step_and_saves_it(strategy, tm
 def test_a_signal_to_one_worker_stops_the_whole_job_at_one_step(strategy, signal_, tmp_path):
     code, out, err = run_and_signal(["train", "--strategy", strategy, *LONG], tmp_path, "step 240,", signal_, rank=1)
     _stopped_with_checkpoint(code, err, tmp_path, signal_.name, 240)
+
+
+def test_ranks_of_different_pace_agree_on_when_to_read_the_stop_request():
+    """Every rank reads the store at the same steps: every 4 until 32 steps are done, then at the count the
+    first rank there proposed (about 50 ms of its steps), and a requested stop is the next such step."""
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from phalanx.train.loop import PACE_STEPS, STOP_CHECK_EVERY, WorkerRun
+
+    store = dist.HashStore()
+    began = time.perf_counter()
+    fast, slow = (SimpleNamespace(ctx=SimpleNamespace(store=store), plan=SimpleNamespace(layout=SimpleNamespace(
+        stop_rule="lockstep")), step=0, check_every=STOP_CHECK_EVERY, check_from=0, paced=False,
+        loop_began=began - seconds, stop_name=None) for seconds in (PACE_STEPS * 0.001, PACE_STEPS * 0.1))
+
+    def due(rank, step):
+        rank.step = step
+        return WorkerRun._check_due(rank)
+
+    assert [s for s in range(PACE_STEPS) if due(fast, s)] == list(range(0, PACE_STEPS, STOP_CHECK_EVERY))
+    assert due(fast, PACE_STEPS) and STOP_CHECK_EVERY < fast.check_every <= 50  # 1 ms steps: 50 (fewer if slowed)
+    assert due(slow, PACE_STEPS) and slow.check_every == fast.check_every  # the first proposal stored wins
+    after = [s for s in range(PACE_STEPS + 1, PACE_STEPS + 3 * fast.check_every) if due(slow, s)]
+    assert after == [PACE_STEPS + fast.check_every, PACE_STEPS + 2 * fast.check_every]
+    store.set("phalanx/stop", "SIGTERM")  # seen at a check step by one rank, at the one after by the other
+    fast.step, slow.step = after
+    assert WorkerRun._agree_on_stop(fast) == after[1] == WorkerRun._agree_on_stop(slow)  # where both check

@@ -82,7 +82,7 @@ def _collectives(ctx):
         op()  # warm-up: connections made, buffers sized
         dist.barrier()
         time.sleep(0.2)  # every ack of the warm-up has crossed
-        before = loopback_counters()
+        before = loopback_counters() + (_resent(),)
         dist.barrier()  # no rank sends before rank 0 has read the counter (a busy machine delays rank 0)
         with metering() as meter:
             meter.begin()
@@ -91,14 +91,23 @@ def _collectives(ctx):
             meter.end()
         dist.barrier()
         time.sleep(0.2)
-        after = loopback_counters()
+        after = loopback_counters() + (_resent(),)
         counted = [None] * n
         dist.all_gather_object(counted, meter.sent)
-        out[name] = (sum(counted), after[0] - before[0], after[1] - before[1])
+        out[name] = (sum(counted), after[0] - before[0], after[1] - before[1], after[2] - before[2])
     return out
 
 
+def _resent() -> int:
+    """Segments TCP sent again in this thread's namespace (its ``RetransSegs``): on a loaded machine a
+    receiver not scheduled in time makes a sender retransmit, and the loopback carries those bytes twice."""
+    with open("/proc/thread-self/net/snmp") as f:
+        names, values = [line.split() for line in f if line.startswith("Tcp:")][:2]
+    return int(values[names.index("RetransSegs")])
+
+
 HEADERS = 14 + 20 + 32  #: bytes of a TCP segment on the loopback beyond its payload: Ethernet, IPv4, TCP with timestamps
+MSS = 1500 - 20 - 32  #: the most payload a segment TCP sends again carries (the shaped loopback's MTU is 1,500)
 
 
 
@@ -110,15 +119,19 @@ def test_each_collective_matches_the_loopbacks_own_count(shaping_allowed):
     busy the machine is: the bytes beyond the meter's count were 0.1% to 0.6% on a quiet machine and
     2.1% (gather) on a loaded one. Less the headers, what is left is gloo's small control messages, a
     barrier and, on a loaded machine, segments the token bucket dropped and TCP sent again (0.45% at
-    most measured quiet, 1.0% loaded): within 2%, where a wrong count is off by a share of a rank's
-    bytes (a third, here)."""
+    most measured quiet, 1.0% loaded): within 2%, beyond the segments the kernel counted as sent
+    again (at most an MSS each: 2.1% once under the whole suite's load; with 3 busy loops beside it,
+    177 kB beyond the count with 135 segments sent again, 566 kB with 406), where a wrong count is off
+    by a share of a rank's bytes (a third, here)."""
     with shaped(parse_rate("10gbit")):
         out = run_workers(_collectives, 3)
-    for name, (counted, link, packets) in out.items():
+    for name, (counted, link, packets, resent) in out.items():
         assert counted > 0, name
         payload = link - HEADERS * packets
-        assert abs(payload - counted) <= 0.02 * counted, \
-            f"{name}: counted {counted}, the loopback carried {link} bytes in {packets} packets ({payload} of payload)"
+        again = resent * MSS  # at most a full segment each, sent twice
+        assert -0.02 * counted <= payload - counted <= 0.02 * counted + again, \
+            f"{name}: counted {counted}, the loopback carried {link} bytes in {packets} packets ({payload} of " \
+            f"payload, {resent} segments sent again)"
 
 
 # ---- whole runs on a shaped link ----
