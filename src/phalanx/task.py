@@ -57,6 +57,19 @@ class Task:
                                f"{type(made).__name__}; expected a torch.optim.Optimizer built on the params given")
         return made
 
+    def optimizer_for(self, cfg: Any, params: Any, global_batch: Optional[int] = None) -> torch.optim.Optimizer:
+        """The run's optimizer: the user's factory (its own lr: a schedule multiplies it), else the config's
+        ``--optimizer`` at ``--lr``, scaled to ``global_batch`` by the linear scaling rule (None: as given)."""
+        if self.make_optimizer is not None:
+            return self.optimizer(params)
+        from .train.schedules import scaled_lr
+
+        lr = cfg.lr if global_batch is None else scaled_lr(cfg.lr, global_batch, cfg.lr_base_batch)
+        if cfg.optimizer in ("adam", "adamw"):  # AdamW: decoupled weight decay (Loshchilov & Hutter)
+            make = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+            return make(params, lr=lr, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
 
 # --------------------------------------------------------------------------- import paths
 

@@ -73,16 +73,6 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _optimizer(cfg, task, params):
-    """The run's optimizer: the user's factory, else the config's."""
-    if task.make_optimizer:
-        return task.optimizer(params)
-    if cfg.optimizer in ("adam", "adamw"):
-        make = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-        return make(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-
-
 def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
     """Inside a measuring process: time the steps, the blocks and the server's work; rank 0 returns every rank's.
     Ranks below ``beside`` are the processes beside the workers: they time no step (:func:`_beside`)."""
@@ -106,7 +96,7 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
     shards = workers if cfg.batch_size * workers <= len(data.train) else 1
     batches = ShardedBatches(data.train, cfg.batch_size, (ctx.rank - beside) % shards, shards, cfg.seed)
     prefetcher = Prefetcher(batches(0), device, prefetch_depth(cfg.prefetch, device))
-    optimizer = _optimizer(cfg, task, model.parameters())
+    optimizer = task.optimizer_for(cfg, model.parameters())
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
     def one_step() -> tuple[float, ...]:  # forward, backward, optimizer, the rest of the loop; CPU-seconds
@@ -142,7 +132,7 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         replica = DDP(copy.deepcopy(model), bucket_cap_mb=spec.bucket_mb)
-        return _step(replica, _optimizer(cfg, task, replica.parameters()), x, y, task.loss_fn, device)
+        return _step(replica, task.optimizer_for(cfg, replica.parameters()), x, y, task.loss_fn, device)
 
     step_s = statistics.median(sum(row[:4]) for row in rows)
     result.update(fixed_costs(ctx, beside, _step(model, optimizer, x, y, task.loss_fn, device), step_s, ddp_step,

@@ -29,7 +29,7 @@ from ..costs import Prediction, cost_model
 from ..data import ShardedBatches, eval_batches
 from ..metrics import Target, Totals, add_up
 from ..strategies.staleness import StalenessStats
-from ..train.schedules import Schedule, scaled_lr
+from ..train.schedules import Schedule
 from ..train.straggle import Slowness
 from .gradients import Gradients
 from .problem import Problem
@@ -90,14 +90,7 @@ class World:
 
     def optimizer(self, params) -> torch.optim.Optimizer:
         """The run's optimizer, as the training loop makes it (the linear scaling rule on the global batch)."""
-        task, cfg = self.problem.task, self.cfg
-        if task.make_optimizer is not None:
-            return task.optimizer(params)
-        lr = scaled_lr(cfg.lr, self.global_batch, cfg.lr_base_batch)
-        if cfg.optimizer in ("adam", "adamw"):
-            make = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-            return make(params, lr=lr, weight_decay=cfg.weight_decay)
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return self.problem.task.optimizer_for(self.cfg, params, self.global_batch)
 
     def scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         cfg = self.cfg

@@ -32,7 +32,7 @@ from . import checkpoint as ckpt
 from .losses import LossWindow, first_non_finite
 from .report import Reporter, step_line
 from .resume import check_fits, data_position, restore_settings, resume_config, settings_line, settings_of
-from .schedules import Schedule, scaled_lr
+from .schedules import Schedule
 from .straggle import Straggle
 from .trainer import Plan
 
@@ -140,13 +140,7 @@ class WorkerRun:
         task = self.plan.task
         if task.make_optimizer is None and is_import_path(self.cfg.optimizer):  # a checkpoint's, on --resume
             task.make_optimizer = resolve(self.cfg.optimizer, "--optimizer", "params -> torch.optim.Optimizer")
-        if task.make_optimizer is not None:  # the user's factory: its own lr (the schedule multiplies it)
-            return task.optimizer(params)
-        lr = scaled_lr(self.cfg.lr, self.global_batch, self.cfg.lr_base_batch)
-        if self.cfg.optimizer in ("adam", "adamw"):  # AdamW: decoupled weight decay (Loshchilov & Hutter)
-            make = torch.optim.AdamW if self.cfg.optimizer == "adamw" else torch.optim.Adam
-            return make(params, lr=lr, weight_decay=self.cfg.weight_decay)
-        return torch.optim.SGD(params, lr=lr, momentum=self.cfg.momentum, weight_decay=self.cfg.weight_decay)
+        return task.optimizer_for(self.cfg, params, self.global_batch)
 
     def _inputs(self) -> Iterator:
         if self.batches is None:
