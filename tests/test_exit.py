@@ -104,7 +104,7 @@ def test_ranks_of_different_pace_agree_on_when_to_read_the_stop_request():
 
     import torch.distributed as dist
 
-    from phalanx.train.loop import PACE_STEPS, STOP_CHECK_EVERY, WorkerRun
+    from phalanx.train.loop import PACE_STEPS, STOP_CHECK_EVERY, STOP_KEY, WorkerRun
 
     store = dist.HashStore()
     began = time.perf_counter()
@@ -121,6 +121,6 @@ def test_ranks_of_different_pace_agree_on_when_to_read_the_stop_request():
     assert due(slow, PACE_STEPS) and slow.check_every == fast.check_every  # the first proposal stored wins
     after = [s for s in range(PACE_STEPS + 1, PACE_STEPS + 3 * fast.check_every) if due(slow, s)]
     assert after == [PACE_STEPS + fast.check_every, PACE_STEPS + 2 * fast.check_every]
-    store.set("phalanx/stop", "SIGTERM")  # seen at a check step by one rank, at the one after by the other
+    store.set(STOP_KEY, "SIGTERM")  # seen at a check step by one rank, at the one after by the other
     fast.step, slow.step = after
     assert WorkerRun._agree_on_stop(fast) == after[1] == WorkerRun._agree_on_stop(slow)  # where both check

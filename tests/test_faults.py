@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers import phalanx_cmd, run_and_signal, run_cli, run_in_process, spawned_children
+from helpers import phalanx_cmd, run_and_signal, run_in_process, spawned_children
 from phalanx import TrainConfig, Trainer
 from phalanx.errors import JobHung
 from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint

@@ -45,7 +45,7 @@ class Compute:
     #: (its own bookkeeping, over running the same micro-batches by hand)
     engine: dict = dataclasses.field(default_factory=dict)
     #: what a step costs beyond its compute and its bytes, measured in these processes (``estimate/overhead.py``):
-    #: a DDP step of the model in lockstep minus its bare step (the slowest rank's each)
+    #: a DDP step of the model in lockstep (a rank's mean) minus its bare step (each round's slowest rank, mean)
     ddp_excess: float = 0.0
     #: a parameter server's push-to-reply round trip of a 2-parameter model through the real server, its four
     #: messages included

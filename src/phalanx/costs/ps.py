@@ -85,8 +85,6 @@ def steady_state(groups: list[tuple[int, float, float, float]], apply: float, un
     return workers / rate
 
 
-
-
 def round_trip_fixed(compute: Compute, net: Network) -> float:
     """The protocol's fixed seconds per update: the measured round trip of a 2-parameter model
     (``compute.round_trip_tiny``) less the four messages (a header and the vector each way) this model

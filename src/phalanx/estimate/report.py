@@ -19,14 +19,14 @@ def describe(est: Estimate) -> str:
              f"worker, {cfg.optimizer}; measured on {where}; {s.per_node} workers per machine",
              f"model: {facts.params:,} parameters, {fmt_bytes(facts.param_bytes)} of gradients in "
              f"{len(facts.buckets)} DDP bucket(s) of {s.bucket_mb:g} MiB at most",
-             f"compute per worker (medians of {s.options.measure_steps} steps or more, a second of them at least, after "
-             f"5 warm-up steps):"]
+             f"compute per worker (medians of {s.options.measure_steps} steps or more, a second of them at least, "
+             f"after 5 warm-up steps):"]
     for cond, m in est.computes.items():
         server = " (a parameter server beside them)" if cond.beside else ""
+        slowest = f"; slowest worker {fmt_seconds(m.slowest)} (each step, on average)" if cond.processes > 1 else ""
         lines.append(f"  {cond.processes} process(es) x {cond.threads} thread(s) on {cond.device}{server}: forward "
                      f"{fmt_seconds(m.forward)}, backward {fmt_seconds(m.backward)}, optimizer "
-                     f"{fmt_seconds(m.optimizer)}, rest of the loop {fmt_seconds(m.loop)}"
-                     f"{f'; slowest worker {fmt_seconds(m.slowest)} (each step, on average)' if cond.processes > 1 else ''}")
+                     f"{fmt_seconds(m.optimizer)}, rest of the loop {fmt_seconds(m.loop)}{slowest}")
         if cond.beside:
             lines.append(f"    beyond compute and bytes: a parameter server's round trip of a 2-parameter model, "
                          f"another worker computing: {fmt_seconds(m.round_trip_tiny)}")
