@@ -23,6 +23,11 @@ from . import __version__, startup
 from .errors import PhalanxError, Stopped, TrainingDiverged, WorkerFailed
 from .options import add_flags, declared, field_flag, given
 
+#: seconds a rank other than 0 waits, under torchrun or srun, before exiting on an error every rank meets
+#: alike, so that rank 0 prints it first (rank 0's exit ends the job, this rank included, sooner)
+AGREED_GRACE_S = 5.0
+
+
 class Parser(argparse.ArgumentParser):
     """Usage errors as one line, like every other bad input."""
 
@@ -195,6 +200,10 @@ def _say(message: str, agreed: bool) -> None:
         print(message, file=sys.stderr, flush=True)
     elif not agreed:
         print(f"rank {rank}: {message}", file=sys.stderr, flush=True)
+    else:
+        # Rank 0 says it. A rank that failed first would have torchrun end the others at once, rank 0
+        # perhaps before it printed (seen under load): give it the time; its exit ends this rank too.
+        time.sleep(AGREED_GRACE_S)
 
 
 if __name__ == "__main__":

@@ -227,8 +227,8 @@ class Watcher:
         deadline = time.time() + wait_s
         while since is not None and time.time() < deadline:
             states = self.read()
-            others = [s for r, s in states.items() if r != rank and not self.expendable(r)]
-            if all(s.beat >= since for s in others):
+            others = [states.get(r) for r in range(self.world) if r != rank and not self.expendable(r)]
+            if all(s is not None and s.beat >= since for s in others):  # (a fast job can die before any beat)
                 break
             time.sleep(0.05)
         states = self.read()
