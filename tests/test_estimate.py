@@ -7,6 +7,7 @@ and every bad input is one line and exit status 2 before anything is measured.
 
 import dataclasses
 import json
+import math
 import resource
 
 import pytest
@@ -242,7 +243,23 @@ def test_local_sgd_amortises_one_averaging_over_h_steps():
     c = compute(slowest=35 * MS)
     p = predict_local_sgd(c, facts(), net, 2, sync_every=8)
     average = 0.5 * MS + 0.5 * MS + 8e6 / 10e9  # flatten (new vector), divide, all-reduce 8 MB over 2 ranks
-    assert p.step == pytest.approx(33 * MS + (average + 2 * MS) / 8)
+    # the slowest one's lead after 8 steps apart: one step's spread (2 ms) grown with the root of the steps
+    assert p.step == pytest.approx(33 * MS + (average + 2 * MS * math.sqrt(8)) / 8)
+    assert p.parts["meeting_wait"] == pytest.approx(2 * MS * math.sqrt(8))
+
+
+def test_a_meetings_wait_is_measured_after_meeting_after_steps_and_grows_with_their_root():
+    from phalanx.costs.inputs import MEETING_AFTER, meeting_wait
+
+    c = compute(slowest=35 * MS, meeting_wait=1 * MS)  # measured: the spread is not used
+    assert meeting_wait(c, MEETING_AFTER) == pytest.approx(1 * MS)
+    assert meeting_wait(c, 4 * MEETING_AFTER) == pytest.approx(2 * MS)
+    assert meeting_wait(c, 0.5) == meeting_wait(c, 1)  # a meeting every step at most
+    net = Network(link(10, 0.0), link(10, 0.0), per_node=8)
+    p = predict_local_sgd(c, facts(), net, 2, sync_every=32)
+    assert p.parts["meeting_wait"] == pytest.approx(2 * MS)
+    even = predict_local_sgd(dataclasses.replace(c, slowest=c.step), facts(), net, 2, sync_every=32)
+    assert even.step == pytest.approx(p.step)  # the measured wait, not the probe's spread
 
 
 
@@ -253,9 +270,12 @@ def test_diloco_amortises_a_fragments_round_over_its_turn_and_int8_sends_a_quart
     c = compute(slowest=35 * MS)
     one = predict_diloco(c, facts(), net, 2, sync_every=8)
     # a round: pseudo-gradient, outer step, copy back (4 passes of 0.5 ms) and an 8 MB all-reduce over 2 ranks
-    assert one.step == pytest.approx(33 * MS + (4 * 0.5 * MS + 8e6 / 10e9) / 8 + 2 * MS / 8)
-    # F fragments: F rounds of 1/F of the model every H steps, the same bytes per step
-    assert predict_diloco(c, facts(), net, 2, sync_every=8, fragments=4).step == pytest.approx(one.step)
+    assert one.step == pytest.approx(33 * MS + (4 * 0.5 * MS + 8e6 / 10e9) / 8 + 2 * MS * math.sqrt(8) / 8)
+    # F fragments: F rounds of 1/F of the model every H steps, the same bytes per step; the workers meet F times,
+    # each after H/F steps apart
+    four = predict_diloco(c, facts(), net, 2, sync_every=8, fragments=4)
+    assert four.parts["per_step_rounds"] == pytest.approx(one.parts["per_step_rounds"])
+    assert four.step - one.step == pytest.approx((4 * 2 * MS * math.sqrt(2) - 2 * MS * math.sqrt(8)) / 8)
     int8 = predict_diloco(c, facts(), net, 2, sync_every=8, precision="int8")
     assert int8.parts["round"] == pytest.approx(4 * 0.5 * MS + 0.5 * 2 * 2e6 / 10e9)  # an all-gather of 2 x 2 MB
     assert predict_diloco(c, facts(), net, 1, sync_every=8).step == c.step
@@ -398,14 +418,15 @@ def test_every_strategy_keeps_step_at_least_its_ideal(workers):
 
 # ---------------------------------------------------------------- measuring and the model's sizes
 
-def test_summary_takes_medians_and_the_slowest_worker_of_each_step():
+def test_summary_takes_means_and_the_slowest_worker_of_each_step():
     ops = {"pack": 0.1, "copy": 0.05, "unpack": 0.2, "fresh": 0.0}
     rank0 = {"rows": [(1, 2, 0.5, 0.1, 3.6), (1, 2, 0.5, 0.1, 3.6), (1, 6, 0.5, 0.1, 7.6)],
              "blocks": [1.0, 2.0], "micro": {2: [0.5, 1.0]}, "engine": {2: 0.3}, "apply": 0.3, **ops}
     rank1 = {"rows": [(2, 2, 0.5, 0.1, 4.6), (1, 2, 0.5, 0.1, 3.6), (1, 2, 0.5, 0.1, 3.6)],
              "blocks": [3.0, 2.0], "micro": {2: [1.5, 1.0]}, "engine": {2: 0.5}, "apply": 0.5, **ops}
     c = summarise([rank0, rank1], Conditions(2, 1, "cpu"), cores=2)
-    assert (c.forward, c.backward, c.optimizer, c.loop) == (1, 2, 0.5, 0.1)
+    # means over every worker's steps (a run's time is their sum: the medians 1 and 2 would miss the slow steps)
+    assert (c.forward, c.backward, c.optimizer, c.loop) == pytest.approx((7 / 6, 16 / 6, 0.5, 0.1))
     assert c.slowest == pytest.approx(15.8 / 3)  # per step max: 4.6, 3.6, 7.6 -> their mean (the median: 4.6)
     assert c.block_seconds == (2.0, 2.0) and c.micro_seconds == {2: (1.0, 1.0)}
     assert c.apply == pytest.approx(0.4) and c.engine == {2: pytest.approx(0.4)} and c.cores == 2

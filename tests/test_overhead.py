@@ -17,6 +17,7 @@ import pytest
 from helpers import run_workers
 from phalanx.costs import Compute, Link, ModelFacts, Network, allreduce, predict_ps, predict_sync
 from phalanx.costs.ps import round_trip_fixed
+from phalanx.costs.inputs import MEETING_AFTER
 from phalanx.costs.sync import ddp_fixed
 from phalanx.estimate.overhead import MIN_STEPS, STEPS, WARMUP, fixed_costs
 from phalanx.estimate.profile import Conditions, summarise
@@ -71,28 +72,31 @@ ROWS = {"rows": [(1, 1, 1, 1, 1)], "blocks": [1.0], "micro": {}, "pack": 0.0, "c
         "apply": 0.0, "fresh": 0.0}
 
 
-def _calls(rounds: int) -> tuple[int, int]:
+def _calls(rounds: int, meetings: int) -> tuple[int, int]:
     """Real steps and DDP steps one rank runs: bare and DDP steps in two halves each (warm-up each time), then
-    a real step before every all-reduce of the parameters."""
+    MEETING_AFTER real steps before every timed all-reduce of the parameters (one before each warm-up)."""
     half = WARMUP + rounds // 2
-    return 2 * half + WARMUP + rounds, 2 * half
+    return 2 * half + WARMUP + meetings * MEETING_AFTER, 2 * half
 
 
 def test_the_models_ddp_step_and_its_parameters_all_reduce_are_measured_on_two_workers():
     every = run_workers(_every_rank, 2, 0)
     assert all(r["ddp_excess"] >= 0 and r["allreduce_params"] > 0 and r["round_trip_tiny"] is None for r in every)
     assert every[0]["allreduce_params"] == every[1]["allreduce_params"]  # each round's least over the ranks
+    assert every[0]["meeting_wait"] == every[1]["meeting_wait"] >= 0  # each round's mean over the ranks, less that
     assert every[0]["ddp_excess"] == every[1]["ddp_excess"]  # each round's slowest rank
-    assert [(r["work"], r["ddp"]) for r in every] == [_calls(STEPS)] * 2
+    # 1 ms steps: STEPS rounds of each (a meeting's 8 ms fit ROUNDS_BUDGET_S as often)
+    assert [(r["work"], r["ddp"]) for r in every] == [_calls(STEPS, STEPS)] * 2
     slow = run_workers(_every_rank, 2, 0, 1.0)  # a 1-second step: the fewest rounds, on both ranks
-    assert [(r["work"], r["ddp"]) for r in slow] == [_calls(MIN_STEPS)] * 2
+    assert [(r["work"], r["ddp"]) for r in slow] == [_calls(MIN_STEPS, MIN_STEPS)] * 2
     every = [{k: v for k, v in r.items() if k not in ("work", "ddp")} for r in every]
     c = summarise([{**ROWS, **r} for r in every], Conditions(2, 1, "cpu"), cores=2)
     assert c.ddp_excess == every[0]["ddp_excess"] and c.round_trip_tiny == 0
     assert c.allreduce_params == every[0]["allreduce_params"]
-    alone = summarise([{**ROWS, "ddp_excess": 0.0, "allreduce_params": 0.0, "round_trip_tiny": 0.0}],
+    assert c.meeting_wait == every[0]["meeting_wait"]
+    alone = summarise([{**ROWS, **dict.fromkeys(("ddp_excess", "allreduce_params", "meeting_wait", "round_trip_tiny"), 0.0)}],
                       Conditions(1, 2, "cpu"), cores=2)
-    assert (alone.ddp_excess, alone.allreduce_params, alone.round_trip_tiny) == (0.0, 0.0, 0.0)
+    assert (alone.ddp_excess, alone.allreduce_params, alone.meeting_wait, alone.round_trip_tiny) == (0.0,) * 4
 
 
 def test_a_ps_round_trip_is_measured_through_the_real_server_while_another_worker_computes():

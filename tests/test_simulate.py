@@ -13,6 +13,7 @@
 --step-time and --link-* given, so nothing is measured; only the real multi-process runs start processes.
 """
 
+import dataclasses
 import json
 import os
 
@@ -85,6 +86,26 @@ def test_a_straggler_makes_the_other_workers_gradients_stale_and_bounded_by_ssp(
     assert max(ps.staleness.counts) >= 3  # the slow worker's gradients: several of the fast one's updates behind
     assert max(ssp.staleness.counts) < max(ps.staleness.counts)  # the gate holds the fast worker back
     assert ssp.outcome.seconds > ps.outcome.seconds  # ...which costs time
+
+
+def test_local_sgd_waits_at_each_averaging_for_the_lead_real_workers_jitter_into():
+    # The measured step is a mean; the measured wait at a meeting (after MEETING_AFTER = 8 steps apart)
+    # is charged at each averaging, so 16 steps take what the cost model's 16 steps take...
+    from phalanx import LocalSGD
+    from phalanx.costs.inputs import meeting_wait
+
+    jitter = problem()
+    jitter.compute = dataclasses.replace(jitter.compute, meeting_wait=2e-3)
+    world = World(jitter, LocalSGD(sync_every=8), 2, None, 0, 16, 16, None)
+    simulated_rule(world.options).run(world.options, world)
+    assert world.prediction().parts["meeting_wait"] == meeting_wait(jitter.compute, 8) == 2e-3
+    assert world.outcome.seconds == pytest.approx(16 * world.prediction().step)
+    # ...and a straggler's lead beyond it is waited for instead, not on top of it
+    slow = Slowness("slow", 2.0, rank=0)
+    late = World(jitter, LocalSGD(sync_every=8), 2, slow, 0, 16, 16, None)
+    simulated_rule(late.options).run(late.options, late)
+    behind = 8 * late.compute_seconds  # per averaging: the straggler's 8 steps of sleep
+    assert late.outcome.seconds == pytest.approx(world.outcome.seconds + 2 * (behind - 2e-3))
 
 
 def test_backup_averages_the_first_gradients_and_drops_the_stragglers():

@@ -43,7 +43,7 @@ def predict_diloco(compute: Compute, facts: ModelFacts, net: Network, workers: i
              f"every {sync_every} steps: {reduce * 1e3:.3g} ms each, {rounds_per_step * reduce * 1e3:.3g} ms per step"]
     return periodic("diloco", compute, net, workers, examples, sync_every, rounds_per_step * (passes + reduce),
                     cpu_per_step, notes,
-                    {"round": passes + reduce, "per_step_rounds": rounds_per_step * (passes + reduce)})
+                    {"round": passes + reduce, "per_step_rounds": rounds_per_step * (passes + reduce)}, fragments)
 
 
 class DiLoCoCost(CostModel):

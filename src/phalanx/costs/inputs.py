@@ -22,11 +22,11 @@ class Compute:
     with both cores, and that contention is part of what is measured.
     """
 
-    forward: float  #: seconds, median
+    forward: float  #: seconds, mean over steps
     backward: float
     optimizer: float  #: optimizer.step() + zero_grad()
     loop: float  #: the rest of a training-loop iteration: next batch, learning-rate schedule, loss to a float
-    slowest: float  #: median over steps of the slowest local worker's whole iteration (the pace of lockstep)
+    slowest: float  #: mean over steps of the slowest local worker's whole iteration (the pace of lockstep)
     cpu: float  #: CPU-seconds one worker process uses per iteration (every thread)
     processes: int  #: worker processes on the node while measuring
     threads: int  #: torch threads per worker
@@ -50,8 +50,11 @@ class Compute:
     #: a parameter server's push-to-reply round trip of a 2-parameter model through the real server, its four
     #: messages included
     round_trip_tiny: float = 0.0
-    #: an all-reduce of the parameters right after a real step (gloo's threads idle, as at a periodic averaging)
+    #: an all-reduce of the parameters after :data:`MEETING_AFTER` real steps (gloo's threads idle, as at a periodic
+    #: averaging), of the rank that arrived last
     allreduce_params: float = 0.0
+    #: at that meeting, the mean wait of the ranks beyond the last arriver's all-reduce: the slowest one's lead
+    meeting_wait: float = 0.0
 
     @property
     def step(self) -> float:
@@ -131,6 +134,24 @@ def allreduce(net: Network, ranks: int, nbytes: float, hierarchical: bool = Fals
     return within + messages * net.inter.alpha + moved * net.inter.beta
 
 
+#: steps the workers compute on their own before the meeting the estimate times (``estimate/overhead.py``):
+#: local SGD's default period
+MEETING_AFTER = 8
+
+
+def meeting_wait(compute: Compute, steps_apart: float) -> float:
+    """Seconds the workers wait, on average, for the slowest one's lead where they meet after ``steps_apart``
+    steps on their own (local SGD's averaging, a DiLoCo round). Measured at :data:`MEETING_AFTER` steps
+    (``compute.meeting_wait``) and scaled by the root of the steps: the lead is a sum of the steps' independent
+    jitter, which grows so (on the machine this was written on: 0.4–0.5 ms apart after 1 step, 1.0–1.5 ms after
+    8, 2.8 ms after 32). Where nothing was measured at a meeting: one step's spread (the slowest worker's
+    step over the mean step), scaled the same way."""
+    apart = max(steps_apart, 1.0)
+    if compute.meeting_wait > 0:
+        return compute.meeting_wait * math.sqrt(apart / MEETING_AFTER)
+    return max(0.0, compute.slowest - compute.step) * math.sqrt(apart)
+
+
 TINY_BYTES = 8  #: the gradient of the 2-parameter model a ps round trip is measured with (estimate/overhead.py)
 
 
@@ -141,9 +162,9 @@ def at_measuring(compute: Compute, net: Network) -> Network:
 
 def wake(compute: Compute, facts: ModelFacts, net: Network) -> float:
     """Seconds a collective that follows a stretch of compute pays beyond its messages and bytes: gloo's threads
-    have gone idle and must be woken (``compute.allreduce_params``: the parameters' all-reduce right after a
-    real step, less its price on the measuring processes' link, measured back to back). Charged once per
-    periodic round (local SGD's averaging, DiLoCo's outer round)."""
+    have gone idle and must be woken (``compute.allreduce_params``: the parameters' all-reduce after
+    :data:`MEETING_AFTER` real steps, less its price on the measuring processes' link, measured back to back).
+    Charged once per periodic round (local SGD's averaging, DiLoCo's outer round)."""
     ranks = compute.processes
     if compute.allreduce_params <= 0 or ranks < 2:
         return 0.0

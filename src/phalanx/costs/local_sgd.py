@@ -3,14 +3,15 @@
 An averaging is torch's ``PeriodicModelAverager``: flatten the parameters into one new vector,
 divide it by N, all-reduce it, and point the parameters at their slices of it (no copy back);
 between averagings nothing crosses the link and the loop needs no collective. The workers meet
-only at an averaging, where the slowest one's lead is waited for, so per step the
-cost is the worker's own iteration plus (averaging + one step's spread between workers) / H. An
-averaging follows H steps of compute, so gloo's threads must be woken for it (``inputs.wake``, measured).
+only at an averaging, where the slowest one's lead over the H steps is waited for
+(``inputs.meeting_wait``, measured), so per step the cost is the worker's own iteration plus
+(averaging + that wait) / H. An averaging follows H steps of compute, so gloo's threads must be woken
+for it (``inputs.wake``, measured).
 """
 
 from __future__ import annotations
 
-from .inputs import Compute, ModelFacts, Network, allreduce, allreduce_cpu, cpu_bound, wake
+from .inputs import Compute, ModelFacts, Network, allreduce, allreduce_cpu, cpu_bound, meeting_wait, wake
 from .model import Alternative, CostModel
 from .prediction import Prediction
 
@@ -31,19 +32,25 @@ def predict_local_sgd(compute: Compute, facts: ModelFacts, net: Network, workers
 
 
 def periodic(name: str, compute: Compute, net: Network, workers: int, examples: int, sync_every: int,
-             rounds: float, rounds_cpu: float, notes: list[str], parts: dict) -> Prediction:
+             rounds: float, rounds_cpu: float, notes: list[str], parts: dict, meetings: int = 1) -> Prediction:
     """A step of local work plus ``rounds`` seconds of periodic rounds per step (``rounds_cpu`` of them
-    CPU-seconds), where the workers meet once every ``sync_every`` steps and wait there for the slowest
-    one's lead: local SGD's averaging, DiLoCo's outer rounds. Bound below by the cores they share."""
-    spread = max(0.0, compute.slowest - compute.step)
-    timeline = compute.step + rounds + spread / sync_every
+    CPU-seconds), where the workers meet ``meetings`` times every ``sync_every`` steps and wait there for
+    the slowest one's lead (``parts["meeting_wait"]``: seconds a meeting): local SGD's averaging, DiLoCo's
+    outer rounds. Bound below by the cores they share."""
+    wait = meeting_wait(compute, sync_every / meetings)
+    waiting = wait * meetings / sync_every
+    timeline = compute.step + rounds + waiting
+    if wait > 0:
+        notes = notes + [f"waiting for the slowest worker's lead at each meeting: {wait * 1e3:.3g} ms, "
+                         f"{waiting * 1e3:.3g} ms per step"]
     local = min(workers, net.per_node)
     floor = cpu_bound(local * (compute.cpu + rounds_cpu), compute.cores)
     if floor > timeline:
         notes = notes + [f"CPU-bound: {local} processes on {compute.cores} cores"]
     return Prediction(name, workers, net.nodes(workers), max(timeline, floor), examples,
-                      compute.step + spread / sync_every, compute.step, notes=tuple(notes),
-                      parts={"compute": compute.step, **parts, "timeline": timeline, "cpu_floor": floor})
+                      compute.step + waiting, compute.step, notes=tuple(notes),
+                      parts={"compute": compute.step, **parts, "meeting_wait": wait, "timeline": timeline,
+                             "cpu_floor": floor})
 
 
 class LocalSGDCost(CostModel):

@@ -21,10 +21,16 @@ competing as workers do), with the user's model and a real batch:
   all-reduce holds it to the slowest), minus its bare step (each round's slowest rank, as the
   lockstep's pace), each a mean over rounds; the cost model takes
   out what it prices itself for the same step at K (``costs/sync.ddp_fixed``);
-- ``allreduce_params``: an all-reduce of the model's parameters (one new flat vector, as an averaging
-  makes) right after a real step, the mean over rounds; a round's time is the least over the ranks,
-  since the rank that arrives last waited for no other's compute (``costs/inputs.wake`` takes out its
-  price);
+- ``allreduce_params`` and ``meeting_wait``: a periodic meeting as local SGD's holds it: every rank
+  computes :data:`costs.inputs.MEETING_AFTER` real steps on its own, then all-reduces the model's
+  parameters (one new flat vector, as an averaging makes). ``allreduce_params`` is the all-reduce of
+  the rank that arrived last (it waited for no other's compute; ``costs/inputs.wake`` takes out its
+  price); ``meeting_wait`` is what the ranks waited beyond it on average, for the slowest one's lead
+  (a round's mean over the ranks less its least); each a mean over rounds. Gloo's threads sleep
+  through the steps between, so the same all-reduce right after one step is cheaper: on the machine
+  this was written on, the digits MLP's 0.34 MB all-reduce took 1.9 ms after one step and 2.2–2.9 ms
+  after 8, and the ranks' arrivals were 0.4–0.5 ms apart after one step, 1.0–1.5 ms after 8 and
+  2.8 ms after 32 (means; ``costs/inputs.meeting_wait`` scales the wait with the root of the steps);
 - ``round_trip_tiny``: where a parameter server runs beside the workers, a ps worker's push-to-reply
   round trip of a 2-parameter model through the real server (``strategies/ps``), right after a real
   step, while the other workers compute real steps: under contention, the server's threads wait for
@@ -49,6 +55,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..costs.inputs import MEETING_AFTER
+
 STEPS = 60  #: timed rounds of each (after WARMUP), fewer where a real step is long (ROUNDS_BUDGET_S)
 WARMUP = 5
 MIN_STEPS = 5
@@ -56,13 +64,13 @@ ROUNDS_BUDGET_S = 1.5  #: seconds of real steps the timed rounds of one measurem
 
 Step = Callable[[], None]
 #: the figures :func:`fixed_costs` returns (None where a rank times nothing), as named in ``costs.Compute``
-FIGURES = ("ddp_excess", "allreduce_params", "round_trip_tiny")
+FIGURES = ("ddp_excess", "allreduce_params", "meeting_wait", "round_trip_tiny")
 
 
 def fixed_costs(ctx, beside: int, work: Step, step_s: float, ddp_step: Optional[Callable[[], Step]] = None,
                 params: Optional[Callable[[], torch.Tensor]] = None) -> dict:
-    """This rank's ``ddp_excess``, ``allreduce_params`` and ``round_trip_tiny`` in seconds (every measuring rank
-    calls it).
+    """This rank's ``ddp_excess``, ``allreduce_params``, ``meeting_wait`` and ``round_trip_tiny`` in seconds
+    (every measuring rank calls it).
 
     ``work`` runs one real training step of the model (``step_s`` seconds; 0 where the rank runs none);
     ``ddp_step`` makes the same step of a DDP-wrapped copy of the model (a collective: every worker calls it
@@ -73,18 +81,20 @@ def fixed_costs(ctx, beside: int, work: Step, step_s: float, ddp_step: Optional[
     on cores the workers keep busy. Ranks that time nothing return None for it."""
     if not ctx.distributed or ctx.world_size < 2:
         return dict.fromkeys(FIGURES, 0.0)
-    rounds = _rounds(step_s)
-    if not beside:
-        return {"ddp_excess": _ddp_excess(work, ddp_step(), rounds),
-                "allreduce_params": _allreduce_params(work, params, rounds), "round_trip_tiny": None}
-    return {"ddp_excess": None, "allreduce_params": None, "round_trip_tiny": _round_trip_tiny(ctx, work, rounds)}
-
-
-def _rounds(step_s: float) -> int:
-    """Timed rounds every rank agrees on: :data:`STEPS`, fewer where the slowest rank's real step is long."""
     slowest = torch.tensor([step_s], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return max(MIN_STEPS, min(STEPS, int(ROUNDS_BUDGET_S / max(slowest.item(), 1e-9))))
+    rounds = _rounds(slowest.item())
+    if not beside:
+        return {"ddp_excess": _ddp_excess(work, ddp_step(), rounds),
+                **_meeting(work, params, _rounds(slowest.item() * MEETING_AFTER)), "round_trip_tiny": None}
+    return {"ddp_excess": None, "allreduce_params": None, "meeting_wait": None,
+            "round_trip_tiny": _round_trip_tiny(ctx, work, rounds)}
+
+
+def _rounds(round_s: float) -> int:
+    """Timed rounds (every rank gives the slowest rank's ``round_s``): :data:`STEPS`, fewer where a round is
+    long."""
+    return max(MIN_STEPS, min(STEPS, int(ROUNDS_BUDGET_S / max(round_s, 1e-9))))
 
 
 def _timed(step: Step, rounds: int) -> list[float]:
@@ -116,18 +126,27 @@ def _ddp_excess(work: Step, ddp_step: Step, rounds: int) -> float:
     return max(0.0, _each_rank(ddp, dist.ReduceOp.MAX) - _over_ranks(bare, dist.ReduceOp.MAX))
 
 
-def _allreduce_params(work: Step, params: Callable[[], torch.Tensor], rounds: int) -> float:
-    """An all-reduce of the parameters (a new flat vector, as an averaging makes) right after a real step."""
+def _meeting(work: Step, params: Callable[[], torch.Tensor], rounds: int) -> dict[str, float]:
+    """Rounds of :data:`MEETING_AFTER` real steps, then an all-reduce of the parameters (a new flat vector, as
+    an averaging makes): the last arriver's all-reduce and the others' wait beyond it, each a mean over
+    rounds."""
     seconds = []
     dist.barrier()  # every rank starts at once, as workers do
     for i in range(WARMUP + rounds):
-        work()
+        for _ in range(MEETING_AFTER if i >= WARMUP else 1):
+            work()
         flat = params()
         t = time.perf_counter()
         dist.all_reduce(flat)
         if i >= WARMUP:
             seconds.append(time.perf_counter() - t)
-    return _over_ranks(seconds, dist.ReduceOp.MIN)
+    each = torch.tensor(seconds, dtype=torch.float64)
+    least, total = each.clone(), each.clone()
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    dist.all_reduce(total)
+    mean = total / dist.get_world_size()
+    return {"allreduce_params": statistics.fmean(least.tolist()),
+            "meeting_wait": statistics.fmean((mean - least).tolist())}
 
 
 def _over_ranks(seconds: list[float], op) -> float:

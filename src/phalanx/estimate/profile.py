@@ -13,7 +13,8 @@ the gradient bytes that DDP, local SGD and a parameter server make (and the serv
 gradient); last, what a step costs beyond its compute and its bytes (``overhead.py``: the model's DDP
 step over its bare step, its parameters' all-reduce right after a real step, a parameter server's
 round trip).
-Every process sends its timings to rank 0, which returns them; :func:`summarise` takes medians.
+Every process sends its timings to rank 0, which returns them; :func:`summarise` takes means (the
+per-block timings and byte passes: medians of their repeats).
 """
 
 from __future__ import annotations
@@ -354,7 +355,7 @@ def measure(spec: ProbeSpec, conditions: Conditions) -> Compute:
 
 
 def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = None) -> Compute:
-    """Medians over every process's timed steps; the pace of lockstep from the slowest process each step, its
+    """Means over every process's timed steps, and the pace of lockstep from the slowest process each step, its
     mean over the steps (a run's time is the sum of its steps: a slow step costs it what it costs the mean)."""
     from ..launcher import available_cores
 
@@ -362,7 +363,7 @@ def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = 
     fixed = {k: statistics.median(values) if values else 0.0 for k, values in measured.items()}
     every = [r for r in every if not r.get("beside")]  # they timed no step
     rows = [row for result in every for row in result["rows"]]
-    med = [statistics.median(row[k] for row in rows) for k in range(5)]
+    mean = [statistics.fmean(row[k] for row in rows) for k in range(5)]
     steps = min(len(result["rows"]) for result in every)
     slowest = statistics.fmean(max(sum(result["rows"][i][:4]) for result in every) for i in range(steps))
     blocks = [statistics.mean(result["blocks"][b] for result in every) for b in range(len(every[0]["blocks"]))]
@@ -372,7 +373,7 @@ def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = 
            for k in ("pack", "copy", "unpack", "apply", "fresh")}
     engine = {m: statistics.median(result["engine"][m] for result in every) for m in every[0].get("engine", {})}
     on_cpu = conditions.device == "cpu"
-    return Compute(forward=med[0], backward=med[1], optimizer=med[2], loop=med[3], slowest=slowest, cpu=med[4],
+    return Compute(forward=mean[0], backward=mean[1], optimizer=mean[2], loop=mean[3], slowest=slowest, cpu=mean[4],
                    processes=conditions.processes, threads=conditions.threads,
                    cores=(cores or available_cores()) if on_cpu else None, block_seconds=tuple(blocks),
                    micro_seconds=micro, engine=engine, **ops, **fixed)

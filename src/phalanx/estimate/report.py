@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..costs import cost_model
+from ..costs.inputs import MEETING_AFTER
 from ..errors import PhalanxError
 from .run import Estimate
 from .units import fmt_bytes, fmt_seconds
@@ -19,7 +20,7 @@ def describe(est: Estimate) -> str:
              f"worker, {cfg.optimizer}; measured on {where}; {s.per_node} workers per machine",
              f"model: {facts.params:,} parameters, {fmt_bytes(facts.param_bytes)} of gradients in "
              f"{len(facts.buckets)} DDP bucket(s) of {s.bucket_mb:g} MiB at most",
-             f"compute per worker (medians of {s.options.measure_steps} steps or more, a second of them at least, "
+             f"compute per worker (means of {s.options.measure_steps} steps or more, a second of them at least, "
              f"after 5 warm-up steps):"]
     for cond, m in est.computes.items():
         server = " (a parameter server beside them)" if cond.beside else ""
@@ -32,7 +33,8 @@ def describe(est: Estimate) -> str:
                          f"another worker computing: {fmt_seconds(m.round_trip_tiny)}")
         elif cond.processes > 1 and cond.device == "cpu":
             lines.append(f"    beyond compute: the model's DDP step over its bare step +{fmt_seconds(m.ddp_excess)}; "
-                         f"its parameters' all-reduce right after a real step {fmt_seconds(m.allreduce_params)}")
+                         f"its parameters' all-reduce after {MEETING_AFTER} steps apart "
+                         f"{fmt_seconds(m.allreduce_params)}, waiting there for the slowest {fmt_seconds(m.meeting_wait)}")
     lines += [f"link {note}" for note in est.link_notes]
     for cls in s.predicted:
         rows = [p for p in est.predictions if p.strategy == cls.name]

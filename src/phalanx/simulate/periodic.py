@@ -13,8 +13,10 @@ are one batched call (:meth:`Gradients.each`). At a meeting:
   their own staggered steps, and the run's last step syncs them all (``strategies/diloco.py``).
 
 Time: each worker's own steps (the measured step plus its straggler delays) until a meeting, where
-all wait for the slowest, plus the round's cost from the strategy's cost model. An evaluation is a
-collective in a real run: the workers meet there too.
+all wait for the slowest, plus the round's cost from the strategy's cost model. The measured step is
+a mean: real workers' steps jitter, and at a meeting the slowest one's lead is waited for, so the
+meeting starts at least the cost model's wait (``costs/inputs.meeting_wait``) after the workers'
+mean clock. An evaluation is a collective in a real run: the workers meet there too.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Periodic(SimulatedRule):
         predicted = world.prediction(options)
         rounds = meeting.rounds_per_cycle
         round_seconds = max(predicted.step - predicted.compute, 0.0) * options.sync_every / rounds
+        wait = predicted.parts.get("meeting_wait", 0.0)  # for the slowest one's lead beyond the modelled delays
         base = world.problem.compute.step
         clocks = [0.0] * W
         for step in range(1, world.max_steps + 1):
@@ -52,7 +55,7 @@ class Periodic(SimulatedRule):
             scheduler.step()
             clocks = [c + base + world.delay(w, step - 1, w) for w, c in enumerate(clocks)]
             if meeting.after(step - 1, last=step == world.max_steps):
-                clocks = [max(clocks) + round_seconds] * W
+                clocks = [max(max(clocks), sum(clocks) / W + wait) + round_seconds] * W
             evaluating = world.due(step)
             if evaluating:
                 clocks = [max(clocks)] * W
