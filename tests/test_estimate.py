@@ -397,6 +397,27 @@ def test_measure_link_help_says_what_it_does():
     assert "default: off)" not in text and "(default: on for CPU workers unless --link-* is given; off on GPUs)" in text
 
 
+def test_a_gpu_link_that_is_neither_given_nor_measurable_is_refused_before_measuring():
+    """Seen on an H200: --workers 64 on one GPU measured for 6 s, then said the link between machines was
+    missing. The links are checked with the other inputs, before any measurement."""
+    from phalanx.estimate import EstimateOptions
+    from phalanx.estimate.setup import _check_links
+
+    gpu = torch.device("cuda", 0)
+    with pytest.raises(PhalanxError, match="--workers 64 spans several machines of 1 GPUs: give the network"):
+        _check_links(EstimateOptions(workers=(1, 8, 64)), gpu, per_node=1, gpus=1)
+    with pytest.raises(PhalanxError, match="--per-node 4 but this machine has 1 GPU"):
+        _check_links(EstimateOptions(workers=(1, 4)), gpu, per_node=4, gpus=1)
+    with pytest.raises(PhalanxError, match="--measure-link on GPUs needs 2 GPUs here"):
+        _check_links(EstimateOptions(workers=(1,), measure_link=True), gpu, per_node=1, gpus=1)
+    given = EstimateOptions(workers=(1, 8, 64), link_bandwidth=25e9, link_latency=1e-5)
+    _check_links(given, gpu, per_node=1, gpus=1)  # the network given: every row has its link
+    _check_links(EstimateOptions(workers=(1,)), gpu, per_node=1, gpus=1)  # one GPU, one machine: no link used
+    _check_links(EstimateOptions(workers=(1, 8)), gpu, per_node=8, gpus=8)  # the topology's links
+    with pytest.raises(PhalanxError, match="--no-measure-link on CPU workers"):
+        _check_links(EstimateOptions(workers=(2,), measure_link=False), torch.device("cpu"), per_node=2, gpus=0)
+
+
 def test_fsdp_without_overlap_adds_every_gather_and_scatter():
     net = Network(link(10, 0.0), link(10, 0.0), per_node=2)
     c = compute(processes=2, threads=1, cores=2, cpu=0.0)

@@ -15,12 +15,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..costs import Compute, Network, Prediction, cost_model
-from ..errors import PhalanxError
 from .advice import advise
 from .link import Link, describe_link, measure_link, ring_of_gpus
 from .overhead import FIGURES
 from .profile import Conditions, ProbeSpec, describe_conditions, measure
-from .setup import Setup, alone, conditions_for, predict
+from .setup import Setup, alone, conditions_for, predict, unknown_gpu_link
 
 Say = Callable[[str], None]
 
@@ -107,10 +106,7 @@ def settle_links(setup: Setup, say: Say) -> tuple[Network, list[str]]:
         inter = given
     elif not spans:
         inter = intra
-    elif setup.device.type == "cuda":
-        raise PhalanxError(f"--workers {max(opts.workers)} spans several machines of {setup.per_node} GPUs: give the "
-                           "network between them with --link-bandwidth and --link-latency (e.g. 25GB/s and 10us)")
-    else:
+    else:  # (CPU workers: on GPUs, setup.prepare refused a span without --link-*)
         inter = dataclasses.replace(intra, shared_copy=False,
                                     source="assumed equal to the link within a machine: give --link-bandwidth and "
                                            "--link-latency for your network")
@@ -142,6 +138,5 @@ def _intra_link(setup: Setup, given: Optional[Link], say: Say) -> Link:
     if given is not None:
         return given
     if setup.per_node >= 2:
-        raise PhalanxError(f"--per-node {setup.per_node} but this machine has {gpus} GPU(s), so the link between GPUs "
-                           "of a machine is unknown: give --link-bandwidth and --link-latency, or run on that machine")
+        raise unknown_gpu_link(setup.per_node, gpus)
     return Link(0.0, 1e-18, "not used: one GPU per machine and every job on one machine")

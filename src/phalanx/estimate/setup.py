@@ -93,9 +93,9 @@ def prepare(options: EstimateOptions, train_values: dict, strategy_values: dict,
         raise PhalanxError(f"--batch-size {config.batch_size} is larger than the {facts.train_size} training "
                            "examples; use a smaller --batch-size")
     device = resolve_devices(config.devices)[0]
-    _check_link_flags(options, device)
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     per_node = options.per_node or (gpus if device.type == "cuda" else 2)
+    _check_links(options, device, per_node, gpus)
     torch.manual_seed(config.seed)
     model = task.make_model(facts.input_shape, facts.num_classes)
     if task.data is not None:  # float64 numpy inputs meet float32 parameters, as in train
@@ -110,10 +110,29 @@ def prepare(options: EstimateOptions, train_values: dict, strategy_values: dict,
     return setup
 
 
-def _check_link_flags(options: EstimateOptions, device: torch.device) -> None:
-    if options.measure_link is False and device.type == "cpu" and not options.link_given:
-        raise PhalanxError("--no-measure-link on CPU workers leaves the link between them unknown: give "
-                           "--link-bandwidth and --link-latency, or let --measure-link measure it")
+def _check_links(options: EstimateOptions, device: torch.device, per_node: int, gpus: int) -> None:
+    """Every link the rows need is measurable here or given (``run.settle_links`` then finds it so), before
+    minutes of measuring end in a refusal."""
+    if device.type == "cpu":
+        if options.measure_link is False and not options.link_given:
+            raise PhalanxError("--no-measure-link on CPU workers leaves the link between them unknown: give "
+                               "--link-bandwidth and --link-latency, or let --measure-link measure it")
+        return
+    if options.link_given:
+        return
+    if options.measure_link and gpus < 2:
+        raise PhalanxError("--measure-link on GPUs needs 2 GPUs here to time a link between them, and this "
+                           f"machine has {gpus}; give --link-bandwidth and --link-latency")
+    if max(options.workers) > per_node:
+        raise PhalanxError(f"--workers {max(options.workers)} spans several machines of {per_node} GPUs: give the "
+                           "network between them with --link-bandwidth and --link-latency (e.g. 25GB/s and 10us)")
+    if per_node >= 2 and gpus < 2 and not options.measure_link:
+        raise unknown_gpu_link(per_node, gpus)
+
+
+def unknown_gpu_link(per_node: int, gpus: int) -> PhalanxError:
+    return PhalanxError(f"--per-node {per_node} but this machine has {gpus} GPU(s), so the link between GPUs of a "
+                        "machine is unknown: give --link-bandwidth and --link-latency, or run on that machine")
 
 
 def _plan_strategy(setup: Setup, cls: type, typed: bool) -> None:
