@@ -66,13 +66,17 @@ def predict_pipeline(compute: Compute, facts: ModelFacts, net: Network, workers:
     cut_bytes = [facts.activation_bytes[b] * micro for b in cuts]
     links = [net.intra if (s // net.per_node) == ((s + 1) // net.per_node) else net.inter for s in range(stages - 1)]
     hops = [link.message(n) for link, n in zip(links, cut_bytes)]
-    # Per micro-batch, a stage moves one message each way over each of its boundaries, on its own CPU
-    # where the CPU is the transport.
+    # Per micro-batch, a stage moves one message each way over each of its boundaries, copying its
+    # bytes on its own CPU where the CPU is the transport. Not its α: the engine's sends and receives
+    # are posted asynchronously and gloo's threads carry them, so a stage pays α only where it waits
+    # for a message (the first micro-batch's path, above). Measured on the reference machine: a 1 ms
+    # compute loop that also sent 4 kB, 32 kB or 256 kB to a waiting peer per iteration took 0.035,
+    # 0.04 and 0.08 ms longer, where the all-reduces' fitted α was 0.2-0.27 ms.
     copying = [0.0] * stages
     if compute.cores is not None:
         for s, (link, n) in enumerate(zip(links, cut_bytes)):
             for stage in (s, s + 1):
-                copying[stage] += 2 * link.cpu(1, n)
+                copying[stage] += 2 * n * link.copy_seconds_per_byte()
     steady = max(t + c for t, c in zip(per_stage, copying))
     schedule = total + 2 * sum(hops) + (micro_batches - 1) * steady
     params = _stage_params(facts, counts)

@@ -200,6 +200,13 @@ def time_stage_blocks(blocks, x, micro_batches: int, device, repeats: int = OP_R
     gradients instead (``phalanx.pipeline.profile``, which only ranks blocks against each other)
     would charge a large layer the first touch of its gradient on every micro-batch. The blocks
     are private copies; the median over ``repeats`` steps after one warm-up is returned.
+
+    Timing a block alone cuts the chain at its ends: its input is detached, and its backward is a
+    call of autograd's engine of its own. A stage runs its blocks as one chain (one backward call
+    per micro-batch), so the cuts cost what no stage pays: on the reference machine the digits cnn's
+    4 blocks at 8 examples summed to 1.75-1.88 ms where the same chain uncut took 1.52-1.54, and its
+    first 2 blocks as one stage took 1.17 ms against 1.33-1.40 summed. So the same micro-batches also
+    run through the chain uncut, and each block keeps its share of that time.
     """
     return time_block_sizes(blocks, x, (micro_batches,), device, repeats)[micro_batches]
 
@@ -212,12 +219,18 @@ def time_block_sizes(blocks, x, sizes, device, repeats: int = OP_REPEATS) -> dic
 
     copies = [copy.deepcopy(block).train() for block in blocks]
     steps: dict[int, list[list[float]]] = {m: [] for m in sizes}
+    chain: dict[int, list[float]] = {m: [] for m in sizes}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for _ in range(repeats + 1):
             for m in sizes:
                 steps[m].append(_timed_step(copies, x, m, device))
-    return {m: [statistics.median(step[i] for step in done[1:]) for i in range(len(copies))]
-            for m, done in steps.items()}
+                chain[m].append(_timed_chain(copies, x, m, device))
+    out = {}
+    for m, done in steps.items():
+        each = [statistics.median(step[i] for step in done[1:]) for i in range(len(copies))]
+        uncut = statistics.median(chain[m][1:])
+        out[m] = [t * uncut / sum(each) for t in each] if sum(each) > 0 else each
+    return out
 
 
 def _timed_step(copies, x, micro_batches: int, device) -> list[float]:
@@ -242,6 +255,21 @@ def _timed_step(copies, x, micro_batches: int, device) -> list[float]:
     for block in copies:
         block.zero_grad(set_to_none=True)
     return [t / micro_batches for t in totals]
+
+
+def _timed_chain(copies, x, micro_batches: int, device) -> float:
+    """The same step's forward+backward through the blocks uncut, per micro-batch (gradients cleared after it)."""
+    start = _now(device)
+    for part in x.chunk(micro_batches):
+        h = part
+        for block in copies:
+            h = block(h)
+        if h.requires_grad:
+            h.backward(torch.ones_like(h))
+    seconds = _now(device) - start
+    for block in copies:
+        block.zero_grad(set_to_none=True)
+    return seconds / micro_batches
 
 
 def _engine(ctx, model, x, y, micro_batches, loss_fn) -> dict:
