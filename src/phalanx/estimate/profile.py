@@ -325,6 +325,8 @@ def _vector_ops(model, optimizer, x, y, device, loss_fn) -> dict:
     """Passes over the gradient bytes: flattening them into a new vector (a ps worker, local SGD) and
     into an existing one (DDP's buckets), copying a vector into the parameters, the server's update
     of one gradient (see strategies/ps), and the first touch of a new buffer of that size."""
+    from ..strategies.ps.server import apply_gradients
+
     params = list(model.parameters())
     loss_fn(model(x), y).backward()
     size = sum(p.numel() for p in params)
@@ -340,18 +342,15 @@ def _vector_ops(model, optimizer, x, y, device, loss_fn) -> dict:
         t1 = _now(device)
         vector_to_parameters(vector, params)
         t2 = _now(device)
-        grad, offset = flat / 2, 0
-        for p in params:
-            p.grad = grad[offset:offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        parameters_to_vector(params).detach().contiguous()
+        kept = flat.clone()  # (the update takes the vector it is given)
         t3 = _now(device)
+        apply_gradients(params, optimizer, [flat], 0.5)  # the server's update, then its reply's copy
+        parameters_to_vector(params).detach().contiguous()
+        t4 = _now(device)
         pack.append(t1 - t0)
         unpack.append(t2 - t1)
-        apply.append(t3 - t2)
-        for p, g in zip(params, flat.split([p.numel() for p in params])):
+        apply.append(t4 - t3)
+        for p, g in zip(params, kept.split([p.numel() for p in params])):
             p.grad = g.view_as(p).clone()
     warm = torch.empty(size, device=device)
     fresh = []

@@ -51,6 +51,25 @@ from .gate import Gate
 from .protocol import BYE, HELLO, PUSH, Message, Reply, buffer_count, buffers_to_vector, vector_to_buffers
 
 
+def apply_gradients(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, grads: list[torch.Tensor],
+                    weight: float) -> None:
+    """One update of ``params``: ``weight`` times the sum of ``grads`` (flat vectors the caller gives up:
+    the first is summed into and scaled in place), stepped by ``optimizer``. The parameters' gradients
+    are views of that one vector: no pass over the bytes beyond the sum and the scaling, and no new
+    buffer, whose first touch (page faults) costs more than the pass (the estimate prices this very
+    function: ``estimate/profile.py``)."""
+    grad = grads[0]
+    for other in grads[1:]:
+        grad.add_(other)
+    grad.mul_(weight)
+    offset = 0
+    for p in params:
+        p.grad = grad[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 class Server:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int,
                  device: torch.device, bound: Optional[int], rule: Rule, steps: int, hang_timeout_s: float = 0.0):
@@ -201,13 +220,7 @@ class Server:
         """One update: the weighed sum of the gradients taken, and the first worker's buffers."""
         for message in taken:
             self.staleness.record(self.updates - message.version)
-        grad = torch.stack([m.grad for m in taken]).sum(0) * self.rule.weight(len(taken))
-        offset = 0
-        for p in self.params:
-            p.grad = grad[offset:offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        apply_gradients(self.params, self.optimizer, [m.grad for m in taken], self.rule.weight(len(taken)))
         if taken[0].buffers is not None:  # taken is in worker order: the lowest-numbered worker's
             vector_to_buffers(taken[0].buffers, self.model)
         self.updates += 1
