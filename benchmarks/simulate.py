@@ -6,13 +6,17 @@ Two parts, each printed with medians and saved with the machine:
    (``Trainer`` runs, real gloo workers) and simulated (the compute and the link measured here, as
    ``phalanx estimate`` measures them), every simulated strategy and scenario ``--repeats`` times;
    per (workers, scenario, strategy) the median steps to target and the median time to target of
-   each, and simulated / real. The issue's goal: steps within ±20%, time within ±25%.
+   each, and simulated / real. The issue's goal: steps within ±20%, time within ±25%. With
+   ``--noise-floor`` the real runs run twice and the clock is also measured before them: the second
+   real runs against the first, judged by the same goals, say how far the same runs move by
+   themselves a minute later, and the two clocks how far its figures do.
 2. **scale**: ``--scale-workers`` (256) simulated workers x every simulated strategy x scenarios, one
    repeat each, with ``--step-time`` and a given link (the target machine's figures): the wall time
    of each simulated run and of the whole, and the peak memory of this process.
 
     python3 benchmarks/simulate.py                                   # validation (3 repeats) and 256 workers
     python3 benchmarks/simulate.py --repeats 1 --scale-steps 40      # a quick look
+    python3 benchmarks/simulate.py --skip-scale --noise-floor        # validation beside its noise floor
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from phalanx import TrainConfig
 from phalanx.compare.cli import CompareOptions, setup_from
 from phalanx.compare.results import RunResult
 from phalanx.compare.runner import check, run_all
-from phalanx.simulate.compare import simulate_compare
+from phalanx.estimate.overhead import FIGURES
+from phalanx.simulate.compare import beside, simulate_compare, target_config
+from phalanx.simulate.problem import build_problem
 from phalanx.simulate.options import SimulateOptions
 
 from _common import parser, save_result
@@ -52,62 +58,108 @@ def medians(runs: list[RunResult]) -> dict[tuple[str, str], dict]:
         mine = [r for r in runs if (r.scenario, r.strategy) == key and r.reached]
         out[key] = {"reached": len(mine), "runs": sum((r.scenario, r.strategy) == key for r in runs),
                     "steps": statistics.median(r.steps_to_target for r in mine) if mine else None,
-                    "seconds": statistics.median(r.seconds_to_target for r in mine) if mine else None}
+                    "seconds": statistics.median(r.seconds_to_target for r in mine) if mine else None,
+                    "each": [[r.steps_to_target, r.seconds_to_target] for r in mine]}
     return out
+
+
+def ratios(row: dict, a: dict, b: dict, name: str) -> None:
+    """``row[f"{what}_{name}"]``: b's median over a's, for steps and seconds (None where either reached nothing)."""
+    for what in ("steps", "seconds"):
+        x, y = a[what], b[what]
+        row[f"{what}_{name}"] = y / x if x and y else None
+
+
+def within(rows: list[dict], name: str) -> dict[str, list[int]]:
+    """How many rows' ratio ``name`` meets each goal: {what: [within, of]}."""
+    out = {}
+    for what, goal in GOALS.items():
+        seen = [abs(row[f"{what}_{name}"] - 1) <= goal for row in rows if row.get(f"{what}_{name}") is not None]
+        out[what] = [sum(seen), len(seen)]
+    return out
+
+
+def clock_figures(compute) -> dict:
+    """The measured figures the simulated clock is made of (seconds), to see how far they move between two
+    measurements."""
+    return {"step": compute.step, **{k: getattr(compute, k) for k in FIGURES}}
 
 
 def validate(args) -> dict:
-    out = {"rows": [], "clock": {}, "real_wall_s": 0.0, "simulated_wall_s": 0.0}
+    out = {"rows": [], "clock": {}, "clock_figures": {}, "real_wall_s": 0.0, "simulated_wall_s": 0.0}
     for n in (int(w) for w in args.validate_workers.split(",")):
-        rows, clock, real_wall, sim_wall = validate_at(args, n)
+        rows, clock, figures, real_wall, sim_wall = validate_at(args, n)
         out["rows"] += rows
         out["clock"][n] = clock
+        out["clock_figures"][n] = figures
         out["real_wall_s"] += real_wall
         out["simulated_wall_s"] += sim_wall
     rows = out["rows"]
+    again = args.noise_floor
     print(f"\n{'W':>2} {'scenario':<12} {'strategy':<12} {'real steps':>10} {'sim steps':>10} {'ratio':>6}   "
-          f"{'real s':>7} {'sim s':>7} {'ratio':>6}")
+          f"{'real s':>7} {'sim s':>7} {'ratio':>6}" + (f"   {'again s':>7} {'ratio':>6}" if again else ""))
     fmt = lambda v, f: f"{v:{f}}" if v is not None else "-"  # noqa: E731
     for row in rows:
         r, m = row["real"], row["simulated"]
-        print(f"{row['workers']:>2} {row['scenario']:<12} {row['strategy']:<12} {fmt(r['steps'], '10.0f')} "
-              f"{fmt(m['steps'], '10.0f')} {fmt(row['steps_ratio'], '6.2f')}   {fmt(r['seconds'], '7.2f')} "
-              f"{fmt(m['seconds'], '7.2f')} {fmt(row['seconds_ratio'], '6.2f')}")
-    within = {what: [abs(row[f"{what}_ratio"] - 1) <= goal for row in rows if row[f"{what}_ratio"] is not None]
-              for what, goal in GOALS.items()}
-    out["within"] = {what: [sum(w), len(w)] for what, w in within.items()}
-    print(f"within goal: steps {sum(within['steps'])}/{len(within['steps'])} (±20%), time "
-          f"{sum(within['seconds'])}/{len(within['seconds'])} (±25%); real runs took {out['real_wall_s']:.0f} s, "
+        line = (f"{row['workers']:>2} {row['scenario']:<12} {row['strategy']:<12} {fmt(r['steps'], '10.0f')} "
+                f"{fmt(m['steps'], '10.0f')} {fmt(row['steps_ratio'], '6.2f')}   {fmt(r['seconds'], '7.2f')} "
+                f"{fmt(m['seconds'], '7.2f')} {fmt(row['seconds_ratio'], '6.2f')}")
+        if again:
+            line += f"   {fmt(row['again']['seconds'], '7.2f')} {fmt(row['seconds_again'], '6.2f')}"
+        print(line)
+    out["within"] = within(rows, "ratio")
+    print(f"simulated within goal: steps {'/'.join(map(str, out['within']['steps']))} (±20%), time "
+          f"{'/'.join(map(str, out['within']['seconds']))} (±25%); real runs took {out['real_wall_s']:.0f} s, "
           f"the simulation {out['simulated_wall_s']:.0f} s (its measurements included)")
+    if again:
+        out["within_again"] = within(rows, "again")
+        print(f"the real runs again, against the first (the noise floor: the same runs a minute later): steps "
+              f"{'/'.join(map(str, out['within_again']['steps']))} within ±20%, time "
+              f"{'/'.join(map(str, out['within_again']['seconds']))} within ±25%")
+    for n, figures in out["clock_figures"].items():
+        before, after = figures["before"], figures["after"]
+        if before:
+            moved = ", ".join(f"{k} {before[k] * 1e3:.3g} -> {after[k] * 1e3:.3g} ms" for k in after if after[k] or before[k])
+            print(f"the clock at {n} workers, measured before the real runs and by the simulation after them: {moved}")
     return out
 
 
-def validate_at(args, workers: int) -> tuple[list[dict], list[str], float, float]:
-    """One worker count: every real run, then every simulated one; the rows of medians."""
+def validate_at(args, workers: int) -> tuple[list[dict], list[str], dict, float, float]:
+    """One worker count: every real run (twice with --noise-floor), then every simulated one; the rows of medians."""
     s = setup(args.strategies, args.scenarios, args.repeats, args.max_steps, args.eval_every, args.target,
               args.batch_size, args.model, workers)
     print(f"validation at {workers} workers: {args.strategies} under {args.scenarios}, {args.repeats} repeats, "
           f"{args.model}, target {args.target}", flush=True)
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    before = None
+    if args.noise_floor:  # the clock as the simulation measures it, a measurement before the real runs
+        early = build_problem(target_config(s), (workers,), workers, None, None, say, s.task, beside(s, (workers,)))
+        before = clock_figures(early.compute)
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         real = run_all(s, check(s), Path(tmp))
+    again = None
+    if args.noise_floor:
+        with tempfile.TemporaryDirectory() as tmp:
+            again = medians(run_all(s, check(s), Path(tmp)))
     real_wall = time.perf_counter() - began
     began = time.perf_counter()
     # compute and link measured here, as the estimate measures them, with the W processes per machine the real
     # runs had (3 workers share these 2 cores: their steps are measured that way)
     sim = SimulateOptions(simulate=True, per_node=workers)
-    problem, simulated = simulate_compare(dataclasses.replace(s, simulated=True), (workers,), sim,
-                                          lambda line: print(line, file=sys.stderr, flush=True))
+    problem, simulated = simulate_compare(dataclasses.replace(s, simulated=True), (workers,), sim, say)
     sim_wall = time.perf_counter() - began
     r, m = medians(real), medians(simulated[workers])
     rows = []
     for key in r:
         row = {"workers": workers, "scenario": key[0], "strategy": key[1], "real": r[key], "simulated": m[key]}
-        for what in ("steps", "seconds"):
-            a, b = r[key][what], m[key][what]
-            row[f"{what}_ratio"] = b / a if a and b else None
+        ratios(row, r[key], m[key], "ratio")
+        if again is not None:
+            row["again"] = again[key]
+            ratios(row, r[key], again[key], "again")
         rows.append(row)
-    return rows, list(problem.clock_notes), real_wall, sim_wall
+    figures = {"before": before, "after": clock_figures(problem.compute)}
+    return rows, list(problem.clock_notes), figures, real_wall, sim_wall
 
 
 def scale(args) -> dict:
@@ -158,6 +210,9 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.010)
     p.add_argument("--link-bandwidth", type=float, default=1.25e9, help="bytes/s (default 10 Gb/s)")
     p.add_argument("--link-latency", type=float, default=20e-6)
+    p.add_argument("--noise-floor", action="store_true",
+                   help="run the real runs twice and measure the clock before them too: how far real runs and the clock "
+                        "move by themselves")
     p.add_argument("--skip-validation", action="store_true")
     p.add_argument("--skip-scale", action="store_true")
     args = p.parse_args()

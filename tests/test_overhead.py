@@ -19,7 +19,7 @@ from phalanx.costs import Compute, Link, ModelFacts, Network, allreduce, predict
 from phalanx.costs.ps import round_trip_fixed
 from phalanx.costs.inputs import MEETING_AFTER
 from phalanx.costs.sync import ddp_fixed
-from phalanx.estimate.overhead import MIN_STEPS, STEPS, WARMUP, fixed_costs
+from phalanx.estimate.overhead import FIGURES, MIN_STEPS, STEPS, WARMUP, fixed_costs
 from phalanx.estimate.profile import Conditions, summarise
 
 MS = 1e-3
@@ -94,19 +94,21 @@ def test_the_models_ddp_step_and_its_parameters_all_reduce_are_measured_on_two_w
     assert c.ddp_excess == every[0]["ddp_excess"] and c.round_trip_tiny == 0
     assert c.allreduce_params == every[0]["allreduce_params"]
     assert c.meeting_wait == every[0]["meeting_wait"]
-    alone = summarise([{**ROWS, **dict.fromkeys(("ddp_excess", "allreduce_params", "meeting_wait", "round_trip_tiny"), 0.0)}],
+    alone = summarise([{**ROWS, **dict.fromkeys(FIGURES, 0.0)}],
                       Conditions(1, 2, "cpu"), cores=2)
-    assert (alone.ddp_excess, alone.allreduce_params, alone.meeting_wait, alone.round_trip_tiny) == (0.0,) * 4
+    assert [getattr(alone, k) for k in FIGURES] == [0.0] * len(FIGURES)
 
 
 def test_a_ps_round_trip_is_measured_through_the_real_server_while_another_worker_computes():
     server, pusher, computing = run_workers(_every_rank, 3, 1)  # rank 0 beside the two workers: the server
     assert pusher["round_trip_tiny"] > 0 and server["round_trip_tiny"] is computing["round_trip_tiny"] is None
+    assert pusher["round_trip_spread"] > 0 and server["round_trip_spread"] is computing["round_trip_spread"] is None
     assert pusher["allreduce_params"] is None and pusher["ddp"] == 0
     assert pusher["work"] == WARMUP + STEPS and server["work"] == 0  # a real step before each push
     c = summarise([{"beside": True, **server}, {**ROWS, **pusher}, {**ROWS, **computing}],
                   Conditions(2, 1, "cpu", beside=1), cores=2)
     assert c.round_trip_tiny == pusher["round_trip_tiny"] and c.ddp_excess == 0
+    assert c.round_trip_spread == pusher["round_trip_spread"]
     assert c.forward == 1 and c.processes == 2  # the server's result holds no step: left out
 
 

@@ -15,6 +15,7 @@
 
 import dataclasses
 import json
+import math
 import os
 
 import pytest
@@ -114,6 +115,31 @@ def test_backup_averages_the_first_gradients_and_drops_the_stragglers():
     world = simulate(Backup(backup_workers=1), workers=3, steps=10, slowness=Slowness("slow", 3.0, rank=3))
     assert world.outcome.applied == 20 and set(world.staleness.counts) == {0}
     assert 2 <= world.outcome.dropped <= 4
+
+
+def test_workers_steps_jitter_by_the_measured_spread_so_who_arrives_first_varies():
+    """Seen: simulated backup:1 at 2 equal workers always took worker 0's gradient and dropped worker 1's (a
+    tie, broken the same way every round), so it learnt from one shard and needed 75 steps where real runs,
+    whose arrivals vary, needed 55. A worker's step now varies by the spread measured with it."""
+    from statistics import fmean, pstdev
+
+    even = simulate(Backup(backup_workers=1), workers=2, steps=20)
+    assert even.outcome.dropped_by == {"2": even.outcome.dropped}  # no spread measured: always the same loser
+    jitter = problem()
+    step = jitter.compute.step
+    # the slowest of 2 workers 1 ms over the mean step on average: a spread of 1 ms / E[max of 2 normals]
+    jitter.compute = dataclasses.replace(jitter.compute, processes=2, slowest=step + 1e-3)
+    spread = 1e-3 / (1 / math.sqrt(math.pi))
+    assert jitter.compute.step_spread() == pytest.approx(spread)
+    world = World(jitter, Backup(backup_workers=1), 2, None, 0, 20, 20, None)
+    for cycle in (step, 10 * spread):  # a spread larger than the step, as a ps round trip's can be: still mean 0
+        draws = [world.jitter(w, k, cycle, spread) for w in range(2) for k in range(4000)]
+        assert abs(fmean(draws)) < 0.05 * spread and pstdev(draws) == pytest.approx(spread, rel=0.15)
+        assert min(draws) > -cycle  # a step never takes negative time
+    again = World(jitter, Sync(), 2, None, 0, 20, 20, None)
+    assert world.jitter(1, 7, step, spread) == again.jitter(1, 7, step, spread)  # pure
+    simulated_rule(world.options).run(world.options, world)
+    assert set(world.outcome.dropped_by) == {"1", "2"}  # both workers lose some rounds
 
 
 def test_versions_are_shared_counted_and_freed():

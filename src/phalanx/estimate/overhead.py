@@ -34,7 +34,9 @@ competing as workers do), with the user's model and a real batch:
 - ``round_trip_tiny``: where a parameter server runs beside the workers, a ps worker's push-to-reply
   round trip of a 2-parameter model through the real server (``strategies/ps``), right after a real
   step, while the other workers compute real steps: under contention, the server's threads wait for
-  a core (its two messages each way are taken out by ``costs/ps.round_trip_fixed``).
+  a core (its two messages each way are taken out by ``costs/ps.round_trip_fixed``); and
+  ``round_trip_spread``, their standard deviation: how much a ps worker's cycle varies beyond its
+  compute, which decides who reaches the server first (``simulate/server.py``);
 
 These are means, not medians: a run's time is the sum of its steps, so a slow round (gloo's threads
 woken late, a core taken by the other process) costs it what it costs the mean. On the 2-core machine
@@ -64,13 +66,13 @@ ROUNDS_BUDGET_S = 1.5  #: seconds of real steps the timed rounds of one measurem
 
 Step = Callable[[], None]
 #: the figures :func:`fixed_costs` returns (None where a rank times nothing), as named in ``costs.Compute``
-FIGURES = ("ddp_excess", "allreduce_params", "meeting_wait", "round_trip_tiny")
+FIGURES = ("ddp_excess", "allreduce_params", "meeting_wait", "round_trip_tiny", "round_trip_spread")
 
 
 def fixed_costs(ctx, beside: int, work: Step, step_s: float, ddp_step: Optional[Callable[[], Step]] = None,
                 params: Optional[Callable[[], torch.Tensor]] = None) -> dict:
-    """This rank's ``ddp_excess``, ``allreduce_params``, ``meeting_wait`` and ``round_trip_tiny`` in seconds
-    (every measuring rank calls it).
+    """This rank's ``ddp_excess``, ``allreduce_params``, ``meeting_wait``, ``round_trip_tiny`` and
+    ``round_trip_spread`` in seconds (every measuring rank calls it).
 
     ``work`` runs one real training step of the model (``step_s`` seconds; 0 where the rank runs none);
     ``ddp_step`` makes the same step of a DDP-wrapped copy of the model (a collective: every worker calls it
@@ -86,9 +88,12 @@ def fixed_costs(ctx, beside: int, work: Step, step_s: float, ddp_step: Optional[
     rounds = _rounds(slowest.item())
     if not beside:
         return {"ddp_excess": _ddp_excess(work, ddp_step(), rounds),
-                **_meeting(work, params, _rounds(slowest.item() * MEETING_AFTER)), "round_trip_tiny": None}
+                **_meeting(work, params, _rounds(slowest.item() * MEETING_AFTER)), "round_trip_tiny": None,
+                "round_trip_spread": None}
+    trip = _round_trip_tiny(ctx, work, rounds)
     return {"ddp_excess": None, "allreduce_params": None, "meeting_wait": None,
-            "round_trip_tiny": _round_trip_tiny(ctx, work, rounds)}
+            "round_trip_tiny": None if trip is None else statistics.fmean(trip),
+            "round_trip_spread": None if trip is None else statistics.pstdev(trip)}
 
 
 def _rounds(round_s: float) -> int:
@@ -167,10 +172,10 @@ def _each_rank(seconds: list[float], op) -> float:
 DONE = "phalanx/estimate/round-trips-done"
 
 
-def _round_trip_tiny(ctx, work: Callable[[], None], rounds: int) -> Optional[float]:
+def _round_trip_tiny(ctx, work: Callable[[], None], rounds: int) -> Optional[list[float]]:
     """Rank 0 serves worker rank 1 (the real :class:`~phalanx.strategies.ps.server.Server`), which computes a
-    real step before each push and times the reply; the other ranks compute until it is done (it says so
-    in the job's store)."""
+    real step before each push and times the reply (its round trips, after the warm-up); the other ranks
+    compute until it is done (it says so in the job's store)."""
     from ..strategies.ps.aggregate import Asynchronous
     from ..strategies.ps.protocol import WorkerChannel
     from ..strategies.ps.server import Server
@@ -204,4 +209,4 @@ def _round_trip_tiny(ctx, work: Callable[[], None], rounds: int) -> Optional[flo
         seconds.append(time.perf_counter() - t)
     channel.bye(pushes)
     ctx.store.set(DONE, "1")
-    return statistics.fmean(seconds[WARMUP:] or seconds)
+    return seconds[WARMUP:] or seconds

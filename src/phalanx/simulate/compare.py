@@ -120,7 +120,7 @@ def run_one(problem: Problem, setup, run: SimRun):
                      "histogram": s["staleness_histogram"]}
     dropped = None
     if out.dropped is not None and (out.dropped or out.drops):
-        dropped = {"total": out.dropped, "of": out.dropped + (out.applied or 0), "by_worker": {}}
+        dropped = {"total": out.dropped, "of": out.dropped + (out.applied or 0), "by_worker": out.dropped_by}
     accuracies = [v["accuracy"] for v in out.values if "accuracy" in v]
     seen = [v[target.metric] for v in out.values if not math.isnan(v.get(target.metric, math.nan))]
     return RunResult(

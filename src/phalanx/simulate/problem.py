@@ -90,8 +90,9 @@ def build_problem(train: TrainConfig, workers: tuple[int, ...], per_node: Option
         notes.append(f"compute: measured here, {compute.processes} worker process(es) at once, {compute.threads} "
                      f"thread(s) each: {compute.step * 1e3:.3g} ms per step")
         if beside and device.type == "cpu":
-            trip = _measured(cfg, task, device, local, available_cores(), say, beside).round_trip_tiny
-            compute = dataclasses.replace(compute, round_trip_tiny=trip)
+            server = _measured(cfg, task, device, local, available_cores(), say, beside)
+            trip = server.round_trip_tiny
+            compute = dataclasses.replace(compute, round_trip_tiny=trip, round_trip_spread=server.round_trip_spread)
             notes.append(f"a parameter server's round trip of a 2-parameter model, another worker computing: "
                          f"{trip * 1e3:.3g} ms, measured here (beyond its four messages, every ps update waits it)")
     if link is not None:

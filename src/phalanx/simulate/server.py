@@ -43,6 +43,8 @@ class Server(SimulatedRule):
         apply = compute.apply * pace
         unpack, loop = compute.unpack * pace, compute.loop * pace
         message = [m * pace for m in message_seconds(compute, problem.facts, problem.network, W)]
+        # A cycle varies by its compute's spread and its round trip's (independent: their variances add).
+        spread = math.hypot(compute.step_spread(), compute.round_trip_spread)
         rule, gate = options.aggregation(W), Gate(range(W), options.bound)
         world.outcome.drops = rule.drops_late
         world.staleness = StalenessStats(options.bound)
@@ -57,7 +59,8 @@ class Server(SimulatedRule):
             """``worker`` gets the parameters of now and begins its next step."""
             own = gate.clock[worker]
             state.begin(worker, next(readers[worker]))
-            done = now + unpack + work + world.delay(worker, own, worker + 1)  # rank 0 is the server
+            cycle = unpack + work
+            done = now + cycle + world.jitter(worker, own, cycle, spread) + world.delay(worker, own, worker + 1)
             heapq.heappush(ready, (done, state.sequence, worker))
 
         for w in range(W):
@@ -66,6 +69,7 @@ class Server(SimulatedRule):
         pending: dict[int, torch.Tensor] = {}
         waiting: set[int] = set()
         updates = applied = dropped = step = 0
+        dropped_by: dict[int, int] = {}
         while ready and not world.stopped:
             t, _, w = heapq.heappop(ready)
             inbound = max(t, inbound) + message[w]  # pushes cross the inbound link one at a time
@@ -76,6 +80,7 @@ class Server(SimulatedRule):
                 pending[w] = (grad, version)
             else:
                 dropped += 1
+                dropped_by[w + 1] = dropped_by.get(w + 1, 0) + 1  # by rank, as a real run's metrics say
             stepped = False
             if pending and len(pending) >= rule.quorum(W):
                 taken = [pending[v] for v in sorted(pending)]
@@ -106,6 +111,7 @@ class Server(SimulatedRule):
             if stepped or not math.isfinite(loss):
                 values = world.evaluate(params.vector()) if stepped and world.due(step) else None
                 world.outcome.applied, world.outcome.dropped = applied, dropped
+                world.outcome.dropped_by = {str(rank): n for rank, n in sorted(dropped_by.items())}
                 world.step_done(step, now, values, loss)
         state.close()
         world.final = params.snapshot()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from statistics import NormalDist
 from typing import Any, Iterator, Optional
 
 import torch
@@ -30,7 +31,7 @@ from ..data import ShardedBatches, eval_batches
 from ..metrics import Target, Totals, add_up
 from ..strategies.staleness import StalenessStats
 from ..train.schedules import Schedule
-from ..train.straggle import Slowness
+from ..train.straggle import Slowness, unit_draw
 from .gradients import Gradients
 from .problem import Problem
 from .versions import Versions
@@ -48,6 +49,7 @@ class Outcome:
     examples: int = 0  #: examples a worker computed a gradient on (dropped ones included)
     applied: Optional[int] = None  #: gradients applied (the parameter-server family)
     dropped: Optional[int] = None
+    dropped_by: dict[str, int] = dataclasses.field(default_factory=dict)  #: rank -> gradients dropped
     drops: bool = False  #: dropping is part of the rule (it drops late gradients): reported even when none was
     diverged: bool = False
     wall_seconds: float = 0.0  #: what simulating it took here
@@ -125,6 +127,19 @@ class World:
             return 0.0
         factor = self.slowness.factor_at(self.seed, own_step, rank, worker)
         return (factor - 1.0) * self.compute_seconds
+
+    def jitter(self, worker: int, own_step: int, mean: float, spread: float) -> float:
+        """Seconds ``worker``'s own step ``own_step``, of ``mean`` seconds on average, takes beyond that mean
+        (negative: less). Real workers' steps vary, and where they do not meet (the parameter-server family)
+        who arrives first is decided by that. A log-normal draw of mean ``mean`` and standard deviation
+        ``spread`` (measured: ``Compute.step_spread``, and a ps worker's round trip's): never negative, and
+        with a tail to the slow side, as measured round trips have; pure in (seed, step, worker), as the
+        pauses are."""
+        if spread <= 0 or mean <= 0:
+            return 0.0
+        sigma = math.sqrt(math.log1p((spread / mean) ** 2))
+        u = min(max(unit_draw(self.seed, "jitter", own_step, worker), 1e-12), 1.0 - 1e-12)
+        return mean * (math.exp(sigma * NormalDist().inv_cdf(u) - sigma * sigma / 2) - 1.0)
 
     def slowest_delay(self, step: int, first_rank: int = 0) -> float:
         """The largest delay over every worker at a step all of them take together."""

@@ -94,8 +94,13 @@ def pause_factor(seed: int, step: int, worker: int, probability: float, factor: 
     A hash, not a random stream: the draw for one (step, worker) does not depend on how many draws
     came before it, so every strategy (and every resumed run) meets the same pauses.
     """
-    digest = hashlib.blake2b(f"{seed}:{step}:{worker}".encode(), digest_size=8).digest()
-    return float(factor) if int.from_bytes(digest, "big") / 2.0 ** 64 < probability else 1.0
+    return float(factor) if unit_draw(seed, step, worker) < probability else 1.0
+
+
+def unit_draw(*keys: Any) -> float:
+    """Pure: a number in [0, 1) drawn from ``keys`` alone (a hash: the same keys, the same number)."""
+    digest = hashlib.blake2b(":".join(map(str, keys)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0 ** 64
 
 
 def parse_slowness(text: Any, flag: str = "--straggler") -> Optional[Slowness]:
