@@ -1,0 +1,102 @@
+"""phalanx's training loop against the loop a user writes by hand, one process, side by side in one run.
+
+What it measures is the loop's own bookkeeping per step (the batch read, the strategy's step, the schedule,
+the stop checks, the loss window): with one worker and no process group every strategy's communication is
+skipped, so anything phalanx adds over a plain loop shows here. The model is small on purpose (the built-in
+mlp on the digits, batch 32, one thread), where a step takes well under a millisecond and bookkeeping is the
+largest share it will ever be.
+
+Both loops train the same model from the same seed on the same in-memory tensors with SGD at the same learning
+rate; the hand-written loop draws each epoch's order with ``torch.randperm`` and slices it, as a user would.
+The variants alternate (hand, phalanx, hand, ...) so drift in the machine's load hits both alike; in each run
+the first ``--warmup`` steps are left out of the timing (phalanx: its metrics file's step intervals).
+
+    python3 benchmarks/loop_overhead.py                        # 5 rounds of 3,000 steps
+    python3 benchmarks/loop_overhead.py --rounds 3 --steps 1000 --save
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from phalanx import TrainConfig, Trainer
+from phalanx.data import load_data
+from phalanx.models import build_model
+
+from _common import parser, print_medians, save_result
+
+LR = 0.05  # the mlp's recipe
+
+
+def hand_written(steps: int, warmup: int, batch: int) -> float:
+    """examples/s of the plain loop, the warm-up steps left out."""
+    bundle = load_data("digits")
+    data = bundle.train
+    torch.manual_seed(0)
+    model = build_model("mlp", bundle.input_shape, bundle.num_classes)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    order, at, start = torch.randperm(len(data.x)), 0, 0.0
+    for step in range(warmup + steps):
+        if step == warmup:
+            start = time.perf_counter()
+        if at + batch > len(order):
+            order, at = torch.randperm(len(data.x)), 0
+        idx = order[at:at + batch]
+        at += batch
+        loss = F.cross_entropy(model(data.x[idx]), data.y[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return batch * steps / (time.perf_counter() - start)
+
+
+def phalanx_loop(steps: int, warmup: int, batch: int) -> float:
+    """examples/s of ``Trainer`` with one worker, from its metrics file's step intervals after the warm-up."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = TrainConfig(model="mlp", data="digits", workers=1, devices="cpu", threads=1, batch_size=batch,
+                          lr=LR, steps=warmup + steps, log_every=warmup, progress="none", checkpoint_dir=tmp,
+                          checkpoint_every=0)
+        Trainer(cfg).fit()
+        events = [json.loads(line) for line in Path(cfg.metrics).read_text().splitlines()]
+    logged = [e for e in events if e["event"] == "step"]
+    seconds = sum(e["sec_per_batch"] * (e["step"] - before["step"]) for before, e in zip(logged, logged[1:]))
+    return batch * (logged[-1]["step"] - logged[0]["step"]) / seconds
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3000, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--batch", type=int, default=32)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    variants = {"hand-written": hand_written, "phalanx": phalanx_loop}
+    runs: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(args.rounds):
+        for name, run in variants.items():
+            runs[name].append(run(args.steps, args.warmup, args.batch))
+            print(f"round {r + 1}/{args.rounds}  {name:<12} {runs[name][-1]:9.1f} examples/sec", flush=True)
+
+    print(f"\nmlp on digits, batch {args.batch}, 1 thread, {args.steps} timed steps, {args.rounds} rounds "
+          "(median, min-max)")
+    med = print_medians(runs, 12, " examples/sec")
+    ratio = med["phalanx"] / med["hand-written"]
+    paired = [p / h for p, h in zip(runs["phalanx"], runs["hand-written"])]
+    per_step_us = (args.batch / med["phalanx"] - args.batch / med["hand-written"]) * 1e6
+    print(f"  ratio phalanx/hand-written: {ratio:.3f} (paired per round {statistics.median(paired):.3f}, "
+          f"{min(paired):.3f}-{max(paired):.3f}); phalanx adds {per_step_us:.0f} us a step (goal: ratio >= 0.97)")
+    save_result("loop_overhead", args, examples_per_sec=runs, median=med, ratio_phalanx_over_hand=ratio,
+                paired_ratios=paired, added_us_per_step=per_step_us)
+
+
+if __name__ == "__main__":
+    main()
