@@ -109,6 +109,7 @@ def _train(ctx, options, steps, make_optimizer=_sgd):
     runtime = runtime_for(options, ctx, _model(), make_optimizer, steps=steps, example=_batch(ctx.rank, 0))
     for step in range(steps):
         runtime.train_step(*_batch(ctx.rank, step))
+    runtime.finish()  # (as the loop does: the last round of the fragments with steps since their own)
     report = runtime.report(final=True).fields
     return [p.detach().clone() for p in runtime.module.parameters()], report
 

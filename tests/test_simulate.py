@@ -91,7 +91,8 @@ def test_a_straggler_makes_the_other_workers_gradients_stale_and_bounded_by_ssp(
 
 def test_local_sgd_waits_at_each_averaging_for_the_lead_real_workers_jitter_into():
     # The measured step is a mean; the measured wait at a meeting (after MEETING_AFTER = 8 steps apart)
-    # is charged at each averaging, so 16 steps take what the cost model's 16 steps take...
+    # is charged at each averaging, so 16 steps take what the cost model's 16 steps take (its 2
+    # averagings, after steps 1 and 9), plus the run's last averaging (of steps 10-16), a third...
     from phalanx import LocalSGD
     from phalanx.costs.inputs import meeting_wait
 
@@ -99,14 +100,17 @@ def test_local_sgd_waits_at_each_averaging_for_the_lead_real_workers_jitter_into
     jitter.compute = dataclasses.replace(jitter.compute, meeting_wait=2e-3)
     world = World(jitter, LocalSGD(sync_every=8), 2, None, 0, 16, 16, None)
     simulated_rule(world.options).run(world.options, world)
-    assert world.prediction().parts["meeting_wait"] == meeting_wait(jitter.compute, 8) == 2e-3
-    assert world.outcome.seconds == pytest.approx(16 * world.prediction().step)
-    # ...and a straggler's lead beyond it is waited for instead, not on top of it
+    predicted = world.prediction()
+    assert predicted.parts["meeting_wait"] == meeting_wait(jitter.compute, 8) == 2e-3
+    one_meeting = 8 * (predicted.step - jitter.compute.step)  # what the cost model spreads over 8 steps
+    assert world.outcome.seconds == pytest.approx(16 * predicted.step + one_meeting)
+    # ...and a straggler's lead beyond it is waited for instead, not on top of it: at each of the 3
+    # meetings its lead (1, 8 and 7 steps of sleep) instead of the wait
     slow = Slowness("slow", 2.0, rank=0)
     late = World(jitter, LocalSGD(sync_every=8), 2, slow, 0, 16, 16, None)
     simulated_rule(late.options).run(late.options, late)
-    behind = 8 * late.compute_seconds  # per averaging: the straggler's 8 steps of sleep
-    assert late.outcome.seconds == pytest.approx(world.outcome.seconds + 2 * (behind - 2e-3))
+    sleep = late.compute_seconds  # the straggler's sleep per step
+    assert late.outcome.seconds == pytest.approx(world.outcome.seconds + 16 * sleep - 3 * 2e-3)
 
 
 def test_backup_averages_the_first_gradients_and_drops_the_stragglers():

@@ -7,7 +7,8 @@ AdamW: each element's update reads only its own state), and the W gradients, eac
 are one batched call (:meth:`Gradients.each`). At a meeting:
 
 - local SGD: the copies are replaced by their mean (torch's ``PeriodicModelAverager``, after steps
-  1, H+1, 2H+1, ...); optimizer states stay local;
+  1, H+1, 2H+1, ...); optimizer states stay local; the run's last step averages them too (a real
+  run's ``finish``, where H does not divide the steps);
 - DiLoCo: the pseudo-gradients (global - local) are averaged (in the outer precision on the wire),
   the outer Nesterov SGD steps the global copy, every local copy restarts from it; fragments meet at
   their own staggered steps, and the run's last step syncs them all (``strategies/diloco.py``).
@@ -91,7 +92,7 @@ class Averaging:
         self.every, self.stacks = options.sync_every, stacks
 
     def after(self, index: int, last: bool) -> bool:
-        if index % self.every:
+        if index % self.every and not last:
             return False
         with torch.no_grad():
             for s in self.stacks:

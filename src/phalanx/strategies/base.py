@@ -15,7 +15,8 @@
       losses = runtime.global_losses(losses)  # the per-step losses every rank agrees on (at log steps)
       sums = runtime.evaluate(batches, totals)  # metrics' (sum, count)s over every rank's part
       runtime.state_dict() / runtime.load_state_dict(state)    # checkpoints
-      runtime.finish(); runtime.report(final); runtime.close()
+      changed = runtime.finish()            # what the model still owes (True: it changed it)
+      runtime.report(final); runtime.close()
 
 World size 1 runs every strategy unchanged in one process with no process group.
 """
@@ -282,14 +283,18 @@ class Runtime:
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
 
-    def finish(self) -> None:
-        """After the last step, before the final evaluation and checkpoint.
+    def finish(self) -> bool:
+        """After the last step, before the final evaluation and checkpoint: whatever the strategy still
+        owes the model (a last averaging, an outer round, the gradients in flight) goes into it here.
+        Returns whether that changed the model, so that a checkpoint of this step written before is
+        written again (ranks in step must all return the same: a checkpoint is a collective there).
 
         By default every rank waits for the slowest, so that the measured training time (and
-        throughput) covers every worker's steps, not only rank 0's.
+        throughput) covers every worker's steps, not only rank 0's; nothing changes.
         """
         if self.ctx.distributed:
             dist.barrier()
+        return False
 
     def report(self, final: bool = False) -> Report:
         """Figures for the metrics file (``final``: the summary's, may be longer) and summary lines."""

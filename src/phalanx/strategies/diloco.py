@@ -14,9 +14,13 @@ With ``--fragments F`` (streaming DiLoCo) the parameters are cut into F contiguo
 about equal size; fragment f goes through the same round at its own staggered steps, so each
 sync sends 1/F of the model. Rounds are counted as torch's ``PeriodicModelAverager`` counts them
 (a fragment with offset 0 syncs after steps 1, H+1, 2H+1, ...), so with outer lr 1 and no momentum
-DiLoCo is exactly local-sgd. The last step of the run syncs every fragment, so the run ends with
-one model on every rank. ``--outer-precision`` sets the pseudo-gradient on the wire (see
-:func:`average`); the outer step is always fp32.
+DiLoCo is exactly local-sgd. The run ends (:meth:`DiLoCoRuntime.finish`, after its last step
+whatever stopped it) with an outer round of every fragment that took a local step since its last
+round, whether H divides the steps or not, so the global model holds every step's work and every
+rank holds it. Buffers (BatchNorm's running statistics) are not pseudo-gradients: they are averaged
+over the ranks with fragment 0's rounds (integer step counts: rank 0's) and kept as the global
+model's, which is what is evaluated and saved. ``--outer-precision`` sets the pseudo-gradient on the
+wire (see :func:`average`); the outer step is always fp32.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from ..options import option
 from ..pipeline.balance import bounds, partition
 from .base import COUNT_CORRECT, Build, Job, Layout, Options, Report, Runtime, data_parallel
 from .registry import register
-from .replicas import verify_replicas
+from .replicas import average_buffers, verify_replicas
 
 PRECISIONS = ("fp32", "bf16", "int8")
 #: bytes per element of the pseudo-gradient on the wire
@@ -214,6 +218,12 @@ class DiLoCoRuntime(Runtime):
         self.offsets = fragment_offsets(options.sync_every, options.fragments)
         pin = self.ctx.device.type == "cuda"
         self.global_params = [self._global_copy(p, pin) for p in self.params]
+        # The buffers, and the global model's (the mean at fragment 0's last round), on their own device.
+        named = list(self.model.named_buffers())
+        self.buffer_names, self.buffers = [n for n, _ in named], [b for _, b in named]
+        self.global_buffers = [b.detach().clone() for b in self.buffers]
+        #: fragments with local steps since their last round (every rank the same: they step together)
+        self.unsynced: set[int] = set()
         self.outer = torch.optim.SGD(self.global_params, lr=options.outer_lr, momentum=options.outer_momentum,
                                      nesterov=options.outer_momentum > 0)  # torch refuses Nesterov without momentum
         self.steps = 0  # inner steps taken: the loop's global step (restored from checkpoints)
@@ -228,13 +238,37 @@ class DiLoCoRuntime(Runtime):
     def train_step(self, x: torch.Tensor, y: torch.Tensor, parts: Optional[int] = None) -> torch.Tensor:
         loss = super().train_step(x, y, parts)
         index, self.steps = self.steps, self.steps + 1
-        # The run's last step syncs every fragment: the job ends with one model on every rank.
-        fragments = range(len(self.fragments)) if self.steps == self.build.steps else \
-            due(index, self.options.sync_every, self.offsets)
-        if fragments:
-            self._sync([i for f in fragments for i in range(*self.fragments[f])])
-            self.syncs += len(fragments)
+        fragments = due(index, self.options.sync_every, self.offsets)
+        self._rounds(fragments)
+        self.unsynced = set(range(len(self.fragments))) - set(fragments)
         return loss
+
+    def finish(self) -> bool:
+        """The last outer round, of every fragment with local steps since its own last round: the run's
+        global model holds every step's work, and every rank holds it (evaluated and saved as it is)."""
+        super().finish()
+        if not self.unsynced:
+            return False
+        self._rounds(sorted(self.unsynced))
+        self.unsynced = set()
+        return True
+
+    def _rounds(self, fragments: Sequence[int]) -> None:
+        """One outer round of these fragments (one collective), and of the buffers with fragment 0's."""
+        if not fragments:
+            return
+        self._sync([i for f in fragments for i in range(*self.fragments[f])])
+        self.syncs += len(fragments)
+        if 0 in fragments:
+            self._sync_buffers()
+
+    @torch.no_grad()
+    def _sync_buffers(self) -> None:
+        """Every rank's buffers (and the global model's) become their mean over the ranks."""
+        if self.ctx.distributed:
+            average_buffers(self.buffers)
+        for g, b in zip(self.global_buffers, self.buffers):
+            g.copy_(b)
 
     @torch.no_grad()
     def _sync(self, indices: list[int]) -> None:
@@ -260,17 +294,18 @@ class DiLoCoRuntime(Runtime):
 
     @contextlib.contextmanager
     def _global_weights(self) -> Iterator[None]:
-        """The module holds the global weights inside (this rank's local ones again after)."""
+        """The module holds the global model inside, weights and buffers (this rank's local ones again after)."""
+        mine = self.params + self.buffers
         with torch.no_grad():
-            local = [p.detach().clone() for p in self.params]
-            for p, g in zip(self.params, self.global_params):
-                p.copy_(g)
+            local = [t.detach().clone() for t in mine]
+            for t, g in zip(mine, self.global_params + self.global_buffers):
+                t.copy_(g)
         try:
             yield
         finally:
             with torch.no_grad():
-                for p, saved in zip(self.params, local):
-                    p.copy_(saved)
+                for t, saved in zip(mine, local):
+                    t.copy_(saved)
 
     def evaluate(self, batches, totals=COUNT_CORRECT):
         # The model DiLoCo trains is the global one; between syncs each rank's local weights differ.
@@ -292,14 +327,18 @@ class DiLoCoRuntime(Runtime):
         if not self.ctx.is_main:
             return None
         return {**mine, "model": self._global_state(mine["model"]),
-                "diloco": {"outer_optimizer": self.outer.state_dict(), "workers": workers}}
+                "diloco": {"outer_optimizer": self.outer.state_dict(), "workers": workers,
+                           "unsynced": sorted(self.unsynced)}}
 
     def _global_state(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's model state (buffers included) with the global weights for its parameters."""
+        """This rank's model state with the global model's weights and buffers in it."""
         index = {id(p): i for i, p in enumerate(self.params)}
         state = dict(local)
         for name, p in self.module.named_parameters(remove_duplicate=False):
             state[name] = self.global_params[index[id(p)]].clone()
+        for name, g in zip(self.buffer_names, self.global_buffers):
+            if name in state:  # (a non-persistent buffer is in no state dict)
+                state[name] = g.detach().cpu().clone()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -313,9 +352,16 @@ class DiLoCoRuntime(Runtime):
         index = {id(p): i for i, p in enumerate(self.params)}
         for name, p in names.items():
             self.global_params[index[id(p)]].copy_(state["model"][name])
+        for name, g in zip(self.buffer_names, self.global_buffers):
+            if name in state["model"]:
+                g.copy_(state["model"][name])
         if saved is not None:
             self.outer.load_state_dict(saved["outer_optimizer"])
         self.steps = int(state.get("step", 0))
+        # Which fragments owe a round: as saved with the local models (none where every rank starts from
+        # the global model: another strategy's checkpoint, another world size).
+        mine = saved is not None and len(saved["workers"]) == self.ctx.world_size
+        self.unsynced = {f for f in saved.get("unsynced", ()) if f < len(self.fragments)} if mine else set()
 
     def report(self, final: bool = False) -> Report:
         per_sync = self.bytes_sent // self.syncs if self.syncs else 0

@@ -26,6 +26,10 @@ renumbered the way a plain optimizer numbers its parameters: the file is exactly
 unsplit model and its optimizer would save, so it loads into the plain model, into ``sync``, or
 into ``fsdp`` on another number of workers.
 
+Buffers (BatchNorm's running statistics) are not sharded and never synced by ``fully_shard``: each
+rank's move with its own batches. An evaluation first gives every rank rank 0's (DDP's rule, and what
+the checkpoint holds), so every part of the test set is evaluated by the saved model.
+
 One process (world size 1) runs the plain model, with no process group and nothing to shard.
 """
 
@@ -47,7 +51,7 @@ from ..options import option
 from ..metrics import FORWARD_ONLY, Totals, add_up
 from .base import COUNT_CORRECT, Batch, Build, Job, Layout, Options, Report, Runtime, data_parallel
 from .registry import register
-from .replicas import verify_replicas
+from .replicas import broadcast_buffers, verify_replicas
 
 
 def parse_blocks(value: Union[str, Iterable[str]]) -> tuple[str, ...]:
@@ -167,6 +171,7 @@ class FSDPRuntime(Runtime):
         """
         if not self.sharded:
             return super().evaluate(batches, totals)
+        broadcast_buffers(list(self.model.buffers()))
         batches = list(batches)
         most = torch.tensor([len(batches)], device=self.ctx.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)

@@ -6,7 +6,10 @@ with the last worker however the job ends); every worker's parameters are views 
 that buffer, so each optimizer step writes straight into what the others read, with no lock
 (Niu et al., 2011). Optimizer state (momentum) is private to each worker. A counter slot per
 worker in the same buffer counts updates, so the staleness of each update (the updates others
-applied between this worker's read and its write) is recorded.
+applied between this worker's read and its write) is recorded. float32 buffers (BatchNorm's running
+statistics) live in the same shared memory, as ``model.share_memory()`` would put them for torch's own
+Hogwild example: every worker's forward moves the one set of statistics; other buffers (step counts)
+are rank 0's at the end. So after the last step every worker holds the model rank 0 saves.
 
 One machine and the CPU only: GPU memory is not shared between processes this way, and CUDA's
 IPC handles would not make unlocked concurrent writes safe, so CUDA is refused.
@@ -27,7 +30,7 @@ from ..errors import PhalanxError
 from .base import Build, Job, Layout, Options, Report, Runtime, data_parallel
 from .registry import register
 from .staleness import StalenessStats
-from .replicas import verify_replicas
+from .replicas import average_buffers, verify_replicas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +88,9 @@ class HogwildRuntime(Runtime):
         ctx, model = build.ctx, build.model
         self.path = None
         self.staleness = StalenessStats(bound=None)
-        params = list(model.parameters())
+        # What every worker writes into and reads: the parameters, and the float32 buffers beside them.
+        params = list(model.parameters()) + [b for b in model.buffers() if b.dtype == torch.float32]
+        self.unshared = [b for b in model.buffers() if b.dtype != torch.float32]
         size = sum(p.numel() for p in params)
         if ctx.distributed:
             verify_replicas(model, ctx)
@@ -98,7 +103,7 @@ class HogwildRuntime(Runtime):
                 view = shared[offset:offset + p.numel()].view_as(p)
                 if ctx.rank == 0:
                     view.copy_(p)
-                p.data = view  # from now on the parameter *is* the shared memory
+                p.data = view  # from now on the parameter (or buffer) *is* the shared memory
                 offset += p.numel()
         self.counters = shared[size:]
         if ctx.distributed:
@@ -136,6 +141,15 @@ class HogwildRuntime(Runtime):
         super().load_state_dict(state)
         if self.ctx.distributed:
             dist.barrier()
+
+    def finish(self) -> bool:
+        """Every worker's last write is in the shared memory once all have passed the barrier: rank 0's
+        checkpoint of its last step may predate the others', so the final one is written again."""
+        super().finish()
+        if not self.ctx.distributed:
+            return False
+        average_buffers(self.unshared)  # (integer step counts: rank 0's, which it saves)
+        return True
 
     def global_losses(self, losses):
         return losses  # no collective: workers never wait for each other

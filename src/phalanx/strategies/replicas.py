@@ -1,10 +1,16 @@
-"""The loud check that every rank starts from the same weights.
+"""The loud check that every rank starts from the same weights; buffers made one model's again.
 
 DDP would silently overwrite every replica with rank 0's, and ``fully_shard`` keeps each rank's
 own slice of its own copy: either way a model built differently on some worker (another seed,
 other code) would train a patchwork. Every strategy that starts replicas runs this first:
 rank 0's fingerprint is broadcast, every rank compares, and all agree (a MIN all-reduce) before
 anyone raises, so every rank fails with the same clear message.
+
+Buffers (BatchNorm's running statistics, its step count) are not parameters: no gradient moves them,
+each rank's forward passes update its own. Where a strategy averages the parameters (local SGD,
+DiLoCo) :func:`average_buffers` averages them too; where the parameters are equal on every rank
+(DDP, FSDP) :func:`broadcast_buffers` gives every rank rank 0's, DDP's own rule. Either way every
+rank then holds the one model that is evaluated and saved.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..errors import PhalanxError
 from ..launcher import WorkerContext
@@ -47,3 +55,42 @@ def verify_replicas(module: nn.Module, ctx: WorkerContext) -> None:
     if not same.item():
         raise PhalanxError(f"replicas differ at start (rank {ctx.rank} fingerprint {mine.tolist()} vs rank 0 "
                            f"{reference.tolist()}): build the model identically on every worker (same seed, same code)")
+
+
+def average_buffers(buffers: list[torch.Tensor]) -> None:
+    """Every rank's floating buffers replaced by their mean over the ranks, and its other buffers (integer
+    step counts) by rank 0's: one collective per kind, none without buffers. A collective: call it on
+    every rank at the same point."""
+    floating = [b for b in buffers if b.is_floating_point()]
+    others = [b for b in buffers if not b.is_floating_point()]
+    for group in _by_dtype(floating):
+        flat = _flatten_dense_tensors([b.detach() for b in group])
+        dist.all_reduce(flat)
+        _write(group, flat / dist.get_world_size())
+    _broadcast(others)
+
+
+def broadcast_buffers(buffers: list[torch.Tensor]) -> None:
+    """Every rank's buffers replaced by rank 0's (as DDP does before each forward). A collective."""
+    _broadcast(buffers)
+
+
+def _broadcast(buffers: list[torch.Tensor]) -> None:
+    for group in _by_dtype(buffers):
+        flat = _flatten_dense_tensors([b.detach() for b in group])
+        dist.broadcast(flat, src=0)
+        _write(group, flat)
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Tensors grouped by dtype and device, in a fixed order (every rank flattens the same groups)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((str(t.dtype), str(t.device)), []).append(t)
+    return [groups[key] for key in sorted(groups)]
+
+
+def _write(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    with torch.no_grad():
+        for t, value in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+            t.copy_(value)

@@ -7,13 +7,15 @@ buckets as they become ready, overlapping communication with the rest of the bac
 rank then applies the same averaged gradient, so the replicas stay identical: N workers with
 batch B compute what one process computes with batch N·B. Gradient accumulation runs the inner
 micro-batches under ``no_sync`` (no all-reduce), so K accumulated steps cost one all-reduce.
+Buffers (BatchNorm's running statistics) are rank 0's, as DDP broadcasts them before every forward;
+an evaluation gives every rank rank 0's first, so the model it measures is the one saved.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import ClassVar, Optional
+from typing import ClassVar, Iterable, Optional
 
 import torch
 from torch import nn
@@ -25,9 +27,10 @@ from ..errors import PhalanxError
 from ..options import option
 from ..reduce import COMPRESSIONS, REDUCTIONS, apply_reduction, parse_islands, validate_islands
 from ..topology import order_by_islands, rank_islands
-from .base import Build, Job, Layout, Options, Report, Runtime, data_parallel
+from ..metrics import Totals
+from .base import COUNT_CORRECT, Batch, Build, Job, Layout, Options, Report, Runtime, data_parallel
 from .registry import register
-from .replicas import verify_replicas
+from .replicas import broadcast_buffers, verify_replicas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +109,14 @@ class SyncRuntime(Runtime):
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.model.no_sync() if isinstance(self.model, DDP) else contextlib.nullcontext()
+
+    def evaluate(self, batches: Iterable[Batch], totals: Totals = COUNT_CORRECT) -> tuple[float, ...]:
+        # Each rank's last forward moved its own buffers; DDP hands every rank rank 0's before the next
+        # forward anyway, so taking them now changes no step, and every part of the test set is evaluated
+        # by the model rank 0 saves.
+        if isinstance(self.model, DDP):
+            broadcast_buffers(list(self.module.buffers()))
+        return super().evaluate(batches, totals)
 
     def report(self, final: bool = False) -> Report:
         return Report({"reduction": getattr(self, "reduction", "none (one process)")})

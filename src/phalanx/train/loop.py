@@ -194,15 +194,17 @@ class WorkerRun:
         if len(window):  # every rank stops at the same step, holding the same steps
             self._look(window)
         progress.at(self.step, "finishing")
-        self.runtime.finish()
+        # What the strategy still owes the model goes in now (a last averaging, an outer round, the
+        # gradients in flight): what is printed, saved and evaluated afterwards is that one model.
+        changed = self.runtime.finish()
         self._count_wire(False)
         elapsed = time.perf_counter() - start - self.eval_seconds
         stopped = self.stop_name if self.stop_at is not None and self.step >= self.stop_at else None
         if stopped:  # a stop asked for speed: save, go
             values = None
-        elif not reached:  # (a target reached was reached by this step's evaluation: not evaluated twice)
+        elif changed or not reached:  # (a target reached by this step's evaluation of this model: not twice)
             values = self._evaluate(start, final=True)
-        if self.last_checkpoint is None or not self.last_checkpoint.endswith(f"{self.step:08d}.pt"):
+        if changed or self.last_checkpoint is None or not self.last_checkpoint.endswith(f"{self.step:08d}.pt"):
             self._save()
         return self._summary(values, self.step - first_step, elapsed, reached, stopped)
 

@@ -208,8 +208,10 @@ class ServerRuntime(Runtime):
         super().load_state_dict(state)
         self.server.start_at(int(state["step"]))
 
-    def finish(self) -> None:
-        self.server.drain()
+    def finish(self) -> bool:
+        # The gradients still in flight are applied (or counted as dropped) here, after the last step:
+        # a checkpoint of this step written in the loop no longer holds the model; the final one does.
+        return self.server.drain()
 
     def report(self, final: bool = False) -> Report:
         dropped = self.server.dropped_line()

@@ -274,12 +274,14 @@ class Server:
                   flush=True)
         self._apply_if_ready()  # the others may have been waiting for it
 
-    def drain(self) -> None:
+    def drain(self) -> bool:
         """After the last step: tell every live worker to stop, taking what is still in flight.
 
         A gradient in flight is taken by the rule as any other (``ps`` applies it); a round that the
         end of the run left incomplete is not applied, and its gradients are counted as dropped.
+        Returns whether an update was applied (the parameters changed).
         """
+        updates = self.updates
         self.draining = True
         for worker in sorted(self.waiting & self.live):
             self._reply(worker)
@@ -297,6 +299,7 @@ class Server:
             self.dropped[worker] += 1
         self.pending.clear()
         self.close()  # every stopped worker's BYE, so that the summary's accounting is complete
+        return self.updates != updates
 
     # ---- what it reports ----
     @property

@@ -75,5 +75,5 @@ class WorkerRuntime(Runtime):
     def load_state_dict(self, state) -> None:
         pass  # the first reply brings the server's (restored) parameters
 
-    def finish(self) -> None:
-        pass  # no collective: the server drains the workers instead
+    def finish(self) -> bool:
+        return False  # no collective: the server drains the workers instead (its model is the one saved)
