@@ -163,9 +163,9 @@ class PipelineRuntime(Runtime):
         super().__init__(build, model, description=options.describe(self.stages, self.replicas),
                          notes=self.plan.lines())
         if self.stages > 1:
-            from torch.distributed.pipelining import PipelineStage
+            from ..pipeline.stage import Stage
 
-            self._stage = PipelineStage(self.model, self.stage_index, self.stages, ctx.device, group=self.pipe_group)
+            self._stage = Stage(self.model, self.stage_index, self.stages, ctx.device, group=self.pipe_group)
 
     def _mesh_groups(self) -> tuple[Any, Any]:
         """Process groups of the 2-D mesh (stages x replicas); (None, None) for one pipeline."""
@@ -330,12 +330,13 @@ class PipelineRuntime(Runtime):
         """A forward-only schedule for batches of this shape (the engine fixes shapes at first use)."""
         key = ("eval", shape, dtype)
         if key not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+            from torch.distributed.pipelining import ScheduleGPipe
+
+            from ..pipeline.stage import Stage
 
             micro = max(m for m in range(1, min(self.options.chunks, shape[0]) + 1) if shape[0] % m == 0)
             # The bare stage: evaluation needs no gradient reduction, so it never waits for other replicas.
-            stage = PipelineStage(self.stage_module, self.stage_index, self.stages, self.ctx.device,
-                                  group=self.pipe_group)
+            stage = Stage(self.stage_module, self.stage_index, self.stages, self.ctx.device, group=self.pipe_group)
             self._schedules[key] = ScheduleGPipe(stage, micro, loss_fn=None, scale_grads=False)
         return self._schedules[key]
 
