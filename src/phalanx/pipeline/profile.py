@@ -57,7 +57,7 @@ def _forward(blocks: Sequence[nn.Module], x: torch.Tensor, device: torch.device,
     for i, block in enumerate(blocks):
         inp = x.detach().requires_grad_(x.is_floating_point())
         # The block gets a copy: a leaf that requires grad refuses in-place ops (torchvision's ReLU(inplace=True)),
-        # and a block working in place on the previous block's output would change what that one's backward reads.
+        # which the unsplit model applies to an intermediate tensor and a stage to a copy of what it received.
         feed = inp.clone()
         start = _now(device)
         x = block(feed)

@@ -11,10 +11,11 @@ stages' counts; a checkpoint gathers one pipeline's stages to rank 0 as one whol
 With W = R·P workers for P stages, R replicas of the pipeline train side by side on a 2-D device
 mesh (stages × replicas; rank = stage·R + replica, so one stage's replicas are neighbours, as in
 torchtitan): each replica reads its own data shard and runs its own schedule over its pipeline
-group; after the schedule each stage averages its gradients over its replica group (one flat
-all-reduce; see :meth:`PipelineRuntime._average_over_replicas` for why not DDP), so every replica
-takes the same step: the step of the unsplit model on the R shards together. W = P is one
-pipeline, rank r = stage r, exactly as without replicas.
+group; after the schedule each stage averages its gradients and its floating-point buffers
+(BatchNorm's running statistics) over its replica group (one flat all-reduce; see
+:meth:`PipelineRuntime._average_over_replicas` for why not DDP), so every replica takes the same
+step, the step of the unsplit model on the R shards together, and holds the same buffers. W = P
+is one pipeline, rank r = stage r, exactly as without replicas.
 
 What phalanx adds to the engine (helpers in ``phalanx/pipeline/``): the split (any
 ``nn.Sequential`` or ``pipeline_blocks()``), the exact balancing by parameters or measured time,
@@ -261,8 +262,17 @@ class PipelineRuntime(Runtime):
             return torch.stack([loss.detach() for loss in losses]).mean()
         return torch.zeros((), device=self.ctx.device)  # only the last stage knows it: see global_losses
 
+    @torch.no_grad()
     def _average_over_replicas(self) -> None:
-        """Average this stage's gradients over its replicas: one flat all-reduce per dtype.
+        """Average this stage's gradients, and its floating-point buffers, over its replicas: one flat
+        all-reduce per dtype.
+
+        Why the buffers: each replica's BatchNorm takes only its own shard's micro-batches into its
+        running statistics, so without this the replicas of one stage would drift into different
+        models (the checkpoint holds replica 0's; each replica evaluates with its own). Averaged
+        after every step, they stay one model, as DDP keeps its replicas' buffers equal (it
+        broadcasts rank 0's). Integer buffers (``num_batches_tracked``) move alike on every replica:
+        each runs the same number of micro-batches.
 
         Why not DDP around the stage, which the engine knows how to drive: in torch 2.13 DDP's
         bucket rebuild fails on a pipeline's second step ("rebuilt parameter indices size is not
@@ -276,13 +286,14 @@ class PipelineRuntime(Runtime):
         for p in params:
             if p.grad is None:  # every replica must send the same layout
                 p.grad = torch.zeros_like(p)
-        for dtype in sorted({p.grad.dtype for p in params}, key=str):
-            grads = [p.grad for p in params if p.grad.dtype == dtype]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+        shared = [p.grad for p in params] + [b for b in self.stage_module.buffers() if b.is_floating_point()]
+        for dtype in sorted({t.dtype for t in shared}, key=str):
+            tensors = [t for t in shared if t.dtype == dtype]
+            flat = torch.cat([t.reshape(-1) for t in tensors])
             dist.all_reduce(flat, group=self.replica_group)
             flat /= self.replicas
-            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(part.view_as(g))
+            for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+                t.copy_(part.view_as(t))
 
     def _training_schedule(self, micro: int):
         if micro not in self._schedules:
