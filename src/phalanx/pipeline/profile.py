@@ -19,10 +19,10 @@ The conditions are the stage's:
 
 Each block is timed on its own inside the pass (its input is a fresh leaf, so its backward stops
 there and the gradient is handed on by hand; the block is given an untimed copy of that leaf, so a
-block that works in place, as torchvision's ``ReLU(inplace=True)`` does, runs as inside a stage). Private copies of the blocks are timed (the
-parameters' gradients and buffers such as BatchNorm statistics stay untouched), under a forked
-random state (profiling draws nothing from the training run's random streams). Every block's
-cost is the median over ``repeats`` passes.
+block that works in place, as torchvision's ``ReLU(inplace=True)`` does, runs as inside a stage).
+Private copies of the blocks are timed (the parameters' gradients and buffers such as BatchNorm
+statistics stay untouched), under a forked random state (profiling draws nothing from the
+training run's random streams). Every block's cost is the median over ``repeats`` passes.
 """
 
 from __future__ import annotations
