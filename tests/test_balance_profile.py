@@ -40,6 +40,17 @@ def test_time_blocks_runs_the_schedules_micro_batches_and_touches_nothing(schedu
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+def test_time_blocks_runs_blocks_that_work_in_place():
+    """torchvision's ReLU(inplace=True), alone as a block and first in a block."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Sequential(nn.ReLU(inplace=True), nn.Tanh()),
+                          nn.Linear(8, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    times = time_blocks(list(model), list(torch.randn(12, 6).split(3)), torch.device("cpu"), repeats=2)
+    assert len(times.seconds) == 4 and all(math.isfinite(s) and s >= 0 for s in times.seconds)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_agree_takes_the_median_per_block_over_ranks():
     assert agree([[1.0, 2.0], [3.0, 2.0], [2.0, 8.0]]) == [2.0, 2.0]
     assert agree([[1.0, 4.0], [3.0, 2.0]]) == [2.0, 3.0]  # two ranks: their mean

@@ -21,6 +21,7 @@ from helpers import gather, run_cli, run_in_process, run_workers
 from phalanx.launcher import WorkerContext
 from phalanx.models import cnn
 from phalanx.strategies import Pipeline, runtime_for
+import test_pipeline_bn as bn
 from test_pipeline_equivalence import BATCH, K, assert_same, batches, make_model, make_optimizer, reference
 
 STAGES, WORKERS = 2, 4
@@ -59,18 +60,38 @@ def run_mesh(ctx: WorkerContext, strategy: Pipeline) -> dict:
             "notes": runtime.notes, "description": runtime.description}
 
 
+def run_bn_mesh(ctx: WorkerContext, strategy: Pipeline) -> dict:
+    """The BatchNorm model of tests/test_pipeline_bn.py on the mesh: the checkpoint and every rank's stage state."""
+    replicas = ctx.world_size // strategy.stages
+    example = tuple(my_part(ctx, t, replicas) for t in bn.batches()[0])
+    runtime = runtime_for(strategy, ctx, bn.make_model(), bn.make_optimizer, F.cross_entropy, example=example)
+    losses = [float(runtime.global_losses(runtime.train_step(my_part(ctx, x, replicas), my_part(ctx, y, replicas))))
+              for x, y in bn.batches()]
+    stage = runtime.stage_module
+    mine = stage.full_state_dict() if hasattr(stage, "full_state_dict") else stage.state_dict()
+    return {"losses": losses, "state": runtime.state_dict(), "per_rank": gather(ctx, mine), "replicas": replicas}
+
+
 def _mesh_worker(ctx: WorkerContext) -> dict:
     out = {config: run_mesh(ctx, Pipeline(stages=STAGES, chunks=config[1], schedule=config[0], balance="params"))
            for config in CONFIGS}
     # One stage on four replicas: plain data parallelism, micro-batched in-process.
     out[("one stage", 2)] = run_mesh(ctx, Pipeline(stages=1, chunks=2))
+    # BatchNorm, the in-place ReLU first in stage 1: 2 stages x 2 replicas, and one stage x 4 replicas
+    bn_runs = {STAGES: Pipeline(stages=STAGES, chunks=2, balance=(1, 2)), 1: Pipeline(stages=1, chunks=2)}
+    out["bn"] = {stages: run_bn_mesh(ctx, strategy) for stages, strategy in bn_runs.items()}
     return out
 
 
-def test_two_stages_times_two_replicas_equal_the_unsplit_model_on_the_whole_batch():
+@pytest.fixture(scope="module")
+def mesh() -> dict:
+    return run_workers(_mesh_worker, WORKERS)
+
+
+def test_two_stages_times_two_replicas_equal_the_unsplit_model_on_the_whole_batch(mesh):
     want = reference()
     assert BATCH % (REPLICAS * 4) == 0
-    results = run_workers(_mesh_worker, WORKERS)
+    results = {config: got for config, got in mesh.items() if config != "bn"}
     for config, got in results.items():
         assert got["replicas_equal"], config
         assert_same(got, want, f"2 stages x 2 replicas {config}")
@@ -86,6 +107,18 @@ def test_two_stages_times_two_replicas_equal_the_unsplit_model_on_the_whole_batc
     assert "2 stages x 2 data-parallel replicas" in some["description"]
     assert any("mesh: 2 stages x 2 replicas = 4 ranks" in line for line in some["notes"])
     assert any("stage 1 (ranks 2, 3)" in line for line in some["notes"])
+
+
+def test_replicas_of_a_stage_hold_the_same_batchnorm_buffers_the_average_of_theirs(mesh):
+    for stages, got in mesh["bn"].items():
+        replicas, label = got["replicas"], f"{stages} stages x {got['replicas']} replicas"
+        for rank, state in enumerate(got["per_rank"]):
+            first = got["per_rank"][rank - rank % replicas]  # replica 0 of this rank's stage
+            assert list(state) == list(first) and all(torch.equal(v, first[k]) for k, v in state.items()), \
+                f"{label}: rank {rank} differs from its stage's replica 0"
+        want = bn.reference(chunks=2, replicas=replicas)
+        assert torch.allclose(torch.tensor(got["losses"]), torch.tensor(want["losses"]), **bn.TOL), label
+        bn.assert_state_equal(got["state"]["model"], want["state"], label)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ about strategies (``torch.distributed.pipelining`` runs the schedule).
 - ``messages.py``: one-way time of a boundary's message between neighbouring stages;
 - ``plan.py``: the chosen plan as printed, and what it (or any other partition) predicts;
 - ``schedule.py``: GPipe with its receives posted ahead (torch's ``ScheduleGPipe`` otherwise);
+- ``stage.py``: torch's ``PipelineStage`` in its static mode, its examples worked out on meta tensors;
 - ``state.py``: one whole-model checkpoint from the stages' pieces, and back.
 """
 

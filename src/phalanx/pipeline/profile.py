@@ -18,10 +18,11 @@ The conditions are the stage's:
   every time.
 
 Each block is timed on its own inside the pass (its input is a fresh leaf, so its backward stops
-there and the gradient is handed on by hand). Private copies of the blocks are timed (the
-parameters' gradients and buffers such as BatchNorm statistics stay untouched), under a forked
-random state (profiling draws nothing from the training run's random streams). Every block's
-cost is the median over ``repeats`` passes.
+there and the gradient is handed on by hand; the block is given an untimed copy of that leaf, so a
+block that works in place, as torchvision's ``ReLU(inplace=True)`` does, runs as inside a stage).
+Private copies of the blocks are timed (the parameters' gradients and buffers such as BatchNorm
+statistics stay untouched), under a forked random state (profiling draws nothing from the
+training run's random streams). Every block's cost is the median over ``repeats`` passes.
 """
 
 from __future__ import annotations
@@ -55,8 +56,11 @@ def _forward(blocks: Sequence[nn.Module], x: torch.Tensor, device: torch.device,
     pairs = []
     for i, block in enumerate(blocks):
         inp = x.detach().requires_grad_(x.is_floating_point())
+        # The block gets a copy: a leaf that requires grad refuses in-place ops (torchvision's ReLU(inplace=True)),
+        # which the unsplit model applies to an intermediate tensor and a stage to a copy of what it received.
+        feed = inp.clone()
         start = _now(device)
-        x = block(inp)
+        x = block(feed)
         seconds[i] += _now(device) - start
         pairs.append((inp, x))
     return pairs

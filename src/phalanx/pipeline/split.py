@@ -75,16 +75,20 @@ def parameter_counts(blocks: Sequence[nn.Module]) -> list[int]:
 
 
 class _ContiguousGrad(torch.autograd.Function):
-    """Identity forward; makes the incoming gradient contiguous.
+    """A copy forward; makes the incoming gradient contiguous.
 
-    Why: the engine sends a stage's input gradient to the previous stage, which receives it into
-    a buffer laid out like that gradient (same strides); gloo refuses non-contiguous buffers, and
-    many layers (an LSTM with ``batch_first``) produce transposed gradients.
+    Why the gradient: the engine sends a stage's input gradient to the previous stage, which
+    receives it into a buffer laid out like that gradient (same strides); gloo refuses
+    non-contiguous buffers, and many layers (an LSTM with ``batch_first``) produce transposed
+    gradients. Why a copy: the stage's input is the engine's receive buffer, a leaf that requires
+    grad, and a first layer that works in place (torchvision's ``ReLU(inplace=True)``) must be
+    able to, as it can on the unsplit model's intermediate tensor; a view (of the leaf, or one
+    made inside a custom Function) refuses in-place ops. One activation copy per micro-batch.
     """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
+        return x.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:

@@ -11,15 +11,17 @@ stages' counts; a checkpoint gathers one pipeline's stages to rank 0 as one whol
 With W = R·P workers for P stages, R replicas of the pipeline train side by side on a 2-D device
 mesh (stages × replicas; rank = stage·R + replica, so one stage's replicas are neighbours, as in
 torchtitan): each replica reads its own data shard and runs its own schedule over its pipeline
-group; after the schedule each stage averages its gradients over its replica group (one flat
-all-reduce; see :meth:`PipelineRuntime._average_over_replicas` for why not DDP), so every replica
-takes the same step: the step of the unsplit model on the R shards together. W = P is one
-pipeline, rank r = stage r, exactly as without replicas.
+group; after the schedule each stage averages its gradients and its floating-point buffers
+(BatchNorm's running statistics) over its replica group (one flat all-reduce; see
+:meth:`PipelineRuntime._average_over_replicas` for why not DDP), so every replica takes the same
+step, the step of the unsplit model on the R shards together, and holds the same buffers. W = P
+is one pipeline, rank r = stage r, exactly as without replicas.
 
 What phalanx adds to the engine (helpers in ``phalanx/pipeline/``): the split (any
 ``nn.Sequential`` or ``pipeline_blocks()``), the exact balancing by parameters or measured time,
-the printed plan, contiguous activations and gradients (gloo needs them), one consistent
-checkpoint, and the checks that name the fix.
+the printed plan, each stage's input and output worked out ahead on meta tensors (torch's static
+mode: no extra pass through a stage, see ``pipeline/stage.py``), contiguous activations and
+gradients (gloo needs them), one consistent checkpoint, and the checks that name the fix.
 
 Equivalence: the engine computes the loss per micro-batch and divides the summed gradients by
 M, so with a mean-reduced loss and equal micro-batches a step equals the unsplit model's step on
@@ -150,22 +152,34 @@ class PipelineRuntime(Runtime):
         named = model_blocks(model)
         self.plan = self._make_plan(named, build)
         index = {id(p): i for i, p in enumerate(model.parameters())}
-        self._stage = None
+        #: False: one stage, the whole model micro-batched in-process, no engine
+        self.pipelined = self.stages > 1
         self._schedules: dict[Any, Any] = {}
-        if self.stages > 1:
-            lo, hi = bounds(self.plan.counts)[self.stage_index]
-            model = StageModule(named[lo:hi])
+        #: the stages before this one, as they run on their ranks: what sizes this stage's input
+        self._upstream: list[StageModule] = []
+        if self.pipelined:
+            spans = bounds(self.plan.counts)
+            self._upstream = [self._stage_module(named[lo:hi], build) for lo, hi in spans[:self.stage_index]]
+            model = self._stage_module(named[slice(*spans[self.stage_index])], build)
         self.stage_module = model
-        if self.stages > 1:  # the engine calls the stage itself, forward and backward interleaved
-            build.precision.around_forward(model)
         #: the whole model's parameter index of each of this stage's parameters
         self.local_to_global = [index[id(p)] for p in model.parameters()]
         super().__init__(build, model, description=options.describe(self.stages, self.replicas),
                          notes=self.plan.lines())
-        if self.stages > 1:
-            from torch.distributed.pipelining import PipelineStage
 
-            self._stage = PipelineStage(self.model, self.stage_index, self.stages, ctx.device, group=self.pipe_group)
+    @staticmethod
+    def _stage_module(named: list[tuple[str, nn.Module]], build: Build) -> StageModule:
+        module = StageModule(named)
+        build.precision.around_forward(module)  # the engine calls the stage itself, forward and backward interleaved
+        return module
+
+    def _new_stage(self, module: nn.Module, micro_batch: torch.Tensor, backward: bool):
+        """torch's ``PipelineStage`` for ``module`` in its static mode, sized for ``micro_batch``'s shape:
+        no shape inference, so no extra pass through the stage (see ``pipeline/stage.py``)."""
+        from ..pipeline.stage import static_stage
+
+        return static_stage(self._upstream + [module], self.stage_index, self.stages, self.ctx.device,
+                            self.pipe_group, micro_batch, backward)
 
     def _mesh_groups(self) -> tuple[Any, Any]:
         """Process groups of the 2-D mesh (stages x replicas); (None, None) for one pipeline."""
@@ -240,13 +254,13 @@ class PipelineRuntime(Runtime):
         micro = self.options.chunks * self.build.accumulate
         if len(x) % micro:
             raise PhalanxError(f"batch {len(x)} does not split into {micro} equal micro-batches")
-        if self._stage is None:  # one stage: the whole model, micro-batched in-process as the engine would
+        if not self.pipelined:  # one stage: the whole model, micro-batched in-process as the engine would
             loss = self.forward_backward(x, y, parts=micro)
             self._average_over_replicas()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             return loss
-        schedule = self._training_schedule(micro)
+        schedule = self._training_schedule(x, micro)
         losses: list[torch.Tensor] = []
         if self.is_first:
             schedule.step(x, return_outputs=False)
@@ -261,8 +275,17 @@ class PipelineRuntime(Runtime):
             return torch.stack([loss.detach() for loss in losses]).mean()
         return torch.zeros((), device=self.ctx.device)  # only the last stage knows it: see global_losses
 
+    @torch.no_grad()
     def _average_over_replicas(self) -> None:
-        """Average this stage's gradients over its replicas: one flat all-reduce per dtype.
+        """Average this stage's gradients, and its floating-point buffers, over its replicas: one flat
+        all-reduce per dtype.
+
+        Why the buffers: each replica's BatchNorm takes only its own shard's micro-batches into its
+        running statistics, so without this the replicas of one stage would drift into different
+        models (the checkpoint holds replica 0's; each replica evaluates with its own). Averaged
+        after every step, they stay one model, as DDP keeps its replicas' buffers equal (it
+        broadcasts rank 0's). Integer buffers (``num_batches_tracked``) move alike on every replica:
+        each runs the same number of micro-batches.
 
         Why not DDP around the stage, which the engine knows how to drive: in torch 2.13 DDP's
         bucket rebuild fails on a pipeline's second step ("rebuilt parameter indices size is not
@@ -276,25 +299,30 @@ class PipelineRuntime(Runtime):
         for p in params:
             if p.grad is None:  # every replica must send the same layout
                 p.grad = torch.zeros_like(p)
-        for dtype in sorted({p.grad.dtype for p in params}, key=str):
-            grads = [p.grad for p in params if p.grad.dtype == dtype]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+        shared = [p.grad for p in params] + [b for b in self.stage_module.buffers() if b.is_floating_point()]
+        for dtype in sorted({t.dtype for t in shared}, key=str):
+            tensors = [t for t in shared if t.dtype == dtype]
+            flat = torch.cat([t.reshape(-1) for t in tensors])
             dist.all_reduce(flat, group=self.replica_group)
             flat /= self.replicas
-            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(part.view_as(g))
+            for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+                t.copy_(part.view_as(t))
 
-    def _training_schedule(self, micro: int):
-        if micro not in self._schedules:
+    def _training_schedule(self, x: torch.Tensor, micro: int):
+        """The schedule for ``micro`` micro-batches of this batch's shape: a stage's buffers are sized
+        for one shape, so a batch of another shape (a caller's own loop may feed one) gets its own."""
+        key = ("train", micro, tuple(x.shape), x.dtype)
+        if key not in self._schedules:
+            stage = self._new_stage(self.model, x[: len(x) // micro], backward=True)
             # scale_grads: the engine divides the summed micro-batch gradients by M, which with a
             # mean loss per micro-batch is the gradient of the mean over the whole batch.
-            self._schedules[micro] = _schedule_class(self.options.schedule)(
-                self._stage, micro, loss_fn=self.build.loss_fn, scale_grads=True)
-        return self._schedules[micro]
+            self._schedules[key] = _schedule_class(self.options.schedule)(
+                stage, micro, loss_fn=self.build.loss_fn, scale_grads=True)
+        return self._schedules[key]
 
     def global_losses(self, losses: torch.Tensor) -> torch.Tensor:
         """The mean of the last stages' losses over the replicas, on every rank (the other stages add 0)."""
-        if self._stage is None:
+        if not self.pipelined:
             return super().global_losses(losses)
         out = losses.detach().to(self.ctx.device, torch.float32).clone()
         dist.all_reduce(out)
@@ -308,13 +336,13 @@ class PipelineRuntime(Runtime):
         Every stage of one replica must be given the same batches; replicas evaluate their parts
         independently (no collective between them until the sums are added).
         """
-        if self._stage is None:
+        if not self.pipelined:
             return super().evaluate(batches, totals)
         was_training = self.model.training
         self.model.eval()
         sums = totals.zeros()
         for x, y in batches:
-            schedule = self._eval_schedule(tuple(x.shape), x.dtype)
+            schedule = self._eval_schedule(x)
             if self.is_first:
                 schedule.eval(x.to(self.ctx.device))
             elif self.is_last:
@@ -326,16 +354,16 @@ class PipelineRuntime(Runtime):
         dist.all_reduce(sums)  # the last stage of every replica added its part; the others hold zeros
         return tuple(sums.tolist())
 
-    def _eval_schedule(self, shape: tuple, dtype: torch.dtype):
-        """A forward-only schedule for batches of this shape (the engine fixes shapes at first use)."""
-        key = ("eval", shape, dtype)
+    def _eval_schedule(self, x: torch.Tensor):
+        """A forward-only schedule for batches of this shape (a stage's buffers are sized for one shape:
+        the test set's last, smaller batch gets its own), in micro-batches of equal size."""
+        key = ("eval", tuple(x.shape), x.dtype)
         if key not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+            from torch.distributed.pipelining import ScheduleGPipe
 
-            micro = max(m for m in range(1, min(self.options.chunks, shape[0]) + 1) if shape[0] % m == 0)
+            micro = max(m for m in range(1, min(self.options.chunks, len(x)) + 1) if len(x) % m == 0)
             # The bare stage: evaluation needs no gradient reduction, so it never waits for other replicas.
-            stage = PipelineStage(self.stage_module, self.stage_index, self.stages, self.ctx.device,
-                                  group=self.pipe_group)
+            stage = self._new_stage(self.stage_module, x[: len(x) // micro], backward=False)
             self._schedules[key] = ScheduleGPipe(stage, micro, loss_fn=None, scale_grads=False)
         return self._schedules[key]
 
@@ -345,7 +373,7 @@ class PipelineRuntime(Runtime):
 
         Called on every rank; only replica 0's stages take part (replicas hold the same state).
         """
-        if self._stage is None:
+        if not self.pipelined:
             return super().state_dict()
         if self.replica != 0:
             return None  # every replica holds the same weights and optimizer state: replica 0's are saved
@@ -362,7 +390,7 @@ class PipelineRuntime(Runtime):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Every stage takes its blocks' weights and its parameters' optimizer state."""
-        if self._stage is None:
+        if not self.pipelined:
             return super().load_state_dict(state)
         self.stage_module.load_full_state_dict(state["model"])
         if "optimizer" in state:  # absent: the run changed optimizers and starts this one fresh
@@ -379,7 +407,6 @@ class PipelineRuntime(Runtime):
 
     def close(self) -> None:
         self._schedules.clear()
-        self._stage = None
 
 
 def check_mesh(stages: int, processes: int) -> int:
