@@ -70,8 +70,18 @@ class Reporter:
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, leave=False)
 
     def say(self, line: str) -> None:
+        """A line of progress: the header, step lines, evaluations during the run (``--progress none``: none)."""
         if not self.enabled or self.quiet:
             return
+        self._print(line)
+
+    def result(self, line: str) -> None:
+        """A line of the run's result (its metrics, throughput, checkpoint): printed whatever ``--progress`` says,
+        as ``--progress none`` hides the progress, not what the run found."""
+        if self.enabled:
+            self._print(line)
+
+    def _print(self, line: str) -> None:
         if self.bar is not None:
             self.bar.write(line)
         else:
