@@ -27,7 +27,7 @@ from .schedules import SCHEDULES
 from .straggle import Slowness, parse_slowness
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
-PROGRESS = ("auto", "bar", "lines", "none")
+PROGRESS = ("auto", "bar", "lines", "none", "silent")
 #: --steps beyond this is a typo, not a plan: a billion steps of a millisecond each already take 12 days
 MAX_STEPS = 10**9
 
@@ -154,8 +154,8 @@ class TrainConfig:
                                             "fine-tuning", argparse_extra={"metavar": "PATH"})
     overwrite: bool = option(False, "start a new run in a --checkpoint-dir that holds another run: remove its "
                                     "checkpoints and metrics file first (phalanx's own files only)")
-    progress: str = option("auto", "auto draws a bar on a terminal; none shows no header or progress, only the result",
-                           choices=PROGRESS)
+    progress: str = option("auto", "auto draws a bar on a terminal; none shows no header or progress, only the "
+                                   "result; silent, not even that", choices=PROGRESS)
     profile_startup: bool = option(False, "print where the seconds before the first step went (imports, workers "
                                           "joining, data, model, calibration, strategy, first step); always in "
                                           "the metrics file")
