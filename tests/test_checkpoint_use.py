@@ -93,6 +93,8 @@ def test_the_command_prints_one_json_line_and_the_sentence(trained, capsys, monk
     (["--checkpoint", "garbage.pt"], "checkpoint garbage.pt is corrupt or not a phalanx checkpoint"),
     (["--checkpoint", "run", "--model", "ckuse_mod:wide"], "holds another model (fc1.weight is (16, 64) there and "
                                                            "(32, 64) here); evaluate it with the model and data"),
+    (["--checkpoint", ""], "--checkpoint is empty (''); give a step-*.pt written by phalanx train, or its "
+                           "directory"),  # not the current directory
 ])
 def test_a_missing_corrupt_or_foreign_checkpoint_is_one_line_exit_2(trained, capsys, monkeypatch, flags, message):
     root, _ = trained
@@ -101,6 +103,26 @@ def test_a_missing_corrupt_or_foreign_checkpoint_is_one_line_exit_2(trained, cap
     code, out = run_main(["evaluate", *flags], capsys)
     assert code == 2 and out.out == ""
     assert len(out.err.strip().splitlines()) == 1 and message in out.err, out.err
+
+
+def test_evaluate_names_a_newer_checkpoint_it_skipped_as_corrupt(trained, tmp_path):
+    import shutil
+
+    from helpers import run_cli
+
+    root, mod = trained
+    shutil.copytree(root / "run", tmp_path / "run")
+    (tmp_path / "ckuse_mod.py").write_text(MODULE)
+    newest = tmp_path / "run" / "step-00000008.pt"
+    newest.write_bytes(newest.read_bytes()[:-200])  # torn: the newest no longer verifies
+    out = run_cli("evaluate", "--checkpoint", "run", "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["step"] == 4 and result["skipped"] == ["run/step-00000008.pt"]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: skipped run/step-00000008.pt, newer than "
+                                                   "step-00000004.pt: checkpoint run/step-00000008.pt is corrupt"), \
+        out.stderr
 
 
 def test_init_from_starts_at_the_checkpoints_weights_with_a_fresh_optimizer(trained, tmp_path):

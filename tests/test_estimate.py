@@ -466,6 +466,31 @@ def test_summary_takes_means_and_the_slowest_worker_of_each_step():
     assert (c.pack, c.copy) == (0.1, 0.05)
 
 
+def test_a_super_linear_speedup_or_a_spread_that_swamps_the_mean_is_doubted():
+    """The figures of issue 30's loaded machine (one worker alone 129 ms a step, each of two 2.2 ms: "59x")
+    are doubted, in one phrase each; plausible ones are not."""
+    from phalanx.costs import Prediction
+    from phalanx.estimate.plausible import doubts, warning
+
+    alone, pair = Conditions(1, 2, "cpu"), Conditions(2, 1, "cpu")
+    slowed = compute(forward=40 * MS, backward=60 * MS, optimizer=28 * MS, loop=1 * MS, step_stdev=20 * MS)
+    shared = compute(forward=0.7 * MS, backward=1 * MS, optimizer=0.4 * MS, loop=0.1 * MS, processes=2)
+    row = Prediction("sync", 2, 1, step=2.4 * MS, examples=64, compute=2.2 * MS, ideal=2.2 * MS)
+
+    def speedup(p):
+        return p.examples_per_s / (32 / slowed.step)
+
+    found = doubts(slowed, {alone: slowed, pair: shared}, [row], speedup)
+    assert found == ["sync on 2 workers is 107.5x one worker alone, more than 2 workers can give (one worker alone "
+                     "measured 129 ms a step)"]
+    noisy = dataclasses.replace(shared, step_stdev=3 * MS)  # a standard deviation above the 2.2 ms mean
+    assert doubts(slowed, {alone: slowed, pair: noisy}, [], speedup) == [
+        "the steps of 2 process(es) x 1 thread(s) spread 3 ms around a mean of 2.2 ms"]
+    calm = compute(forward=0.6 * MS, backward=1 * MS, optimizer=0.3 * MS, loop=0.1 * MS)  # 2 ms alone: 1.67x
+    assert doubts(calm, {alone: calm, pair: shared}, [row], lambda p: p.examples_per_s / (32 / calm.step)) == []
+    assert warning(found).startswith("warning: measured twice and still implausible: sync on 2 workers is 107.5x")
+
+
 def test_stage_block_timer_leaves_the_model_alone_and_times_every_block():
     from phalanx.estimate.profile import time_block_sizes, time_stage_blocks
 

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -96,6 +97,14 @@ PARENT_CHECKS = [
     (["--islands", "0,1;x"], "islands '0,1;x' are not like '0,1;2,3'"),
     (["--strategy", "ssp", "--staleness", "-2"], "--staleness must be 0 or more steps"),
     (["--strategy", "pipeline", "--stages", "3"], "--stages 3 needs 3 workers (one per stage)"),
+    # an empty name is not the default's name; a prefix of a flag is not the flag; a step count no run ends
+    (["--strategy", ""], "unknown strategy '': choose one of sync, ps"),
+    (["--metric", ""], "--metric is empty (''); name one, e.g. --metric accuracy, or drop --metric"),
+    (["--metric", " , "], "--metric is empty (' , ')"),
+    (["--loss", ""], "--loss is empty (''); name one"),
+    (["--step", "3"], "unrecognized arguments: --step 3"),
+    (["--steps", "99999999999999999999999"], "--steps 99999999999999999999999 is more than a run can take (at most "
+                                             "1,000,000,000); give fewer"),
 ]
 
 
@@ -108,6 +117,15 @@ def test_bad_input_is_refused_in_the_parent_with_one_line_and_nothing_written(fl
     lines = out.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.err
     assert not os.listdir(tmp_path)  # no checkpoint directory, no metrics file
+
+
+def test_a_metrics_path_through_a_file_names_the_file(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("not a directory")
+    code, out = run_main(["train", "--metrics", "afile/m.jsonl"], capsys)
+    assert code == 2 and out.err == "error: --metrics afile/m.jsonl: afile is a file, not a directory; choose " \
+                                    "another path\n", out.err
+    assert os.listdir(tmp_path) == ["afile"]
 
 
 def test_an_unwritable_metrics_file_is_refused(capsys, tmp_path, monkeypatch):
@@ -125,6 +143,16 @@ class WithLambda(nn.Module):
 
     def forward(self, x):
         return self.layer(self.act(x))
+
+
+class WithLock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer, self.lock = nn.Linear(4, 2), threading.Lock()
+
+    def forward(self, x):
+        with self.lock:
+            return self.layer(x)
 
 
 X, Y = torch.randn(64, 4), torch.randint(0, 2, (64,))
@@ -145,6 +173,9 @@ API_CASES = [
      "loss_fn cannot be sent to the worker processes"),
     (dict(model=lambda x: x, train_data=(X, Y)), "model must be a torch.nn.Module, got function"),
     (dict(model=nn.Flatten(0), train_data=(X, Y)), r"integer targets make a classifier: return scores of shape"),
+    (dict(model=WithLock(), train_data=(X, Y)), re.escape("the model cannot be copied for the workers (TypeError: "
+                                                          "cannot pickle '_thread.lock' object in attribute 'lock'); "
+                                                          "every worker trains its own copy")),
 ]
 
 

@@ -29,7 +29,12 @@ AGREED_GRACE_S = 5.0
 
 
 class Parser(argparse.ArgumentParser):
-    """Usage errors as one line, like every other bad input."""
+    """Usage errors as one line, like every other bad input. No abbreviations: argparse would read
+    ``--step 5`` as ``--steps 5`` (and a flag added later could change what an abbreviation means)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"error: {message} (see '{self.prog} --help')\n")
@@ -61,7 +66,7 @@ def strategy_from_args(args: argparse.Namespace):
     """The chosen strategy's options from the flags typed; a flag it does not take is an error."""
     from .strategies import strategy_class
 
-    chosen = strategy_class(args.strategy or "sync")
+    chosen = strategy_class("sync" if args.strategy is None else args.strategy)  # '' is a name, and unknown
     own = {f.name for f in dataclasses.fields(chosen)}
     typed = given(args, strategy_fields())
     for name in typed:

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import warnings
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -56,7 +59,13 @@ class Evaluation:
 
     def __init__(self, checkpoint: str, *, model: Optional[nn.Module] = None, test_data: Any = None,
                  loss_fn: Optional[Callable] = None, metrics: Any = None, config: Optional[dict] = None):
+        if not isinstance(checkpoint, (str, os.PathLike)) or not str(checkpoint).strip():
+            # '' would be the current directory: never what was meant
+            raise PhalanxError(f"--checkpoint is empty ({checkpoint!r}); give a step-*.pt written by phalanx train, "
+                               "or its directory, e.g. --checkpoint checkpoints")
         self.state = ckpt.load_checkpoint(checkpoint, "--checkpoint")
+        for path, why in self.state.get("skipped", []):  # a directory whose newer checkpoints do not verify
+            warnings.warn(f"skipped {path}, newer than {Path(self.state['path']).name}: {why.split('; give')[0]}")
         meta = self.state.get("meta", {})
         config = dict(config or {})
         self.batch = config.pop("batch_size", None) or EVAL_BATCH
@@ -88,7 +97,7 @@ class Evaluation:
         values = totals.values(add_up(self.model, eval_batches(test, self.batch), self.device, totals).tolist())
         return {"checkpoint": self.state["path"], "step": int(self.state["step"]), "model": self.task.model_name,
                 "data": self.task.data_name, "held_out": self.data.held_out, "examples": len(test),
-                "metrics": values}
+                "metrics": values, "skipped": [path for path, _ in self.state.get("skipped", [])]}
 
 
 def recorded(meta: dict[str, Any], has_model: bool, has_data: bool) -> dict[str, Any]:

@@ -143,7 +143,27 @@ def call_model_factory(factory: Callable, name: str, input_shape: tuple, num_cla
 
 def copy_of(model: nn.Module, input_shape: tuple, num_classes: int) -> nn.Module:
     """The factory of a model object given to the API: every worker trains a copy of it."""
-    return copy.deepcopy(model)
+    try:
+        return copy.deepcopy(model)
+    except Exception as e:  # a lock, an open file, a thread: whatever the user's module holds
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise PhalanxError(f"the model cannot be copied for the workers ({type(e).__name__}: {first}"
+                           f"{_culprit(model)}); every worker trains its own copy of the model object: give its class "
+                           "a __getstate__ and __setstate__ that leave that attribute out and make it anew, or name "
+                           "a factory instead, TrainConfig(model='mymodule:Net')") from None
+
+
+def _culprit(model: nn.Module) -> str:
+    """`` in attribute 'encoder.lock'``: the first attribute of a submodule that cannot be copied ("" if none alone)."""
+    for prefix, module in model.named_modules():
+        for name, value in vars(module).items():
+            if name.startswith("_") or isinstance(value, (nn.Module, torch.Tensor)):
+                continue  # parameters, buffers and submodules live in underscored dicts, walked as modules
+            try:
+                copy.deepcopy(value)
+            except Exception:
+                return f" in attribute '{prefix + '.' if prefix else ''}{name}'"
+    return ""
 
 
 # --------------------------------------------------------------------------- building a Task

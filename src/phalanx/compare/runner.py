@@ -94,7 +94,7 @@ def config_for(setup: Setup, run: Run, checkpoint_dir: str, metrics: Optional[st
         seed=run.seed,
         steps=setup.max_steps, eval_every=setup.eval_every, stop_at=str(setup.target), stop_at_accuracy=None,
         log_every=setup.eval_every, checkpoint_dir=checkpoint_dir, checkpoint_every=0, keep_checkpoints=1,
-        metrics=metrics or f"{checkpoint_dir}/metrics.jsonl", progress="none", resume=None,
+        metrics=metrics or f"{checkpoint_dir}/metrics.jsonl", progress="silent", resume=None,
         tensorboard=None if setup.train.tensorboard is None else str(Path(setup.train.tensorboard) / run.board),
         overwrite=True)  # a compare run replaces the same run of an earlier compare in the same --out
 

@@ -56,6 +56,9 @@ class Compute:
     allreduce_params: float = 0.0
     #: at that meeting, the mean wait of the ranks beyond the last arriver's all-reduce: the slowest one's lead
     meeting_wait: float = 0.0
+    #: the standard deviation of one worker's step (forward to loop) over every process's timed steps: where it
+    #: rivals the mean, something else was loading the machine (``estimate/plausible.py``)
+    step_stdev: float = 0.0
 
     @property
     def step(self) -> float:

@@ -16,11 +16,15 @@ whether the rank was itself forked from phalanx's fork server or spawned.
 
 from __future__ import annotations
 
+import functools
+import gc
 import multiprocessing
 import os
 import pickle
+import select
 import sys
-from typing import Any, Iterable, Iterator, Optional
+import threading
+from typing import Any, Iterable, Iterator, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -66,7 +70,7 @@ class LazyExamples:
         return len(self.dataset)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        item = self.dataset[i]
+        item = read_item(self.dataset, i, self.name)
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             raise PhalanxError(f"{self.name}[{i}] is a {type(item).__name__}; phalanx needs items (input, target)")
         x, y = as_tensor(item[0], self.name), as_tensor(item[1], self.name)
@@ -85,13 +89,20 @@ class LazyExamples:
             yield from (self.take(idx) for idx, _ in plan)
             return
         indices = (idx.tolist() for idx, _ in plan)
-        loader = DataLoader(self, batch_sampler=indices, num_workers=self.workers, collate_fn=collate,
-                            multiprocessing_context=loader_context(type(self.dataset).__module__))
-        batches = iter(loader)
+        batches = iter(DataLoader(_Guarded(self), batch_sampler=indices, num_workers=self.workers,
+                                  collate_fn=collate, worker_init_fn=functools.partial(leave_with, os.getpid()),
+                                  multiprocessing_context=loader_context(type(self.dataset).__module__)))
         try:
-            yield from batches
+            for batch in batches:
+                if isinstance(batch, Unreadable):
+                    raise PhalanxError(batch.message)
+                yield batch
         finally:  # end the worker processes now, not whenever the iterator is collected
             getattr(batches, "_shutdown_workers", lambda: None)()
+            # Free its queues' named semaphores now: a rank that fails leaves with os._exit (no finalizers),
+            # and its traceback holds this frame (the resource tracker would report them "leaked").
+            del batches
+            gc.collect()  # the iterator and the DataLoader hold each other
 
     def subset(self, idx: torch.Tensor) -> "LazyExamples":
         return LazyExamples(Subset(self.dataset, idx.tolist()), self.workers, self.name, self.inputs, self.targets)
@@ -125,12 +136,77 @@ class LazyExamples:
                                "paths, not open files, in it") from None
 
 
-def collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+class Unreadable(NamedTuple):
+    """An example a loader worker could not read, sent home as a value. Raised there, it would arrive as the
+    DataLoader's own error, its message the worker's whole traceback, and that traceback would hold the
+    DataLoader's iterator (its queues' semaphores) until the rank's os._exit: "14 leaked semaphore objects"."""
+
+    message: str
+
+
+class _Guarded:
+    """The examples as the DataLoader workers read them: a failure to read one comes back as :class:`Unreadable`."""
+
+    def __init__(self, examples: LazyExamples):
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> Any:
+        try:
+            return self.examples[i]
+        except PhalanxError as e:
+            return Unreadable(str(e))
+
+
+def read_item(dataset: Any, i: int, name: str) -> Any:
+    """``dataset[i]``; an error of the user's ``__getitem__`` (it may raise anything) is one line naming the example."""
+    try:
+        return dataset[i]
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        raise PhalanxError(f"{name}[{users_index(dataset, i)}] cannot be read ({type(e).__name__}: {first}); fix "
+                           "the Dataset's __getitem__ for that example, or the file it reads") from None
+
+
+def users_index(dataset: Any, i: int) -> int:
+    """Index ``i`` of ``dataset`` as an index of the user's own Dataset (phalanx's split wraps it in Subsets)."""
+    while isinstance(dataset, Subset):
+        dataset, i = dataset.dataset, dataset.indices[i]
+    return i
+
+
+def collate(items: list[Any]) -> Any:
+    failed = next((item for item in items if isinstance(item, Unreadable)), None)
+    if failed is not None:  # in a loader worker: the whole batch is the first failure
+        return failed
     try:
         return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
     except RuntimeError as e:
         raise PhalanxError(f"the items of a Dataset must all have the same shape ({str(e).splitlines()[0][:120]})"
                            ) from None
+
+
+def leave_with(reader: int, worker_id: int = 0) -> None:
+    """In a loader worker: exit once the process reading its batches (``reader``, a rank) is gone.
+
+    torch's own watchdog watches the worker's parent, here the fork server, and the fork server waits
+    for its workers (they hold its "alive" pipe): a rank ended by the launcher (another rank failed)
+    would leave both behind for ever, holding the job's stdout and stderr (a caller reading them to
+    their end waits for ever) and the resource tracker, which reports the rank's semaphores only then."""
+    try:
+        gone = os.pidfd_open(reader)  # readable once the reader has exited (Linux 5.3 and later)
+    except ProcessLookupError:
+        os._exit(0)
+    except (AttributeError, OSError):
+        return  # no pidfd: torch's watchdog alone, as before
+
+    def wait() -> None:
+        select.select([gone], [], [])
+        os._exit(0)
+
+    threading.Thread(target=wait, name="phalanx-leave-with-rank", daemon=True).start()
 
 
 def loader_context(module: str) -> Any:

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from ..errors import PhalanxError
 from .datasets import ArrayDataset, DataBundle
-from .lazy import LazyExamples, as_tensor
+from .lazy import LazyExamples, as_tensor, read_item
 
 #: The fraction held out for validation when no test set is given.
 DEFAULT_VALIDATION_SPLIT = 0.1
@@ -84,10 +84,10 @@ def _materialise(dataset: Any, name: str) -> ArrayDataset:
     n = len(dataset)
     if n == 0:
         raise PhalanxError(f"{name} is empty: give at least one example")
-    first = dataset[0]
+    first = read_item(dataset, 0, name)
     if not isinstance(first, (tuple, list)) or len(first) != 2:
         raise PhalanxError(f"{name}[0] is a {type(first).__name__}; phalanx needs items (input, target)")
-    items = [first] + [dataset[i] for i in range(1, n)]
+    items = [first] + [read_item(dataset, i, name) for i in range(1, n)]
     try:
         x = torch.stack([as_tensor(item[0], name) for item in items])
         y = torch.stack([as_tensor(item[1], name) for item in items])

@@ -399,6 +399,7 @@ def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = 
     every = [r for r in every if not r.get("beside")]  # they timed no step
     rows = [row for result in every for row in result["rows"]]
     mean = [statistics.fmean(row[k] for row in rows) for k in range(5)]
+    spread = statistics.pstdev(sum(row[:4]) for row in rows)
     steps = min(len(result["rows"]) for result in every)
     slowest = statistics.fmean(max(sum(result["rows"][i][:4]) for result in every) for i in range(steps))
     blocks = [statistics.mean(result["blocks"][b] for result in every) for b in range(len(every[0]["blocks"]))]
@@ -411,4 +412,4 @@ def summarise(every: list[dict], conditions: Conditions, cores: Optional[int] = 
     return Compute(forward=mean[0], backward=mean[1], optimizer=mean[2], loop=mean[3], slowest=slowest, cpu=mean[4],
                    processes=conditions.processes, threads=conditions.threads,
                    cores=(cores or available_cores()) if on_cpu else None, block_seconds=tuple(blocks),
-                   micro_seconds=micro, engine=engine, **ops, **fixed)
+                   micro_seconds=micro, engine=engine, step_stdev=spread, **ops, **fixed)

@@ -36,6 +36,7 @@ def describe(est: Estimate) -> str:
                          f"its parameters' all-reduce after {MEETING_AFTER} steps apart "
                          f"{fmt_seconds(m.allreduce_params)}, waiting there for the slowest {fmt_seconds(m.meeting_wait)}")
     lines += [f"link {note}" for note in est.link_notes]
+    lines += est.warnings  # before the tables: they stand on these figures
     for cls in s.predicted:
         rows = [p for p in est.predictions if p.strategy == cls.name]
         if not rows:

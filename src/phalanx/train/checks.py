@@ -291,6 +291,9 @@ def check_metrics_path(cfg: TrainConfig) -> None:
     if not parent.is_dir():
         if inside_checkpoints:
             return  # created with the checkpoint directory, whose writability is checked there
+        existing = next(a for a in (parent, *parent.parents) if a.exists())  # '.' or '/' at the latest
+        if not existing.is_dir():  # a file where the path needs a directory
+            raise PhalanxError(f"--metrics {path}: {existing} is a file, not a directory; choose another path")
         raise PhalanxError(f"--metrics {path}: directory {parent} does not exist; create it or choose another path")
     try:  # prove it: a probe file created and removed at once (the metrics file itself is left alone)
         fd, probe = tempfile.mkstemp(prefix=".phalanx-probe-", dir=parent)

@@ -27,7 +27,9 @@ from .schedules import SCHEDULES
 from .straggle import Slowness, parse_slowness
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
-PROGRESS = ("auto", "bar", "lines", "none")
+PROGRESS = ("auto", "bar", "lines", "none", "silent")
+#: --steps beyond this is a typo, not a plan: a billion steps of a millisecond each already take 12 days
+MAX_STEPS = 10**9
 
 #: The optimisation settings: on --resume each one given wins over the checkpoint's (see resume.py).
 SETTINGS = ("optimizer", "lr", "momentum", "weight_decay", "lr_schedule", "lr_decay_every", "lr_decay_factor",
@@ -152,7 +154,8 @@ class TrainConfig:
                                             "fine-tuning", argparse_extra={"metavar": "PATH"})
     overwrite: bool = option(False, "start a new run in a --checkpoint-dir that holds another run: remove its "
                                     "checkpoints and metrics file first (phalanx's own files only)")
-    progress: str = option("auto", "auto draws a bar on a terminal", choices=PROGRESS)
+    progress: str = option("auto", "auto draws a bar on a terminal; none shows no header or progress, only the "
+                                   "result; silent, not even that", choices=PROGRESS)
     profile_startup: bool = option(False, "print where the seconds before the first step went (imports, workers "
                                           "joining, data, model, calibration, strategy, first step); always in "
                                           "the metrics file")
@@ -181,6 +184,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self._check_paths()
+        self._check_names()
         self._check_counts()
         self._check_choices()
         self._check_numbers()
@@ -210,7 +214,19 @@ class TrainConfig:
             raise PhalanxError("--init-from starts a new run from a checkpoint's weights and --resume continues a "
                                "run with its optimizer and step: give one of them")
 
+    def _check_names(self) -> None:
+        """An empty name would fall back to the default silently: ``--metric ''`` is a typo, not a choice."""
+        for name, example in (("loss", "mymodule:my_loss"), ("metric", "accuracy")):
+            value = getattr(self, name)
+            if isinstance(value, str) and not value.replace(",", "").strip():
+                raise PhalanxError(f"{_flag(name)} is empty ({value!r}); name one, e.g. {_flag(name)} {example}, "
+                                   f"or drop {_flag(name)} for the default")
+
     def _check_counts(self) -> None:
+        if self.steps is not None and not isinstance(self.steps, bool) and isinstance(self.steps, int) \
+                and self.steps > MAX_STEPS:
+            raise PhalanxError(f"--steps {self.steps} is more than a run can take (at most {MAX_STEPS:,}); give "
+                               "fewer, e.g. --steps 1000")
         for name in ("batch_size", "accumulate", "log_every", "keep_checkpoints"):
             _positive_int(name, getattr(self, name))
         for name in ("steps", "lr_decay_every", "lr_base_batch", "synthetic_size"):

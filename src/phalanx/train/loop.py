@@ -475,22 +475,22 @@ class WorkerRun:
         self.reporter.record("summary", **summary)
         self.reporter.close()
         if stopped:
-            self.reporter.say(f"stopped at step {self.step} by {stopped}")
+            self.reporter.result(f"stopped at step {self.step} by {stopped}")
         else:
             if reached:
-                self.reporter.say(f"stopped at step {self.step}: {self.data.held_out} {self.target.metric} reached "
-                                  f"the target {self.target}")
-            self.reporter.say(f"{self.data.held_out} {said(values)} after {self.step} steps")
-        self.reporter.say(f"throughput {rate:.1f} examples/sec (global), training time {seconds:.1f} s")
+                self.reporter.result(f"stopped at step {self.step}: {self.data.held_out} {self.target.metric} "
+                                     f"reached the target {self.target}")
+            self.reporter.result(f"{self.data.held_out} {said(values)} after {self.step} steps")
+        self.reporter.result(f"throughput {rate:.1f} examples/sec (global), training time {seconds:.1f} s")
         for line in describe(mine, most):
-            self.reporter.say(line)
-        self.reporter.say(summary_line(self.meter, wire, steps))
+            self.reporter.result(line)
+        self.reporter.result(summary_line(self.meter, wire, steps))
         for line in report.lines:
-            self.reporter.say(line)
+            self.reporter.result(line)
         if self.cfg.profile_startup:
-            self.reporter.say(self.marks.line())
-        self.reporter.say(f"checkpoint {self.last_checkpoint}")
-        self.reporter.say(f"metrics {self.cfg.metrics}")
+            self.reporter.result(self.marks.line())
+        self.reporter.result(f"checkpoint {self.last_checkpoint}")
+        self.reporter.result(f"metrics {self.cfg.metrics}")
         return summary
 
     def _gathered(self) -> tuple[Held, Optional[Held], Optional[float]]:

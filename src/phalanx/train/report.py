@@ -61,7 +61,8 @@ class Reporter:
 
             self.board = Board(tensorboard, resumed_at=start_step if resumed_from is not None else None)
         use_bar = progress == "bar" or (progress == "auto" and sys.stdout.isatty())
-        self.quiet = progress == "none"
+        self.quiet = progress in ("none", "silent")
+        self.silent = progress == "silent"  # not even the result: a run inside phalanx compare, which reports it
         if use_bar:
             # One bar in one process: a thread lock is all it needs. tqdm's default also makes a
             # multiprocessing lock, a semaphore that a worker ending with os._exit never unlinks
@@ -70,8 +71,18 @@ class Reporter:
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, leave=False)
 
     def say(self, line: str) -> None:
+        """A line of progress: the header, step lines, evaluations during the run (``--progress none``: none)."""
         if not self.enabled or self.quiet:
             return
+        self._print(line)
+
+    def result(self, line: str) -> None:
+        """A line of the run's result (its metrics, throughput, checkpoint): printed whatever ``--progress`` says,
+        as ``--progress none`` hides the progress, not what the run found."""
+        if self.enabled and not self.silent:
+            self._print(line)
+
+    def _print(self, line: str) -> None:
         if self.bar is not None:
             self.bar.write(line)
         else:
