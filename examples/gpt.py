@@ -1,0 +1,173 @@
+"""A small GPT, written the way GPT code usually is (nanoGPT's shape), trained on the standard library's source.
+
+PLACEHOLDER: the commands and the measured figures are filled in once the runs are measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import char_lm  # the example beside this one: its corpus reader, the stdlib's source as byte windows
+
+# --------------------------------------------------------------------------- the model, as GPT code is written
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 64  #: the longest context, in tokens (here bytes)
+    vocab_size: int = 256  #: every byte; make() is told the corpus's own count
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0  #: 0 keeps every strategy's runs comparable step for step
+    bias: bool = True  #: biases in the linear layers and LayerNorms, as GPT-2 has them
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0, "n_embd must split evenly between the heads"
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head, self.dropout = config.n_head, config.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))  # pre-norm residual blocks, as GPT-2
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # weight tying (Press & Wolf 2017): the output layer scores a token by its own input embedding
+        self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: residual projections scaled by the depth they add up over
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
+        b, t = idx.size()
+        if t > self.config.block_size:
+            raise ValueError(f"a sequence of {t} tokens is longer than block_size {self.config.block_size}")
+        pos = torch.arange(t, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is not None:  # training: every position's logits, and the mean loss over its tokens
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:  # generating: only the last position is needed
+            logits, loss = self.lm_head(x[:, [-1], :]), None
+        return logits, loss
+
+    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple,
+                             device_type: str) -> torch.optim.AdamW:
+        """AdamW with weight decay on the matrices (linear weights, embeddings) and none on biases and norms."""
+        params = [p for p in self.parameters() if p.requires_grad]  # the tied matrix once
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type == "cuda"
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **({"fused": True} if fused else {}))
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0) -> torch.Tensor:
+        """Continue ``idx`` (B, T) by sampling ``max_new_tokens`` tokens, each from the last position's logits."""
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.config.block_size:])
+            probs = F.softmax(logits[:, -1, :] / temperature, dim=-1)
+            idx = torch.cat((idx, torch.multinomial(probs, num_samples=1)), dim=1)
+        return idx
+
+
+# --------------------------------------------------------------------------- what phalanx is given: the glue
+
+LEARNING_RATE, WARMUP, MIN_LR_RATIO = 6e-3, 30, 0.1  # nanoGPT's cosine: warm up, then decay to a tenth
+
+
+def make(num_classes: int = 256) -> GPT:
+    """The model for ``--model gpt:make``: phalanx passes the vocabulary the targets use as ``num_classes``."""
+    return GPT(GPTConfig(vocab_size=num_classes))
+
+
+def load(block_size: int = GPTConfig.block_size):
+    """((x_train, y_train), (x_test, y_test)): windows of the stdlib's source, targets the next byte (char_lm's)."""
+    return char_lm.load(block_size)
+
+
+def step(model: GPT, batch):
+    idx, targets = batch
+    logits, loss = model(idx, targets)
+    return loss, logits
+
+
+def optimizer(model: GPT) -> torch.optim.AdamW:
+    device_type = next(model.parameters()).device.type
+    return model.configure_optimizers(weight_decay=0.1, learning_rate=LEARNING_RATE, betas=(0.9, 0.99),
+                                      device_type=device_type)
+
+
+def schedule(optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over WARMUP steps, then a cosine from the peak down to MIN_LR_RATIO of it at ``total_steps``."""
+    def factor(it: int) -> float:
+        if it < WARMUP:
+            return (it + 1) / WARMUP
+        progress = min(1.0, (it - WARMUP) / max(1, total_steps - WARMUP))
+        return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
