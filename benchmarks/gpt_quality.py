@@ -5,26 +5,44 @@ global batch, optimizer (``model.configure_optimizers`` through ``gpt.optimizer`
 warmup, then cosine to a tenth) and clipping (1.0); each epoch's order drawn by ``torch.randperm`` and sliced.
 Each figure is the test set's perplexity (exp of the mean cross-entropy per byte over every test window).
 
+phalanx trains the same module through the installed CLI, 2 workers splitting the same global batch, with
+nothing of the user's but the example's import paths (``FLAGS``). Seed s is the same initial model in every run
+(phalanx seeds before it calls ``make``, as the plain loop does); the batches differ (each draws its own order),
+so the plain loop's spread over seeds is the noise any comparison sits in. Runs alternate (plain, then each
+strategy, seed by seed), so the machine's load drifts over all alike; the ratio is each strategy's median
+perplexity over the plain loop's median.
+
+    python3 benchmarks/gpt_quality.py                           # 400 steps of 64 windows, seed 0
+    python3 benchmarks/gpt_quality.py --seeds 2 --save          # what the example's docstring quotes
     python3 benchmarks/gpt_quality.py --plain-only              # the reference loop alone, against the baselines
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
 import char_lm  # noqa: E402  (the baselines)
 import gpt  # noqa: E402
 
 from _common import parser, save_result  # noqa: E402
 
 CLIP = 1.0
+#: the user's whole glue on the command line: the example's import paths and the clipping
+FLAGS = ["--model", "gpt:make", "--data", "gpt:load", "--training-step", "gpt:step", "--optimizer", "gpt:optimizer",
+         "--lr-scheduler", "gpt:schedule", "--clip-grad-norm", str(CLIP)]
+#: each strategy's own flags: local steps between averages as the example's default
+STRATEGIES = {"sync": [], "fsdp": [], "local-sgd": ["--sync-every", "8"], "diloco": ["--sync-every", "8"], "ps": []}
 
 
 def vocabulary(train: tuple, test: tuple) -> int:
@@ -69,23 +87,48 @@ def perplexity(model: gpt.GPT, test: tuple, batch: int = 256) -> float:
     return math.exp(total / count)
 
 
+def phalanx_run(strategy: str, steps: int, batch_size: int, workers: int, seed: int) -> float:
+    """The test perplexity of ``phalanx train`` with ``strategy`` (its summary in the metrics file)."""
+    with tempfile.TemporaryDirectory() as folder:
+        cmd = ["phalanx", "train", *FLAGS, "--strategy", strategy, *STRATEGIES[strategy], "--workers", str(workers),
+               "--batch-size", str(batch_size // workers), "--steps", str(steps), "--seed", str(seed),
+               "--checkpoint-dir", folder, "--checkpoint-every", "0", "--progress", "none"]
+        done = subprocess.run(cmd, cwd=EXAMPLES, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        events = [json.loads(line) for line in Path(folder, "metrics.jsonl").read_text().splitlines()]
+    return next(e for e in reversed(events) if e["event"] == "summary")["test_metrics"]["perplexity"]
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=64, help="the global batch, in windows of 64 bytes")
     p.add_argument("--seeds", type=int, default=1, help="plain runs with seeds 0..N-1")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the plain loop")
+    p.add_argument("--workers", type=int, default=2, help="phalanx's training processes (ps: and a server)")
+    p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated, of " + ", ".join(STRATEGIES))
     p.add_argument("--plain-only", action="store_true", help="the reference loop alone")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     train, test = gpt.load()
     base = char_lm.baselines(train, test)
     print(f"baselines: uniform {base['uniform']:.1f}, unigram {base['unigram']:.2f}")
-    plain = []
+    names = [] if args.plain_only else args.strategies.split(",")
+    runs: dict[str, list[float]] = {"plain": [], **{name: [] for name in names}}
     for seed in range(args.seeds):
-        plain.append(perplexity(plain_loop(args.steps, args.batch_size, seed), test))
-        print(f"plain PyTorch, seed {seed}: test perplexity {plain[-1]:.3f}")
-    save_result("gpt_quality", args, baselines=base, plain=plain, plain_median=statistics.median(plain))
+        runs["plain"].append(perplexity(plain_loop(args.steps, args.batch_size, seed), test))
+        print(f"seed {seed}: plain PyTorch {runs['plain'][-1]:.3f}", flush=True)
+        for name in names:
+            runs[name].append(phalanx_run(name, args.steps, args.batch_size, args.workers, seed))
+            print(f"seed {seed}: phalanx {name} {runs[name][-1]:.3f}", flush=True)
+    medians = {name: statistics.median(v) for name, v in runs.items()}
+    ratios = {name: medians[name] / medians["plain"] for name in runs}
+    print(f"\ntest perplexity after {args.steps} steps of {args.batch_size} windows, median (min-max) over "
+          f"{args.seeds} seed(s); ratio to the plain loop's median:")
+    for name, values in runs.items():
+        print(f"  {name:<10} {medians[name]:7.3f} ({min(values):.3f}-{max(values):.3f})  ratio {ratios[name]:.3f}")
+    save_result("gpt_quality", args, baselines=base, perplexity=runs, medians=medians, ratios=ratios)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,13 @@ import inspect
 import math
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import phalanx
 
 import char_lm  # the example beside this one: its corpus reader, the stdlib's source as byte windows
 
@@ -171,3 +172,78 @@ def schedule(optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.
         progress = min(1.0, (it - WARMUP) / max(1, total_steps - WARMUP))
         return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1.0 + math.cos(math.pi * progress))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# --------------------------------------------------------------------------- run as a script: phalanx's API
+
+STRATEGIES = {"sync": lambda a: phalanx.Sync(), "fsdp": lambda a: phalanx.FSDP(),
+              "local-sgd": lambda a: phalanx.LocalSGD(sync_every=a.sync_every),
+              "diloco": lambda a: phalanx.DiLoCo(sync_every=a.sync_every), "ps": lambda a: phalanx.ParameterServer()}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--strategy", default="sync", choices=tuple(STRATEGIES))
+    p.add_argument("--workers", type=int, default=2, help="training processes (ps: and a server besides)")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--batch-size", type=int, default=64, help="windows per step, split between the workers")
+    p.add_argument("--sync-every", type=int, default=8, help="local steps between averages (local-sgd, diloco)")
+    p.add_argument("--checkpoint-dir", default="checkpoints/gpt")
+    p.add_argument("--sample", type=int, default=200, help="bytes the trained model writes after a prompt (0: none)")
+    p.add_argument("--dry-run", action="store_true", help="10 steps of 8 windows: check that it runs")
+    return p
+
+
+def config(args: argparse.Namespace) -> "phalanx.TrainConfig":
+    if args.batch_size % args.workers:
+        raise phalanx.PhalanxError(f"--batch-size {args.batch_size} does not split between {args.workers} workers; "
+                                   "give a multiple of --workers")
+    return phalanx.TrainConfig(
+        strategy=STRATEGIES[args.strategy](args), workers=args.workers, devices="cpu", steps=args.steps,
+        batch_size=args.batch_size // args.workers, clip_grad_norm=1.0, log_every=100,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=0, progress="lines",
+        overwrite=True,  # each run of the example starts over in its own directory
+    )
+
+
+def sample(model: GPT, prompt: bytes, symbols: torch.Tensor, length: int) -> str:
+    """``length`` bytes the model writes after ``prompt``, drawn from its distribution (a fixed seed)."""
+    lookup = {int(b): i for i, b in enumerate(symbols)}
+    idx = torch.tensor([[lookup[b] for b in prompt]])
+    torch.manual_seed(0)
+    out = model.eval().generate(idx, length, temperature=0.8)[0, len(prompt):]
+    return bytes(symbols[out].tolist()).decode("utf-8", errors="replace")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Train with the strategy asked for; print the test perplexity beside the baselines, and a sample."""
+    if args.dry_run:
+        args.steps, args.batch_size, args.sample = 10, 8, 0
+    train, test = load()
+    base = char_lm.baselines(train, test)
+    vocab = int(base["uniform"])
+    torch.manual_seed(0)  # the model given is copied to every worker: every run starts from this one
+    model = make(vocab)
+    summary = phalanx.Trainer(config(args), model=model, train_data=train, test_data=test, training_step=step,
+                              optimizer=optimizer, lr_scheduler=schedule).fit()
+    got = summary["test_metrics"]
+    print(f"gpt: {args.strategy}, test perplexity {got['perplexity']:.2f} (unigram {base['unigram']:.2f}, "
+          f"uniform {vocab}) after {summary['steps']} steps")
+    if args.sample:
+        model.load_state_dict(torch.load(summary["checkpoint"], weights_only=False)["model"])
+        symbols = torch.unique(torch.frombuffer(bytearray(char_lm.corpus_text()), dtype=torch.uint8))
+        print(f"sample: def {sample(model, b'def ', symbols, args.sample)}")
+    return {**summary, "baselines": base}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    args = parser().parse_args(argv)
+    try:
+        return run(args)
+    except phalanx.PhalanxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(e.exit_code)
+
+
+if __name__ == "__main__":
+    main()
