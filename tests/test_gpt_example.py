@@ -1,8 +1,12 @@
 """examples/gpt.py (issue 31, part 6): a GPT written as GPT code is written (nanoGPT's shape) is a proper language
 model in plain PyTorch: causal, its input and output embeddings one tensor through training and checkpoints,
 weight decay on the matrices only, nanoGPT's warmup-then-cosine schedule, and its plain loop (the reference of
-benchmarks/gpt_quality.py) learns well below the unigram baseline."""
+benchmarks/gpt_quality.py) learns well below the unigram baseline. Under phalanx it trains with nothing but its
+import paths (``--training-step gpt:step --optimizer gpt:optimizer --lr-scheduler gpt:schedule``) and
+``--clip-grad-norm 1.0``, and sync on 2 workers computes what one process computes on the whole batch."""
 
+import copy
+import json
 import math
 import sys
 
@@ -10,7 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import REPO
+from helpers import REPO, python_script, run_cli
+from phalanx import Sync, TrainConfig, Trainer
+from phalanx.data.loader import epoch_generator
 
 sys.path.insert(0, str(REPO / "examples"))
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -19,6 +25,7 @@ import gpt  # noqa: E402  (the example, importable here and in the spawned worke
 import gpt_quality  # noqa: E402  (the plain PyTorch loop the strategies are measured against)
 
 VOCAB = 105  #: the bytes the 16 corpus modules of Python 3.11 use
+PPL_AFTER_60 = 99.0  #: placeholder until measured
 
 
 def small(seed: int = 0) -> gpt.GPT:
@@ -121,3 +128,89 @@ def test_the_plain_loop_learns_well_below_the_unigram_baseline():
     trained = gpt_quality.perplexity(gpt_quality.plain_loop(250, 32, seed=0), test)
     assert untrained > 0.8 * base["uniform"]
     assert trained < base["unigram"] / 2, (trained, base)
+
+
+# --------------------------------------------------------------------------- under phalanx
+
+K, PER_WORKER = 4, 4  #: the equivalence run: 4 steps of 2 x 4 windows
+
+
+def one_process(model: gpt.GPT, train: tuple, steps: int, global_batch: int, seed: int = 0) -> dict:
+    """The plain loop on phalanx's global batches (each epoch's shuffle, cut in global batches), clipped to 1.0."""
+    opt = gpt.optimizer(model)
+    sched = gpt.schedule(opt, steps)
+    order = torch.randperm(len(train[0]), generator=epoch_generator(seed, 0, 0))
+    for k in range(steps):
+        idx = order[k * global_batch:(k + 1) * global_batch]
+        loss, _ = gpt.step(model, (train[0][idx], train[1][idx]))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    return model.state_dict()
+
+
+@pytest.mark.slow
+def test_sync_on_two_workers_equals_one_process_on_the_whole_batch(tmp_path):
+    """float64, so the only difference left is the order of a sum: 2 workers' mean gradients averaged by DDP ==
+    the mean over the 8 windows (each worker's loss is a mean over as many tokens), clipped after the average."""
+    (x, y), (xt, yt) = gpt.load(16)
+    train, test = (x[:64], y[:64]), (xt[:16], yt[:16])
+    model = small().double()
+    start = copy.deepcopy(model)
+    cfg = TrainConfig(strategy=Sync(), workers=2, devices="cpu", steps=K, batch_size=PER_WORKER, clip_grad_norm=1.0,
+                      checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=0, progress="none")
+    summary = Trainer(cfg, model=model, train_data=train, test_data=test, training_step=gpt.step,
+                      optimizer=gpt.optimizer, lr_scheduler=gpt.schedule).fit()
+    got = torch.load(summary["checkpoint"], weights_only=False)["model"]
+    want = one_process(copy.deepcopy(start), train, K, 2 * PER_WORKER)
+    assert torch.equal(got["lm_head.weight"], got["transformer.wte.weight"])  # still one tensor
+    assert not torch.allclose(want["lm_head.weight"], start.state_dict()["lm_head.weight"])  # it did train
+    for name, p in want.items():
+        torch.testing.assert_close(got[name], p, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+STEPS = 60
+CLI = ("--model", "gpt:make", "--data", "gpt:load", "--training-step", "gpt:step", "--optimizer", "gpt:optimizer",
+       "--lr-scheduler", "gpt:schedule", "--clip-grad-norm", "1.0", "--steps", str(STEPS), "--batch-size", "16",
+       "--workers", "2", "--devices", "cpu", "--log-every", "1", "--progress", "none", "--checkpoint-every", "0")
+
+
+def rates(steps: int) -> list[float]:
+    """The learning rate of each step under gpt.schedule."""
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=gpt.LEARNING_RATE)
+    sched, out = gpt.schedule(opt, steps), []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["sync", "ps"])
+def test_the_example_trains_through_the_cli_with_nothing_but_its_import_paths(tmp_path, strategy):
+    out = run_cli("train", *CLI, "--strategy", strategy, "--checkpoint-dir", str(tmp_path), cwd=REPO / "examples")
+    assert out.returncode == 0, out.stderr
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["lr"] for e in steps] == pytest.approx(rates(STEPS))  # the example's schedule, once per global step
+    assert all(e["grad_norm"] > 0 for e in steps)  # clipped (the norm before clipping is logged)
+    summary = next(e for e in events if e["event"] == "summary")
+    base = char_lm.baselines(*gpt.load())
+    assert summary["test_metrics"]["perplexity"] < PPL_AFTER_60 < base["unigram"], summary["test_metrics"]
+    state = torch.load(summary["checkpoint"], weights_only=False)
+    assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.1, 0.0]  # configure_optimizers'
+    model = gpt.make(VOCAB)
+    model.load_state_dict(state["model"])
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert torch.equal(state["model"]["lm_head.weight"], state["model"]["transformer.wte.weight"])
+
+
+@pytest.mark.slow
+def test_the_example_runs_standalone(tmp_path):
+    out = python_script(REPO / "examples" / "gpt.py", "--dry-run", "--checkpoint-dir", str(tmp_path / "ck"),
+                        cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "gpt: sync, test perplexity" in out.stdout and "after 10 steps" in out.stdout
