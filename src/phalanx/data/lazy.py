@@ -27,10 +27,13 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from ..errors import PhalanxError
+from ..forkserver import GUARD
 
 #: What the loader workers' fork server imports before it forks them (see the module docstring), besides
 #: the module defining the Dataset: each worker would otherwise import them again, seconds per worker.
-LOADER_PRELOAD = ["__main__", "torch", __name__]
+#: First the module that makes the server and its workers ignore SIGTERM (a stop sent to the whole process
+#: group is the rank's to handle: see ``phalanx/forkserver_signals.py``).
+LOADER_PRELOAD = [GUARD, "__main__", "torch", __name__]
 
 
 def as_tensor(value: Any, name: str) -> torch.Tensor:
