@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from .context import init_worker, shutdown
 from ..launch_env import Joined
+from ..watch import say_raised
 
 def _attempt_store(job: Joined, timeout_s: float) -> Optional[dist.Store]:
     """Under torchrun's agent store, a client of it keyed by the restart attempt (None: join by init_method).
@@ -47,6 +48,9 @@ def run_joined(job: Joined, fn, devices, args, threads, timeout_s):
     _joined_a_group = ctx.distributed
     try:
         return fn(ctx, *args)
+    except BaseException:
+        say_raised(ctx.store, ctx.rank)  # (so that a parameter server does not take it for a lost worker)
+        raise
     finally:
         ctx.progress.close()
         shutdown()
