@@ -102,6 +102,42 @@ def test_sigterm_to_the_process_group_stops_at_one_step_and_saves_it(strategy, t
     _stopped_with_checkpoint(code, err, tmp_path, "SIGTERM", 240)
 
 
+LAZY_DIGITS = """
+import numpy as np
+import torch
+from sklearn.datasets import load_digits
+
+
+class Digits(torch.utils.data.Dataset):
+    \"\"\"scikit-learn's digits, read item by item (by DataLoader workers under --loader-workers).\"\"\"
+
+    def __init__(self, lo, hi):
+        self.lo, self.hi, self.data = lo, hi, None
+
+    def __len__(self):
+        return self.hi - self.lo
+
+    def __getitem__(self, i):
+        if self.data is None:
+            self.data = load_digits()
+        return (self.data.data[self.lo + i] / 16.0).astype(np.float32), int(self.data.target[self.lo + i])
+
+
+def load():
+    return Digits(0, 1500), Digits(1500, 1797)
+"""
+
+
+def test_sigterm_to_the_process_group_with_loader_workers_stops_at_one_step_and_saves_it(tmp_path):
+    # The ranks' DataLoader workers are in the group too: torch's worker dies of a SIGTERM its parent did not
+    # send, and their fork server died of it, so the ranks' next batch failed ("DataLoader worker exited
+    # unexpectedly") before they could stop and save.
+    (tmp_path / "lazydigits.py").write_text(LAZY_DIGITS)
+    code, out, err = _ctrl_c(tmp_path, ["train", "--model", "mlp", "--data", "lazydigits:load", "--loader-workers",
+                                        "2", *LONG], "step 240,", signal_=signal.SIGTERM)
+    _stopped_with_checkpoint(code, err, tmp_path, "SIGTERM", 240)
+
+
 @pytest.mark.parametrize("strategy, signal_", [("sync", signal.SIGTERM), ("pipeline", signal.SIGINT)])
 def test_a_signal_to_one_worker_stops_the_whole_job_at_one_step(strategy, signal_, tmp_path):
     code, out, err = run_and_signal(["train", "--strategy", strategy, *LONG], tmp_path, "step 240,", signal_, rank=1)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 from typing import Any, Iterable, Iterator, Optional
 
@@ -89,7 +90,8 @@ class LazyExamples:
             return
         indices = (idx.tolist() for idx, _ in plan)
         loader = DataLoader(self, batch_sampler=indices, num_workers=self.workers, collate_fn=collate,
-                            multiprocessing_context=loader_context(type(self.dataset).__module__))
+                            multiprocessing_context=loader_context(type(self.dataset).__module__),
+                            worker_init_fn=ignore_sigterm)
         batches = iter(loader)
         try:
             yield from batches
@@ -134,6 +136,15 @@ def collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tenso
     except RuntimeError as e:
         raise PhalanxError(f"the items of a Dataset must all have the same shape ({str(e).splitlines()[0][:120]})"
                            ) from None
+
+
+def ignore_sigterm(worker_id: int) -> None:
+    """In a DataLoader worker: ignore SIGTERM. torch's worker dies of one sent by anyone but its parent
+    (its C++ handler), so a SIGTERM to the whole process group (Slurm, Kubernetes) killed the loader
+    workers and failed their rank's next batch before the rank could stop at a step and save. The rank
+    ends its loader workers itself (an end-of-data message to each; a stuck one's watchdog sees its
+    parent gone)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def loader_context(module: str) -> Any:
