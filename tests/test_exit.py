@@ -49,6 +49,25 @@ def test_a_torchrun_job_exits_0_every_time_with_nothing_from_cpp(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("to_the_group, signal_", [(False, signal.SIGTERM), (True, signal.SIGINT)],
+                         ids=["SIGTERM-to-the-agent", "SIGINT-to-the-group"])
+def test_under_phalanx_torchrun_a_stop_exits_143_or_130_without_torchruns_traceback(to_the_group, signal_, tmp_path):
+    # Plain torchrun's agent ends on the signal with exit 1 and its SignalException's traceback (its own code:
+    # README, "Preemptible and elastic jobs"); phalanx.torchrun is torchrun, ending as phalanx train does.
+    cmd = [sys.executable, "-m", "phalanx.torchrun", "--standalone", "--nproc-per-node", "2", "-m", "phalanx", "train",
+           *LONG]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    for line in proc.stdout:
+        if line.startswith("step 240,"):
+            (os.killpg if to_the_group else os.kill)(proc.pid, signal_)
+            break
+    out, err = proc.communicate(timeout=300)
+    _stopped_with_checkpoint(proc.returncode, err, tmp_path, signal_.name, 240)
+    assert "SignalException" not in err
+
+
+@pytest.mark.slow
 def test_a_torchrun_input_error_is_printed_once(tmp_path):
     run = _torchrun(tmp_path, "train", "--steps", "3", "--model", "mlp", "--batch-size", "0")
     assert run.returncode != 0
