@@ -8,7 +8,8 @@ store.
 Failure: the parent polls its children; the first one that raises or dies takes the job down
 (the others get SIGTERM, then SIGKILL) and the parent raises :class:`WorkerFailed` with that
 rank and its traceback. A :class:`PhalanxError` raised inside a worker (bad input discovered
-late) is carried back as itself so the CLI still prints one line and exits 2.
+late) is carried back as itself so the CLI still prints one line and exits 2. A worker that ends
+at once on a stop signal (before its first step) is a stop request, not a failure (:mod:`.stopping`).
 
 World size 1 runs in the calling process with no process group at all.
 """
