@@ -38,7 +38,7 @@ from ..forkserver import start_method
 from ..watch import PREFIX, Progress, Watcher, say_raised, store_client
 from .context import DEFAULT_TIMEOUT_S, init_worker, local_world_size, shutdown, threads_per_worker
 from ..launch_env import joined
-from .joined import run_joined
+from .joined import collect_before_exit, run_joined
 from .stopping import STOP_CODES, Forward, signals_to
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +105,7 @@ def _spawned_worker(
     # noexcept C++ destructor during finalization and aborts the process ("terminate called without
     # an active exception"; see :func:`leave`). The reports went through a SimpleQueue, whose put
     # writes to the pipe before it returns, so nothing is lost.
+    collect_before_exit()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
