@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import pickle
 import select
+import signal
 import sys
 import threading
 from typing import Any, Iterable, Iterator, NamedTuple, Optional
@@ -31,10 +32,13 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from ..errors import PhalanxError
+from ..forkserver import GUARD
 
 #: What the loader workers' fork server imports before it forks them (see the module docstring), besides
 #: the module defining the Dataset: each worker would otherwise import them again, seconds per worker.
-LOADER_PRELOAD = ["__main__", "torch", __name__]
+#: First the module that makes the server and its workers ignore SIGTERM (a stop sent to the whole process
+#: group is the rank's to handle: see ``phalanx/forkserver_signals.py``).
+LOADER_PRELOAD = [GUARD, "__main__", "torch", __name__]
 
 
 def as_tensor(value: Any, name: str) -> torch.Tensor:
@@ -90,7 +94,7 @@ class LazyExamples:
             return
         indices = (idx.tolist() for idx, _ in plan)
         batches = iter(DataLoader(_Guarded(self), batch_sampler=indices, num_workers=self.workers,
-                                  collate_fn=collate, worker_init_fn=functools.partial(leave_with, os.getpid()),
+                                  collate_fn=collate, worker_init_fn=functools.partial(loader_worker, os.getpid()),
                                   multiprocessing_context=loader_context(type(self.dataset).__module__)))
         try:
             for batch in batches:
@@ -188,6 +192,12 @@ def collate(items: list[Any]) -> Any:
                            ) from None
 
 
+def loader_worker(reader: int, worker_id: int = 0) -> None:
+    """A DataLoader worker's start: it ignores SIGTERM and leaves once its rank is gone (both below)."""
+    ignore_sigterm(worker_id)
+    leave_with(reader, worker_id)
+
+
 def leave_with(reader: int, worker_id: int = 0) -> None:
     """In a loader worker: exit once the process reading its batches (``reader``, a rank) is gone.
 
@@ -207,6 +217,15 @@ def leave_with(reader: int, worker_id: int = 0) -> None:
         os._exit(0)
 
     threading.Thread(target=wait, name="phalanx-leave-with-rank", daemon=True).start()
+
+
+def ignore_sigterm(worker_id: int) -> None:
+    """In a DataLoader worker: ignore SIGTERM. torch's worker dies of one sent by anyone but its parent
+    (its C++ handler), so a SIGTERM to the whole process group (Slurm, Kubernetes) killed the loader
+    workers and failed their rank's next batch before the rank could stop at a step and save. The rank
+    ends its loader workers itself (an end-of-data message to each; a stuck one's watchdog sees its
+    parent gone)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def loader_context(module: str) -> Any:

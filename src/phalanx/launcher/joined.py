@@ -6,6 +6,7 @@ rendezvouses (:mod:`phalanx.launch_env`), and the process leaves through :func:`
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from datetime import timedelta
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from .context import init_worker, shutdown
 from ..launch_env import Joined
+from ..watch import say_raised
 
 def _attempt_store(job: Joined, timeout_s: float) -> Optional[dist.Store]:
     """Under torchrun's agent store, a client of it keyed by the restart attempt (None: join by init_method).
@@ -47,6 +49,9 @@ def run_joined(job: Joined, fn, devices, args, threads, timeout_s):
     _joined_a_group = ctx.distributed
     try:
         return fn(ctx, *args)
+    except BaseException:
+        say_raised(ctx.store, ctx.rank)  # (so that a parameter server does not take it for a lost worker)
+        raise
     finally:
         ctx.progress.close()
         shutdown()
@@ -79,6 +84,16 @@ def leave(code: int) -> int:
     """
     if not _joined_a_group:
         return code
+    collect_before_exit()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def collect_before_exit() -> None:
+    """Collect reference cycles before ``os._exit``, so that the finalizers of what they hold run: a
+    DataLoader iterator, once its workers are ended, still holds its queues' semaphores, registered
+    with the job's resource tracker, and left to ``os._exit`` they were reported at the job's end
+    ("There appear to be 4 leaked semaphore objects"; 1 of 4 runs stopped by SIGTERM with
+    ``--loader-workers 2``, seen in a rank: 4 live before the collection, 0 after)."""
+    gc.collect()

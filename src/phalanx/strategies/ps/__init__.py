@@ -35,6 +35,7 @@ from ...costs import ParameterServerCost
 from ...simulate import SERVER as SIMULATED_SERVER
 from ...errors import PhalanxError
 from ...options import option
+from ...watch import has_raised
 from ...metrics import Totals, add_up
 from ..base import COUNT_CORRECT, Build, Job, Layout, Options, RankPlan, Report, Runtime
 from ..registry import register
@@ -174,8 +175,9 @@ class ServerRuntime(Runtime):
         super().__init__(build, description=options.describe())
         workers = self.ctx.world_size - 1
         rule = options.aggregation(workers)
+        store = self.ctx.store
         self.server = Server(self.model, self.optimizer, self.ctx.world_size, self.ctx.device, options.bound,
-                             rule, build.steps, build.hang_timeout_s)
+                             rule, build.steps, build.hang_timeout_s, raised=lambda worker: has_raised(store, worker))
         self.notes += [] if rule.drops_late else momentum_note(self.optimizer, workers)
         self.told_diverged = False
 

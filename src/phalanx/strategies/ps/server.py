@@ -27,7 +27,9 @@ A worker whose connection drops is reported lost and no longer counted (in the g
 and so is one that stays silent for the hang timeout while the server expects its gradient (it is
 stopped, frozen or stuck): the others go on. The server never blocks on one worker: each worker's
 replies go out through a sender thread of its own, so a worker that stops reading holds up only
-its own sender.
+its own sender. A worker that raised an exception is not lost: it recorded so in the job's store
+before its connection dropped, and the server stops with it (a bug in the user's code is every
+worker's: going on would lose the workers one by one and name none of their tracebacks).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import math
 import queue
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.nn.utils import parameters_to_vector
@@ -72,8 +74,10 @@ def apply_gradients(params: list[torch.Tensor], optimizer: torch.optim.Optimizer
 
 class Server:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int,
-                 device: torch.device, bound: Optional[int], rule: Rule, steps: int, hang_timeout_s: float = 0.0):
+                 device: torch.device, bound: Optional[int], rule: Rule, steps: int, hang_timeout_s: float = 0.0,
+                 raised: Callable[[int], bool] = lambda worker: False):
         self.model, self.optimizer, self.device = model, optimizer, device
+        self.raised = raised  #: whether a worker recorded that it raised (``watch.say_raised``), as it went
         self.params = list(model.parameters())
         self.size = sum(p.numel() for p in self.params)
         self.buffer_size = buffer_count(model)
@@ -261,6 +265,12 @@ class Server:
     def _lose(self, worker: int, why: str) -> None:
         if worker not in self.live:
             return
+        if self.raised(worker):
+            # A bug, not a lost machine: the user's code is the same on every worker, so the others would
+            # raise it too, one by one, each read as lost ("every worker was lost"). Stop serving; the
+            # worker's own traceback, sent home before its connection closed, is the job's error.
+            raise WorkerFailed(worker, f"raised an exception at step {self.global_step()} (its traceback is "
+                                       f"worker {worker}'s own); the parameter server stops with it")
         self.gate.lose(worker)
         self.waiting.discard(worker)
         if self.pending.pop(worker, None) is not None:  # its round goes on without it
