@@ -174,8 +174,9 @@ class ServerRuntime(Runtime):
         super().__init__(build, description=options.describe())
         workers = self.ctx.world_size - 1
         rule = options.aggregation(workers)
+        clip = self.clip_gradients if build.clip_grad_norm is not None else None  # the update's gradient, here
         self.server = Server(self.model, self.optimizer, self.ctx.world_size, self.ctx.device, options.bound,
-                             rule, build.steps, build.hang_timeout_s)
+                             rule, build.steps, build.hang_timeout_s, clip)
         self.notes += [] if rule.drops_late else momentum_note(self.optimizer, workers)
         self.told_diverged = False
 
