@@ -263,7 +263,7 @@ class PipelineRuntime(Runtime):
         """The whole model's gradient norm: every stage holds a part of it (no weight is on two stages: tied
         weights are refused), so the squared norms add up over this replica's pipeline (one small all-reduce;
         the replicas of a stage hold the same averaged gradient, so every rank gets the same norm)."""
-        mine = super().gradient_norm(grads).to(self.ctx.device, torch.float32)
+        mine = super().gradient_norm(grads).to(self.ctx.device)
         if self._stage is None:
             return mine
         squared = mine.square()
