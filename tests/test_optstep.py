@@ -114,6 +114,26 @@ def test_an_optimizer_factory_whose_first_parameter_is_model_receives_the_model(
     assert len(plain.param_groups[0]["params"]) == 4  # anything else gets the parameters, as before
 
 
+def test_the_simulated_local_steps_clip_each_workers_gradient_as_torch_does():
+    from phalanx.simulate.world import clip_rows
+
+    g = torch.Generator().manual_seed(2)
+    stacked = [torch.randn(3, 4, 5, generator=g), torch.randn(3, 5, generator=g)]
+    for t in stacked:
+        t[0] *= 0.01  # worker 0's norm is under the bound: left as it is
+    want = []
+    for w in range(3):  # each worker's own gradient, clipped by torch
+        own = [torch.zeros(t.shape[1:], requires_grad=True) for t in stacked]
+        for p, t in zip(own, stacked):
+            p.grad = t[w].clone()
+        torch.nn.utils.clip_grad_norm_(own, 0.5)
+        want.append([p.grad for p in own])
+    clip_rows(stacked, 0.5)
+    for w in range(3):
+        for t, expected in zip(stacked, want[w]):
+            torch.testing.assert_close(t[w], expected)
+
+
 # --------------------------------------------------------------------------- model builders
 
 
