@@ -112,7 +112,10 @@ class WorkerRun:
         if resumed:
             self._restore(resumed)
         self.scheduler = self._scheduler(resumed)
-        self.lr = self._lr()  #: the learning rate the optimizer used in the step just taken
+        # The first param group, whose lr the metrics file logs: held, so that a step reads it in one lookup
+        # (the optimizer's groups are replaced only by a load, done above).
+        self.lr_group = self.runtime.optimizer.param_groups[0]
+        self.lr = self.lr_group["lr"]  #: the learning rate the optimizer used in the step just taken
         self.straggle.begin(self.step)
         self.eval_seconds = 0.0  # evaluation time, kept out of the training time
         # What evaluation adds up: every metric's (sum, count), over every rank (exact, see metrics.py).
@@ -163,10 +166,6 @@ class WorkerRun:
                 group["lr"] = lr
         return scheduler
 
-    def _lr(self) -> Any:
-        """The learning rate the next step will use (the first group's: a float, or a tensor's value later)."""
-        return self.runtime.optimizer.param_groups[0]["lr"]
-
     def _inputs(self) -> Iterator:
         if self.batches is None:
             return itertools.repeat((None, None))
@@ -193,7 +192,7 @@ class WorkerRun:
                 break
             progress.at(self.step + 1, "the training step")
             x, y = next(inputs)
-            self.lr = self._lr()  # (read before the scheduler moves it on: the one this step uses)
+            self.lr = self.lr_group["lr"]  # (read before the scheduler moves it on: the one this step uses)
             loss = self.runtime.train_step(x, y)
             self.marks.mark("first_step")  # (the first call counts; on a GPU: when the step was queued)
             self.straggle.after_step()
