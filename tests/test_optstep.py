@@ -99,6 +99,20 @@ def test_clipping_under_each_strategy_is_the_single_process_clip_of_the_whole_gr
         torch.testing.assert_close(got[name], p, rtol=1e-9, atol=1e-10, msg=lambda m: f"{strategy} {name}: {m}")
 
 
+def test_a_gradient_scaler_unscales_before_the_clip():
+    # fp16's scaler (CUDA only in a run) with a CPU scaler here: the norm clipped is the true gradient's, so the
+    # update equals the unscaled reference's; clipping the scaled gradient would shrink every step 1024-fold.
+    want, norms = reference()
+    runtime = runtime_for(Sync(), WorkerContext(0, 1, 0, torch.device("cpu"), None), make_model(), sgd,
+                          F.cross_entropy, clip_grad_norm=MAX_NORM)
+    runtime.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for x, y in batches():
+        runtime.train_step(x, y)
+    assert float(runtime.grad_norm) == pytest.approx(norms[-1], rel=1e-9)
+    for name, p in want.items():
+        torch.testing.assert_close(runtime.module.state_dict()[name], p, rtol=1e-9, atol=1e-10)
+
+
 def test_an_optimizer_factory_whose_first_parameter_is_model_receives_the_model():
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
 
