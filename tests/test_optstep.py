@@ -4,7 +4,8 @@ factory that takes the model; model builders in the ecosystem's conventions; imp
 - ``--clip-grad-norm`` against one process that clips the same way (torch's ``clip_grad_norm_`` on the
   whole batch's gradient): sync and fsdp on 2 workers, a 2-stage pipeline (the norm over both stages),
   parameters after K steps with SGD and momentum, in float64; every step's norm is above the bound, so
-  the comparison fails if a strategy clipped a part of the gradient, or did not clip;
+  the comparison fails if a strategy clipped a part of the gradient, or did not clip; local-sgd against
+  each worker clipping its own gradient; fp16's scaler unscaling before the clip;
 - ``--lr-scheduler`` through the installed command: the learning rate logged at every step is the one the
   scheduler gives that step, under sync and under ps (whose server steps the optimizer W times a step), and
   a resumed run with a chainable scheduler (StepLR, which reads the optimizer's lr) ends where an
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import run_cli, run_main, run_workers
-from phalanx import FSDP, Pipeline, Sync, TrainConfig, Trainer
+from phalanx import FSDP, LocalSGD, Pipeline, Sync, TrainConfig, Trainer
 from phalanx.errors import PhalanxError
 from phalanx.launcher import WorkerContext
 from phalanx.models import cnn
@@ -65,17 +66,40 @@ def reference() -> tuple[dict, list[float]]:
     return model.state_dict(), norms
 
 
+def plain_sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def reference_local(workers: int = 2) -> dict:
+    """Local SGD averaging every step with plain SGD, each worker clipping its own gradient: every step moves
+    the parameters by -lr times the mean of the workers' clipped gradients."""
+    model = make_model()
+    for x, y in batches():
+        clipped = []
+        for xw, yw in zip(x.chunk(workers), y.chunk(workers)):
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(model(xw), yw).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            clipped.append([p.grad.clone() for p in model.parameters()])
+        with torch.no_grad():
+            for p, *grads in zip(model.parameters(), *clipped):
+                p -= 0.1 * sum(grads) / workers
+    return {k: v for k, v in model.state_dict().items() if k in dict(model.named_parameters())}
+
+
 def clipped_runs(ctx: WorkerContext) -> dict:
     """Every strategy's parameters after K clipped steps (rank 0's full state) and its last norm."""
     out = {}
-    for name, options in (("sync", Sync()), ("fsdp", FSDP()), ("pipeline", Pipeline(chunks=2, balance="params"))):
+    for name, options in (("sync", Sync()), ("fsdp", FSDP()), ("pipeline", Pipeline(chunks=2, balance="params")),
+                          ("local-sgd", LocalSGD(sync_every=1))):
         whole = isinstance(options, Pipeline)  # every stage reads the whole batch; replicas their part
         n = BATCH // ctx.world_size
 
         def part(t, whole=whole):
             return t if whole else t[ctx.rank * n:(ctx.rank + 1) * n]
 
-        runtime = runtime_for(options, ctx, make_model(), sgd, F.cross_entropy,
+        optimizer = plain_sgd if isinstance(options, LocalSGD) else sgd
+        runtime = runtime_for(options, ctx, make_model(), optimizer, F.cross_entropy,
                               example=tuple(part(t) for t in batches()[0]), clip_grad_norm=MAX_NORM)
         for x, y in batches():
             runtime.train_step(part(x), part(y))
@@ -97,6 +121,13 @@ def test_clipping_under_each_strategy_is_the_single_process_clip_of_the_whole_gr
     assert last_norm == pytest.approx(norms[-1], rel=1e-9)  # the whole gradient's norm, not one rank's part
     for name, p in want.items():
         torch.testing.assert_close(got[name], p, rtol=1e-9, atol=1e-10, msg=lambda m: f"{strategy} {name}: {m}")
+
+
+def test_local_sgd_clips_each_workers_own_inner_step(clipped):
+    want = reference_local()
+    got, _ = clipped["local-sgd"]
+    for name, p in want.items():
+        torch.testing.assert_close(got[name], p, rtol=1e-9, atol=1e-10, msg=lambda m: f"local-sgd {name}: {m}")
 
 
 def test_a_gradient_scaler_unscales_before_the_clip():
