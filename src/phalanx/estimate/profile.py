@@ -98,7 +98,7 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
     shards = workers if cfg.batch_size * workers <= len(data.train) else 1
     batches = ShardedBatches(data.train, cfg.batch_size, (ctx.rank - beside) % shards, shards, cfg.seed)
     prefetcher = Prefetcher(batches(0), device, prefetch_depth(cfg.prefetch, device))
-    optimizer = task.optimizer_for(cfg, model.parameters())
+    optimizer = task.optimizer_for(cfg, model)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
     def one_step() -> tuple[float, ...]:  # forward, backward, optimizer, the rest of the loop; CPU-seconds
@@ -139,7 +139,7 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
         # as sync builds it: its all-reduce through dist.all_reduce (a Python hook, where the bytes are counted),
         # not the reducer's own call (on the digits mlp, 2 gloo ranks: 3.4-3.6 ms a step against 3.1)
         apply_reduction(replica, "flat", None, None, ctx.world_size, ctx.rank, cpu=device.type == "cpu")
-        return _step(replica, task.optimizer_for(cfg, replica.parameters()), x, y, task.loss_fn, device)
+        return _step(replica, task.optimizer_for(cfg, replica.module), x, y, task.loss_fn, device)
 
     step_s = statistics.median(sum(row[:4]) for row in rows)
     with metering() as meter:  # every collective and message counted, as in a training step (wire.py)

@@ -36,7 +36,9 @@ from ..launcher import WorkerContext
 from ..metrics import ACCURACY, Totals, add_up
 from ..precision import Precision
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+#: called with the module the strategy steps (see ``task.call_optimizer_factory``: a factory of the user's gets
+#: the model where its first parameter is named ``model``, else its parameters)
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]
 #: What ``evaluate`` adds up when given nothing else: (correct, total).
@@ -168,6 +170,7 @@ class Build:
     #: how long a peer may stay silent before it counts as hung (0: never), for strategies that drop one
     hang_timeout_s: float = 0.0
     precision: Precision = Precision()  #: autocast around each forward (and fp16's gradient scaler)
+    clip_grad_norm: Optional[float] = None  #: the largest norm of the gradient an update applies (None: no clipping)
 
     @property
     def plan(self) -> RankPlan:
@@ -191,15 +194,22 @@ class Runtime:
     evaluation counts over every rank, and save the model and optimizer as they are.
     """
 
+    #: this rank's optimizer applies the updates (a parameter server's worker: no, its server's does), so
+    #: the LR scheduler steps here
+    steps_optimizer: ClassVar[bool] = True
+
     def __init__(self, build: Build, model: Optional[nn.Module] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None, description: str = "",
                  notes: Sequence[str] = ()):
         self.build, self.ctx = build, build.ctx
         self.model = model if model is not None else build.model
-        self.optimizer = optimizer if optimizer is not None else build.make_optimizer(self.model.parameters())
+        # The bare module (no DDP around it): a factory that takes the model finds its own names there.
+        self.optimizer = optimizer if optimizer is not None else build.make_optimizer(self.module)
         self.description = description
         self.notes = list(notes)
         self.scaler = build.precision.scaler()  #: fp16 only (sync: checked in the parent)
+        #: the norm of the last update's gradient before clipping, on the device (None: no clipping)
+        self.grad_norm: Optional[torch.Tensor] = None
 
     @property
     def module(self) -> nn.Module:
@@ -232,13 +242,37 @@ class Runtime:
     def train_step(self, x: torch.Tensor, y: torch.Tensor, parts: Optional[int] = None) -> torch.Tensor:
         """Forward, backward, one optimizer step; this rank's mean loss over its batch (detached)."""
         loss = self.forward_backward(x, y, parts)
-        if self.scaler is not None:  # fp16: unscale, skip the step if a gradient overflowed, adapt the scale
+        self.update()
+        return loss
+
+    def update(self) -> None:
+        """The optimization step on the gradients backward left (reduced, where the strategy reduces them):
+        unscaled (fp16), clipped (``--clip-grad-norm``), applied, cleared."""
+        if self.build.clip_grad_norm is not None:
+            if self.scaler is not None:  # the norm is the true gradient's, not the scaled one's
+                self.scaler.unscale_(self.optimizer)
+            self.clip_gradients()
+        if self.scaler is not None:  # fp16: skip the step if a gradient overflowed, adapt the scale
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss
+
+    def clip_gradients(self) -> None:
+        """torch's clip_grad_norm_, in its two halves, over the optimizer's parameters: the total norm of the
+        gradient the update applies (:meth:`gradient_norm`), then every gradient scaled by max_norm / norm where
+        that is below 1. No host read: the norm stays on the device (``grad_norm``) until a log step."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        self.grad_norm = self.gradient_norm([p.grad for p in params])
+        torch.nn.utils.clip_grads_with_norm_(params, self.build.clip_grad_norm, self.grad_norm)
+
+    def gradient_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The 2-norm of the whole model's gradient, given this rank's ``grads`` (every rank holds the whole
+        gradient by default; a strategy that splits it overrides this)."""
+        if not grads:
+            return torch.zeros((), device=self.ctx.device)
+        return torch.nn.utils.get_total_norm(grads)
 
     def next_step(self, step: int) -> Optional[int]:
         """The global step after this rank's train_step (None: this rank is done)."""
@@ -304,19 +338,25 @@ class Runtime:
         """Release what the runtime took (threads, servers, shared memory)."""
 
 
-def runtime_for(options: Options, ctx: WorkerContext, model: nn.Module, make_optimizer: OptimizerFactory,
+def runtime_for(options: Options, ctx: WorkerContext, model: nn.Module, make_optimizer: Callable[[Any], Any],
                 loss_fn: Optional[LossFn] = None, *, steps: int = 0, accumulate: int = 1,
-                example: Optional[Batch] = None) -> Runtime:
+                example: Optional[Batch] = None, clip_grad_norm: Optional[float] = None) -> Runtime:
     """This rank's runtime for a loop of your own, inside a worker that :func:`phalanx.launch` started.
 
     The layout is computed here for ``ctx.world_size`` processes (every rank computes the same).
+    ``make_optimizer``: ``params -> optimizer``, or ``model -> optimizer`` where its first parameter is
+    named ``model``.
     """
+    import functools
+
     import torch.nn.functional as F
+
+    from ..task import call_optimizer_factory  # (the task layer: how a factory of the user's is called)
 
     job = Job((ctx.device,) * ctx.world_size, len(example[0]) if example is not None else None, accumulate,
               processes=ctx.world_size, model=model)
-    build = Build(ctx, options.layout(job), model, make_optimizer, loss_fn or F.cross_entropy, steps, accumulate,
-                  example)
+    build = Build(ctx, options.layout(job), model, functools.partial(call_optimizer_factory, make_optimizer),
+                  loss_fn or F.cross_entropy, steps, accumulate, example, clip_grad_norm=clip_grad_norm)
     return options.runtime(build)
 
 

@@ -161,6 +161,13 @@ class FSDPRuntime(Runtime):
         """Accumulate gradients locally (unsharded), reduce-scatter only after the last micro-batch."""
         return _no_gradient_sync(self.model) if self.sharded else contextlib.nullcontext()
 
+    def gradient_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The whole model's gradient norm from this rank's shards: torch computes it on the DTensor gradients as
+        a partial sum of every shard's; ``full_tensor`` adds those up over the mesh (one small all-reduce), so
+        every rank clips by the same norm, the one the unsharded gradient has (as torchtitan does)."""
+        norm = super().gradient_norm(grads)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
     # ---- evaluation ----
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch], totals: Totals = COUNT_CORRECT) -> tuple[float, ...]:

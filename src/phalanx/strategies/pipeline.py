@@ -257,8 +257,7 @@ class PipelineRuntime(Runtime):
         if not self.pipelined:  # one stage: the whole model, micro-batched in-process as the engine would
             loss = self.forward_backward(x, y, parts=micro)
             self._average_over_replicas()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.update()
             return loss
         schedule = self._training_schedule(x, micro)
         losses: list[torch.Tensor] = []
@@ -269,11 +268,21 @@ class PipelineRuntime(Runtime):
         else:
             schedule.step(return_outputs=False)
         self._average_over_replicas()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.update()
         if self.is_last:
             return torch.stack([loss.detach() for loss in losses]).mean()
         return torch.zeros((), device=self.ctx.device)  # only the last stage knows it: see global_losses
+
+    def gradient_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The whole model's gradient norm: every stage holds a part of it (no weight is on two stages: tied
+        weights are refused), so the squared norms add up over this replica's pipeline (one small all-reduce;
+        the replicas of a stage hold the same averaged gradient, so every rank gets the same norm)."""
+        mine = super().gradient_norm(grads).to(self.ctx.device)
+        if not self.pipelined:
+            return mine
+        squared = mine.square()
+        dist.all_reduce(squared, group=self.pipe_group)
+        return squared.sqrt()
 
     @torch.no_grad()
     def _average_over_replicas(self) -> None:

@@ -173,13 +173,21 @@ def _check_regression_outputs(out: Any, y: torch.Tensor) -> None:
                            f"{(len(y), 1)}); for classes give integer targets")
 
 
-def check_optimizer(task: Task, model: nn.Module) -> None:
-    """A user's optimizer factory, tried once on the model in the parent: a failure is one line, before any
-    worker starts (the workers call it again on their own replicas)."""
+def check_optimizer(task: Task, model: nn.Module, steps: int = 1) -> None:
+    """A user's optimizer and LR scheduler factories, tried once on the model in the parent: a failure is one
+    line, before any worker starts (the workers call them again on their own replicas)."""
     if task.make_optimizer is not None:
-        _first_line_of_failure(lambda: task.optimizer(model.parameters()),
-                               f"the optimizer factory {label(task.make_optimizer)} fails on the model's parameters",
-                               "make it a callable params -> torch.optim.Optimizer")
+        _first_line_of_failure(lambda: task.optimizer(model),
+                               f"the optimizer factory {label(task.make_optimizer)} fails on the model",
+                               "make it a callable params -> torch.optim.Optimizer, or model -> "
+                               "torch.optim.Optimizer with its first parameter named model")
+    if task.make_scheduler is not None:
+        optimizer = task.optimizer(model) if task.make_optimizer is not None else \
+            torch.optim.SGD(model.parameters(), lr=0.1)
+        _first_line_of_failure(lambda: task.scheduler(optimizer, steps),
+                               f"the LR scheduler factory {label(task.make_scheduler)} fails on the optimizer",
+                               "make it a callable optimizer -> torch.optim.lr_scheduler.LRScheduler (it may take "
+                               "total_steps=)")
 
 
 def _first_line_of_failure(call: Callable[[], Any], what: str, fix: str) -> Any:
@@ -200,7 +208,8 @@ def check_sendable(task: Task) -> None:
     classes travel by module and name, so say so plainly when they cannot."""
     main = sys.modules.get("__main__")
     for what, obj in (("the model", task.make_model), ("loss_fn", task.loss_fn),
-                      ("the optimizer factory", task.make_optimizer)):
+                      ("the optimizer factory", task.make_optimizer),
+                      ("the LR scheduler factory", task.make_scheduler)):
         inner = getattr(obj, "args", ())  # a partial's model object or imported factory
         defined = [type(o) if isinstance(o, nn.Module) else o for o in (obj, *inner)]
         if any(getattr(o, "__module__", None) == "__main__" for o in defined) and not getattr(main, "__file__", None):

@@ -62,7 +62,9 @@ class Trainer:
     ``(outputs, targets) -> (sum, count)`` or :class:`~phalanx.metrics.Metric` (see ``metrics.py``);
     the loss is always reported too.
     ``optimizer``: a picklable ``params -> torch.optim.Optimizer`` (module level, not a lambda, when
-    workers are spawned). All of it becomes one :class:`~phalanx.task.Task`.
+    workers are spawned), or ``model -> torch.optim.Optimizer`` where its first parameter is named
+    ``model`` (parameter groups by name). ``lr_scheduler``: ``optimizer -> scheduler`` (with
+    ``total_steps=`` where it names it), stepped once per global step in place of phalanx's schedule. All of it becomes one :class:`~phalanx.task.Task`.
     A script that calls ``fit()`` must do so under ``if __name__ == "__main__":`` (workers are
     spawned and import the script again).
     ``task``: a :class:`~phalanx.task.Task` built already (a comparison builds one and trains every
@@ -72,13 +74,14 @@ class Trainer:
     def __init__(self, config: Optional[TrainConfig] = None, *, model: Optional[nn.Module] = None,
                  train_data: Any = None, test_data: Any = None, loss_fn: Optional[Callable] = None,
                  optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None, metrics: Any = None,
-                 task: Optional[Task] = None):
+                 task: Optional[Task] = None, lr_scheduler: Optional[Callable[..., Any]] = None):
         if config is not None and not isinstance(config, TrainConfig):
             raise PhalanxError(f"config must be a phalanx.TrainConfig, got {type(config).__name__}")
         config = config or TrainConfig()
         if task is not None:
             parts = [name for name, value in (("model", model), ("train_data", train_data), ("test_data", test_data),
-                                              ("loss_fn", loss_fn), ("optimizer", optimizer), ("metrics", metrics))
+                                              ("loss_fn", loss_fn), ("optimizer", optimizer), ("metrics", metrics),
+                                              ("lr_scheduler", lr_scheduler))
                      if value is not None]
             if parts:
                 raise PhalanxError(f"task= holds the model, data, loss, optimizer and metrics already, and {parts[0]}= "
@@ -86,7 +89,7 @@ class Trainer:
             self.task = task
         else:
             self.task = user_task(config, model=model, train_data=train_data, test_data=test_data, loss_fn=loss_fn,
-                                  optimizer=optimizer, metrics=metrics)
+                                  optimizer=optimizer, metrics=metrics, lr_scheduler=lr_scheduler)
         self.config = named_optimizer(config, self.task)
 
     def plan(self, began: Optional[float] = None) -> Plan:
@@ -101,7 +104,7 @@ class Trainer:
         if task.data is not None:  # float64 numpy inputs meet float32 parameters: cast once, here
             facts = checks.data_facts(cfg, cast_to_model(task.data, model))
         checks.check_model(model, facts, task.loss_fn, task.metrics)
-        checks.check_optimizer(task, model)
+        checks.check_optimizer(task, model, cfg.steps)
         devices = worker_devices(cfg)
         job = Job(tuple(devices), cfg.batch_size, cfg.accumulate, processes=launcher_world_size(),
                   gpu_islands=_gpu_islands(devices, cfg), model=model)

@@ -176,8 +176,10 @@ class ServerRuntime(Runtime):
         workers = self.ctx.world_size - 1
         rule = options.aggregation(workers)
         store = self.ctx.store
+        clip = self.clip_gradients if build.clip_grad_norm is not None else None  # the update's gradient, here
         self.server = Server(self.model, self.optimizer, self.ctx.world_size, self.ctx.device, options.bound,
-                             rule, build.steps, build.hang_timeout_s, raised=lambda worker: has_raised(store, worker))
+                             rule, build.steps, build.hang_timeout_s, raised=lambda worker: has_raised(store, worker),
+                             clip=clip)
         self.notes += [] if rule.drops_late else momentum_note(self.optimizer, workers)
         self.told_diverged = False
 

@@ -54,12 +54,13 @@ from .protocol import BYE, HELLO, PUSH, Message, Reply, buffer_count, buffers_to
 
 
 def apply_gradients(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, grads: list[torch.Tensor],
-                    weight: float) -> None:
+                    weight: float, clip: Optional[Callable[[], None]] = None) -> None:
     """One update of ``params``: ``weight`` times the sum of ``grads`` (flat vectors the caller gives up:
     the first is summed into and scaled in place), stepped by ``optimizer``. The parameters' gradients
     are views of that one vector: no pass over the bytes beyond the sum and the scaling, and no new
     buffer, whose first touch (page faults) costs more than the pass (the estimate prices this very
-    function: ``estimate/profile.py``)."""
+    function: ``estimate/profile.py``). ``clip``: clips the gradients so set, before the step (the update's
+    gradient is the one ``--clip-grad-norm`` bounds)."""
     grad = grads[0]
     for other in grads[1:]:
         grad.add_(other)
@@ -68,6 +69,8 @@ def apply_gradients(params: list[torch.Tensor], optimizer: torch.optim.Optimizer
     for p in params:
         p.grad = grad[offset:offset + p.numel()].view_as(p)
         offset += p.numel()
+    if clip is not None:
+        clip()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -75,9 +78,10 @@ def apply_gradients(params: list[torch.Tensor], optimizer: torch.optim.Optimizer
 class Server:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int,
                  device: torch.device, bound: Optional[int], rule: Rule, steps: int, hang_timeout_s: float = 0.0,
-                 raised: Callable[[int], bool] = lambda worker: False):
+                 raised: Callable[[int], bool] = lambda worker: False, clip: Optional[Callable[[], None]] = None):
         self.model, self.optimizer, self.device = model, optimizer, device
         self.raised = raised  #: whether a worker recorded that it raised (``watch.say_raised``), as it went
+        self.clip = clip  #: clips every update's gradient before the optimizer applies it (None: no clipping)
         self.params = list(model.parameters())
         self.size = sum(p.numel() for p in self.params)
         self.buffer_size = buffer_count(model)
@@ -224,7 +228,7 @@ class Server:
         """One update: the weighed sum of the gradients taken, and the first worker's buffers."""
         for message in taken:
             self.staleness.record(self.updates - message.version)
-        apply_gradients(self.params, self.optimizer, [m.grad for m in taken], self.rule.weight(len(taken)))
+        apply_gradients(self.params, self.optimizer, [m.grad for m in taken], self.rule.weight(len(taken)), self.clip)
         if taken[0].buffers is not None:  # taken is in worker order: the lowest-numbered worker's
             vector_to_buffers(taken[0].buffers, self.model)
         self.updates += 1

@@ -22,6 +22,8 @@ from .protocol import WorkerChannel, buffer_count, buffers_to_vector, vector_to_
 
 
 class WorkerRuntime(Runtime):
+    steps_optimizer = False  # the server's optimizer applies every update (and its LR scheduler steps there)
+
     def __init__(self, build: Build, description: str):
         super().__init__(build, description=description)
         self.params = list(self.model.parameters())
