@@ -103,7 +103,8 @@ def compress_hook(state, bucket):  # no annotations: DDP checks them, and they w
     wire = state.wire.cast(flat).div_(state.world_size)  # divided first: fp16 sums must not overflow
     future = dist.all_reduce(wire, async_op=True).get_future()
 
-    def back(_):
+    def back(done):
+        done.value()  # a failed all-reduce (a peer lost) fails the step; unread, DDP took the bucket as reduced
         return flat.copy_(wire)
 
     return future.then(back)

@@ -7,6 +7,7 @@ rendezvouses (:mod:`phalanx.launch_env`), and the process leaves through :func:`
 from __future__ import annotations
 
 import os
+import re
 import sys
 from datetime import timedelta
 from typing import Optional
@@ -14,7 +15,13 @@ from typing import Optional
 import torch.distributed as dist
 
 from .context import init_worker, shutdown
+from ..errors import PeerLost
 from ..launch_env import Joined
+
+#: How gloo says the other end of a connection went away (reading from it, writing to it, reconnecting)
+#: and how NCCL says a remote rank did.
+PEER_GONE = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|Connection refused|remote process exited")
+
 
 def _attempt_store(job: Joined, timeout_s: float) -> Optional[dist.Store]:
     """Under torchrun's agent store, a client of it keyed by the restart attempt (None: join by init_method).
@@ -47,6 +54,16 @@ def run_joined(job: Joined, fn, devices, args, threads, timeout_s):
     _joined_a_group = ctx.distributed
     try:
         return fn(ctx, *args)
+    except RuntimeError as e:  # (torch's DistError is one)
+        gone = PEER_GONE.search(str(e)) if ctx.distributed else None
+        if gone is None:
+            raise
+        # The one line that a lost peer is worth (the dead rank's own log says why it died), then out
+        # through leave(): an uncaught error would end in the interpreter's teardown, where gloo's
+        # threads can abort the process (see leave).
+        raise PeerLost(f"worker {ctx.rank} lost a peer in {ctx.progress.phase} (step {ctx.progress.step}): "
+                       f"{gone.group(0)}; another worker or its node died (its own log says why); under "
+                       "torchrun --max-restarts the job restarts from the newest checkpoint") from None
     finally:
         ctx.progress.close()
         shutdown()
