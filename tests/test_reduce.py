@@ -169,6 +169,27 @@ def test_a_flat_reduction_runs_ddps_own_reducer_and_counts_what_the_hook_counted
     assert out["reducer"] == (3 * gradient, 3 * gradient, None)  # no hook: DDP's C++ reducer
 
 
+def test_a_compressed_buckets_failed_all_reduce_fails_the_step(monkeypatch):
+    """A peer lost mid all-reduce: DDP must see the error, not take the bucket as reduced (seen: under torchrun
+    the survivor then trained on, alone and on unreduced gradients, until some other collective failed)."""
+    from phalanx.reduce import CompressState, WireBuffers, compress_hook
+
+    class Failed:
+        def get_future(self):
+            future = torch.futures.Future()
+            future.set_exception(RuntimeError("Connection reset by peer"))
+            return future
+
+    class Bucket:
+        def buffer(self):
+            return torch.ones(4)
+
+    monkeypatch.setattr("torch.distributed.all_reduce", lambda tensor, async_op=False: Failed())
+    reduced = compress_hook(CompressState(WireBuffers(torch.bfloat16), 2), Bucket())
+    with pytest.raises(RuntimeError, match="Connection reset by peer"):
+        reduced.wait()
+
+
 def test_island_validation_and_auto_choice():
     assert validate_islands([[3, 2], [1, 0]], 4) == [[0, 1], [2, 3]]
     with pytest.raises(PhalanxError, match=r"must list every rank 0..3 exactly once \(they cover \[0, 1, 1, 2\]\)"):
