@@ -207,7 +207,8 @@ def choose_reduction(reduce: str, islands: Optional[list[list[int]]], cpu: bool 
 
 def apply_reduction(ddp_model, reduce: str, compress: Optional[str], islands: Optional[list[list[int]]],
                     world_size: int, rank: int, cpu: bool = False) -> str:
-    """Register the right communication hook on ``ddp_model``; return a phrase for the run header."""
+    """Register the right communication hook on ``ddp_model`` (none for a flat all-reduce in full precision:
+    DDP's own reducer, counted by :class:`CountedAllReduce`); return a phrase for the run header."""
     if compress not in COMPRESSIONS:
         raise PhalanxError(f"unknown --compress {compress!r}: choose bf16 or fp16")
     kind = choose_reduction(reduce, islands, cpu)

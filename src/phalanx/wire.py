@@ -16,8 +16,8 @@ replaced by one counting wrapper each, restored on the way out. Only the outermo
 per call: nothing is sent.
 
 DDP's buckets never pass through Python: its C++ reducer all-reduces them. Routing them through a
-Python communication hook only to count them cost sync 1.6-3.2% of a step and turned a lost peer into
-an abort (the hook's callback raised on gloo's thread). They need no wrapper: what DDP all-reduces
+Python communication hook only to count them cost sync 1.6-3.2% of a step, and a lost peer's error
+came out of the hook's callback on gloo's thread. They need no wrapper: what DDP all-reduces
 per synchronised backward is known in advance (every bucket once: the gradients of the parameters it
 reduces), so ``reduce.py`` prices that with :func:`count` as each such backward is armed.
 
