@@ -19,8 +19,17 @@ from ..errors import PeerLost
 from ..launch_env import Joined
 
 #: How gloo says the other end of a connection went away (reading from it, writing to it, reconnecting)
-#: and how NCCL says a remote rank did.
+#: and how NCCL says a remote rank did; said by gloo or NCCL (a data loader's broken pipe is no lost peer).
 PEER_GONE = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|Connection refused|remote process exited")
+BACKENDS = re.compile(r"gloo|NCCL", re.I)
+
+
+def lost_peer(error: BaseException) -> Optional[str]:
+    """How a collective's error says that another rank went away (e.g. ``Connection reset by peer``); None:
+    it is some other error."""
+    text = str(error)
+    gone = PEER_GONE.search(text) if isinstance(error, RuntimeError) and BACKENDS.search(text) else None
+    return gone.group(0) if gone else None
 
 
 def _attempt_store(job: Joined, timeout_s: float) -> Optional[dist.Store]:
@@ -55,14 +64,14 @@ def run_joined(job: Joined, fn, devices, args, threads, timeout_s):
     try:
         return fn(ctx, *args)
     except RuntimeError as e:  # (torch's DistError is one)
-        gone = PEER_GONE.search(str(e)) if ctx.distributed else None
+        gone = lost_peer(e) if ctx.distributed else None
         if gone is None:
             raise
         # The one line that a lost peer is worth (the dead rank's own log says why it died), then out
         # through leave(): an uncaught error would end in the interpreter's teardown, where gloo's
         # threads can abort the process (see leave).
         raise PeerLost(f"worker {ctx.rank} lost a peer in {ctx.progress.phase} (step {ctx.progress.step}): "
-                       f"{gone.group(0)}; another worker or its node died (its own log says why); under "
+                       f"{gone}; another worker or its node died (its own log says why); under "
                        "torchrun --max-restarts the job restarts from the newest checkpoint") from None
     finally:
         ctx.progress.close()
