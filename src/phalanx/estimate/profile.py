@@ -136,8 +136,7 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
         from ..reduce import apply_reduction
 
         replica = DDP(copy.deepcopy(model), bucket_cap_mb=spec.bucket_mb)
-        # as sync builds it: its all-reduce through dist.all_reduce (a Python hook, where the bytes are counted),
-        # not the reducer's own call (on the digits mlp, 2 gloo ranks: 3.4-3.6 ms a step against 3.1)
+        # as sync builds it: DDP's own reducer, its bytes counted on the wire meter as each backward is armed
         apply_reduction(replica, "flat", None, None, ctx.world_size, ctx.rank, cpu=device.type == "cpu")
         return _step(replica, task.optimizer_for(cfg, replica.module), x, y, task.loss_fn, device)
 
