@@ -85,7 +85,8 @@ class Evaluation:
         """The metrics over the whole held-out set, with where they come from."""
         test = self.data.test
         totals = Totals(self.task.metrics, self.task.loss_fn)
-        values = totals.values(add_up(self.model, eval_batches(test, self.batch), self.device, totals).tolist())
+        sums = add_up(self.model, eval_batches(test, self.batch), self.device, totals, self.task.step)
+        values = totals.values(sums.tolist())
         return {"checkpoint": self.state["path"], "step": int(self.state["step"]), "model": self.task.model_name,
                 "data": self.task.data_name, "held_out": self.data.held_out, "examples": len(test),
                 "metrics": values}

@@ -225,8 +225,8 @@ class DiLoCoRuntime(Runtime):
         copy = p.detach().to("cpu", copy=True, dtype=torch.float32)
         return copy.pin_memory() if pin else copy
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, parts: Optional[int] = None) -> torch.Tensor:
-        loss = super().train_step(x, y, parts)
+    def train_step(self, batch: Any, y: Optional[torch.Tensor] = None, parts: Optional[int] = None) -> torch.Tensor:
+        loss = super().train_step(batch, y, parts)
         index, self.steps = self.steps, self.steps + 1
         # The run's last step syncs every fragment: the job ends with one model on every rank.
         fragments = range(len(self.fragments)) if self.steps == self.build.steps else \

@@ -44,6 +44,7 @@ from ..simulate import LOCKSTEP
 from ..errors import PhalanxError
 from ..models import model_blocks_by_default
 from ..options import option
+from ..data.batch import head
 from ..metrics import FORWARD_ONLY, Totals, add_up
 from .base import COUNT_CORRECT, Batch, Build, Job, Layout, Options, Report, Runtime, data_parallel
 from .registry import register
@@ -170,14 +171,14 @@ class FSDPRuntime(Runtime):
         batches = list(batches)
         most = torch.tensor([len(batches)], device=self.ctx.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        sums = add_up(self.model, batches, self.ctx.device, totals)
-        filler = batches[0][0][:1] if batches else (self.build.example[0][:1] if self.build.example else None)
+        sums = add_up(self.model, batches, self.ctx.device, totals, self.build.step)
+        source = batches[0] if batches else self.build.example
         missing = int(most) - len(batches)
-        if missing and filler is None:
+        if missing and source is None:
             raise PhalanxError("fsdp evaluation: this rank has no test batch and no example batch to keep in step "
                                "with the others; give every rank a part of the test set")
         if missing:
-            add_up(self.model, [(filler, None)] * missing, self.ctx.device, FORWARD_ONLY)
+            add_up(self.model, [head(source, 1)] * missing, self.ctx.device, FORWARD_ONLY, self.build.step)
         self._reshard()
         sums = sums.to(self.ctx.device)
         dist.all_reduce(sums)

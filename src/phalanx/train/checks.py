@@ -23,8 +23,10 @@ from torch import nn
 
 from ..data import DataBundle, load_data
 from ..data.datasets import DATASETS, CIFAR_CROP, cifar10_sizes, check_cifar10_files
+from ..data import batch as batches
 from ..errors import PhalanxError
 from ..metrics import Metric, Totals
+from ..step import DefaultStep, UserStep, logits_of, own_loss
 from ..models import MODELS
 from ..strategies import STRATEGIES, Layout
 from ..task import Task, label
@@ -44,7 +46,7 @@ class DataFacts:
     input_shape: tuple[int, ...]
     num_classes: int
     train_size: int
-    example: tuple[torch.Tensor, torch.Tensor]  #: two examples as a model sees them
+    example: Any  #: two examples as a model sees them: a pair, or a batch of any structure
     bundle: Optional[DataBundle] = None  #: the data itself, where it is small enough to send to the workers
 
 
@@ -111,33 +113,89 @@ def check_straggler(cfg: TrainConfig, layout: Layout) -> None:
                            f"the workers instead (ranks {computing[0]}..{computing[-1]})")
 
 
-def check_model(model: nn.Module, facts: DataFacts, loss_fn: Callable, metrics: Sequence[Metric] = ()) -> None:
+def check_model(model: nn.Module, facts: DataFacts, loss_fn: Callable, metrics: Sequence[Metric] = (),
+                step: Optional[Callable] = None) -> None:
     """One forward pass, the loss and every metric on two examples, in the parent: shapes and classes
-    (a classifier), or outputs that match the targets (a regression), or one clear line."""
+    (a classifier), or outputs that match the targets (a regression), or one clear line. ``step``: the task's
+    (None: the convention's on a pair)."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    x, y = facts.example[0].to(device), facts.example[1].to(device)
+    step = step or DefaultStep(loss_fn)
+    batch = batches.to_device(facts.example, device)
+    if not (batches.is_pair(batch) and isinstance(step, DefaultStep)):
+        return _check_step(model, batch, step, loss_fn, metrics)
+    x, y = batch
     regression = y.is_floating_point()
     was_training = model.training
     model.eval()  # eval: no BatchNorm statistics move, no dropout
     try:
         with torch.no_grad():
-            out = _first_line_of_failure(lambda: model(x), f"the model fails on an example batch of shape "
-                                         f"{tuple(x.shape)}", f"make it accept inputs of shape (batch, "
-                                         f"{', '.join(map(str, facts.input_shape))})")
-            if regression:
-                _check_regression_outputs(out, y)
-            else:
-                _check_class_scores(out, y, facts.num_classes)
+            made = _first_line_of_failure(lambda: model(x), f"the model fails on an example batch of shape "
+                                          f"{tuple(x.shape)}", f"make it accept inputs of shape (batch, "
+                                          f"{', '.join(map(str, facts.input_shape))})")
+            out = logits_of(made)
+            if own_loss(made) is None:
+                if regression:
+                    _check_regression_outputs(out, y)
+                else:
+                    _check_class_scores(out, y, facts.num_classes)
             takes = "(outputs, float targets)" if regression else "(scores, integer labels)"
-            loss = _first_line_of_failure(lambda: loss_fn(out, y), f"loss_fn fails on the model's output of "
-                                          f"shape {tuple(out.shape)}", f"make it take {takes}")
-            _first_line_of_failure(lambda: Totals(metrics, loss_fn)(out, y),
+            result = _first_line_of_failure(lambda: step(model, batch), f"loss_fn fails on the model's output of "
+                                            f"shape {_shape(out)}", f"make it take {takes}")
+            _first_line_of_failure(lambda: Totals(metrics, loss_fn).add(result, batch),
                                    f"a metric ({', '.join(m.name for m in metrics)}) fails on the model's output "
-                                   f"of shape {tuple(out.shape)}", "make it return (sum, count) for the batch")
+                                   f"of shape {_shape(out)}", "make it return (sum, count) for the batch")
     finally:
         model.train(was_training)
+    _check_loss(result.loss, "loss_fn")
+
+
+def _check_step(model: nn.Module, batch: Any, step: Callable, loss_fn: Callable, metrics: Sequence[Metric]) -> None:
+    """A batch of any other structure, or a training step of the user's: the step and the metrics tried once."""
+    what = "the training step" if isinstance(step, UserStep) else "the model"
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            result = _first_line_of_failure(lambda: step(model, batch), f"{what} fails on an example batch "
+                                            f"{batches.describe(batch)}", "make it take the batches your data yields")
+            _check_loss(result.loss, what)
+            if result.outputs is None and any(m.tally is not None for m in metrics):
+                names = ", ".join(m.name for m in metrics if m.tally is not None)
+                raise PhalanxError(f"the metrics {names} need the model's outputs, and {what} returns the loss alone; "
+                                   "return (loss, outputs) from the training step, or --metric loss")
+            if result.targets is None and any(m.tally is not None and not m.wants_batch for m in metrics):
+                names = ", ".join(m.name for m in metrics if m.tally is not None)
+                raise PhalanxError(f"the metrics {names} score outputs against targets, and the batch "
+                                   f"{batches.describe(batch)} has none (a dict's labels or label, or --target-key); "
+                                   "name the targets, or --metric loss")
+            _first_line_of_failure(lambda: Totals(metrics, loss_fn).add(result, batch),
+                                   f"a metric ({', '.join(m.name for m in metrics)}) fails on the outputs "
+                                   f"{batches.describe(result.outputs)}", "make it return (sum, count) for the batch")
+    finally:
+        model.train(was_training)
+
+
+def _check_loss(loss: Any, what: str) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise PhalanxError("loss_fn must return one number (a mean over the batch), as F.cross_entropy does")
+        raise PhalanxError(f"{what} must give one number (a mean over the batch), as F.cross_entropy does")
+
+
+def _shape(out: Any) -> Any:
+    return tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+
+
+def check_pairs(cfg: TrainConfig, facts: DataFacts, step: Callable) -> None:
+    """A strategy that runs (inputs, targets) through an engine's schedule of its own takes nothing else."""
+    if not cfg.strategy.pairs_only:
+        return
+    if isinstance(step, UserStep):
+        raise PhalanxError(f"--strategy {cfg.strategy.name} runs batches (inputs, targets) through its own schedule, "
+                           "so it takes no --training-step; use sync, fsdp, local-sgd, diloco or ps for a step of "
+                           "your own")
+    if not batches.is_pair(facts.example):
+        raise PhalanxError(f"--strategy {cfg.strategy.name} feeds its first stage the inputs and its last the targets, "
+                           f"so it takes batches (inputs, targets), and this data's are {batches.describe(facts.example)}"
+                           "; use sync, fsdp, local-sgd, diloco or ps for batches of other shapes")
 
 
 def _check_class_scores(out: Any, y: torch.Tensor, num_classes: int) -> None:
@@ -200,7 +258,7 @@ def check_sendable(task: Task) -> None:
     classes travel by module and name, so say so plainly when they cannot."""
     main = sys.modules.get("__main__")
     for what, obj in (("the model", task.make_model), ("loss_fn", task.loss_fn),
-                      ("the optimizer factory", task.make_optimizer)):
+                      ("the optimizer factory", task.make_optimizer), ("the training step", task.training_step)):
         inner = getattr(obj, "args", ())  # a partial's model object or imported factory
         defined = [type(o) if isinstance(o, nn.Module) else o for o in (obj, *inner)]
         if any(getattr(o, "__module__", None) == "__main__" for o in defined) and not getattr(main, "__file__", None):
