@@ -78,6 +78,8 @@ def shard_units(model: nn.Module, names: Optional[tuple[str, ...]] = None) -> li
         units = [(n, m) for n, m in units if any(True for _ in m.parameters())]
     else:
         units = model_blocks_by_default(model)
+        if _tied(units):  # tied weights (a language model's input and output embeddings) must share one unit
+            units = repeated_blocks(model)
     if not units:
         raise PhalanxError(
             f"{type(model).__name__} has no blocks to shard: fsdp shards each block (a submodule holding parameters) "
@@ -85,6 +87,29 @@ def shard_units(model: nn.Module, names: Optional[tuple[str, ...]] = None) -> li
             "FSDP(blocks=...) / --blocks"
         )
     return units
+
+
+def _tied(units: list[tuple[str, nn.Module]]) -> bool:
+    """Whether two units hold the same parameter (``fully_shard`` refuses a parameter in two groups)."""
+    seen: set[int] = set()
+    for _, unit in units:
+        mine = {id(p) for p in unit.parameters()}
+        if mine & seen:
+            return True
+        seen |= mine
+    return False
+
+
+def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks of the model's largest ``nn.ModuleList`` (a transformer's layers, Hugging Face's
+    ``transformer.h``, ``encoder.layer``): torchtitan's units. What lies outside them (embeddings, a tied
+    head) stays with the root, in one group, so tied weights stay one parameter."""
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return []
+    name, blocks = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    units = [(f"{name}.{i}", block) for i, block in enumerate(blocks)]
+    return [] if _tied(units) else [(n, m) for n, m in units if any(True for _ in m.parameters())]
 
 
 @dataclasses.dataclass(frozen=True)
