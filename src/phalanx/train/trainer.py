@@ -105,8 +105,8 @@ class Trainer:
         model = task.make_model(facts.input_shape, facts.num_classes)
         if task.data is not None:  # float64 numpy inputs meet float32 parameters: cast once, here
             facts = checks.data_facts(cfg, cast_to_model(task.data, model))
+        checks.check_pairs(cfg, facts, task.step)  # (a strategy's refusal before the model's details)
         checks.check_model(model, facts, task.loss_fn, task.metrics, task.step)
-        checks.check_pairs(cfg, facts, task.step)
         checks.check_optimizer(task, model)
         devices = worker_devices(cfg)
         job = Job(tuple(devices), cfg.batch_size, cfg.accumulate, processes=launcher_world_size(),
