@@ -184,6 +184,16 @@ def _shape(out: Any) -> Any:
     return tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
 
 
+def check_pair_task(facts: DataFacts, step: Callable, command: str) -> None:
+    """``estimate`` and ``compare --simulate`` time and replay a model called on (inputs, targets) batches (its
+    blocks one after another, its gradients by functional calls): other batches and steps are one line."""
+    if isinstance(step, UserStep) or not batches.is_pair(facts.example):
+        what = "training step is your own" if isinstance(step, UserStep) else \
+            f"batches are {batches.describe(facts.example)}"
+        raise PhalanxError(f"{command} measures a model called on batches (inputs, targets), and this run's {what}; "
+                           "phalanx train and compare (real runs) take it")
+
+
 def check_pairs(cfg: TrainConfig, facts: DataFacts, step: Callable) -> None:
     """A strategy that runs (inputs, targets) through an engine's schedule of its own takes nothing else."""
     if not cfg.strategy.pairs_only:
