@@ -356,12 +356,13 @@ def _summary(root, run):
 
 
 @pytest.mark.slow
-def test_a_training_step_of_the_users_trains_a_two_input_model_with_an_auxiliary_loss(project):
+@pytest.mark.parametrize("strategy", ["sync", "local-sgd", "diloco", "hogwild", "ps"])
+def test_a_training_step_of_the_users_trains_a_two_input_model_with_an_auxiliary_loss(project, strategy):
     out = run_in_process("train", "--model", "mine:TwoInputs", "--data", "mine:two_inputs", "--training-step",
-                         "mine:step", "--target-key", "y", "--steps", "60", "--lr", "0.1", *SMALL,
-                         "--checkpoint-dir", "step", cwd=project)
+                         "mine:step", "--target-key", "y", "--strategy", strategy, "--steps", "60", "--lr", "0.1",
+                         *SMALL, "--checkpoint-dir", f"step-{strategy}", cwd=project)
     assert out.returncode == 0, out.stderr
-    metrics = _summary(project, "step")["test_metrics"]
+    metrics = _summary(project, f"step-{strategy}")["test_metrics"]
     assert metrics["accuracy"] > 0.5, metrics  # 4 classes: chance is 0.25
 
 

@@ -83,6 +83,9 @@ class DefaultStep:
 
     loss_fn: Callable
     target_key: Optional[str] = None
+    #: causal_lm(model) by id(model): looking it up raises and catches AttributeErrors inside nn.Module, some
+    #: microseconds a step (benchmarks/step_overhead.py)
+    _causal: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def __call__(self, model: nn.Module, batch: Any) -> StepResult:
         if batches.is_pair(batch):  # the fast path: phalanx's own form
@@ -93,7 +96,7 @@ class DefaultStep:
             logits = logits_of(out)
             loss = own_loss(out)
             return StepResult(self.loss_fn(logits, y) if loss is None else loss, logits, y)
-        if isinstance(batch, Mapping):
+        if type(batch) is dict or isinstance(batch, Mapping):
             return self._keywords(model, batch)
         raise PhalanxError(f"a batch {batches.describe(batch)} is neither a pair (inputs, targets) nor a dict of "
                            "keyword inputs; give --training-step MODULE:CALLABLE, a function step(model, batch) -> "
@@ -109,8 +112,12 @@ class DefaultStep:
                                    "targets (labels, label, or the key --target-key names); return a loss from the "
                                    "model, name the targets, or give --training-step")
             loss = self.loss_fn(logits, y)
-        elif causal_lm(model):
-            logits, y = shifted(logits, y)
+        else:
+            causal = self._causal.get(id(model))
+            if causal is None:
+                causal = self._causal[id(model)] = causal_lm(model)
+            if causal:
+                logits, y = shifted(logits, y)
         return StepResult(loss, logits, y)
 
 

@@ -231,18 +231,22 @@ class Runtime:
         """
         batch = as_batch(batch, y)
         pieces = batches.split(batch, parts or self.build.accumulate)
-        size = batches.length(batch) if len(pieces) > 1 else 0
-        total = None
+        if len(pieces) == 1:  # (the common case, without the micro-batches' bookkeeping)
+            return self._backward(batch, 1.0)
+        size, total = batches.length(batch), None
         for i, piece in enumerate(pieces):
-            weight = batches.length(piece) / size if size else 1.0
             with self.no_sync() if i < len(pieces) - 1 else contextlib.nullcontext():
-                with self.build.precision.autocast():
-                    loss = self.build.step(self.model, piece).loss
-                scaled = loss * weight if size else loss  # (under autocast the loss is computed in fp32)
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            part = loss.detach() * weight if size else loss.detach()
+                part = self._backward(piece, batches.length(piece) / size)
             total = part if total is None else total + part
         return total
+
+    def _backward(self, batch: Batch, weight: float) -> torch.Tensor:
+        """Backward of the step's loss on ``batch`` times ``weight`` (its share of the examples); that loss, detached."""
+        with self.build.precision.autocast():
+            loss = self.build.step(self.model, batch).loss
+        scaled = loss * weight if weight != 1.0 else loss  # (under autocast the loss is computed in fp32)
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        return loss.detach() * weight if weight != 1.0 else loss.detach()
 
     # ---- what the loop calls ----
     def train_step(self, batch: Batch, y: Optional[torch.Tensor] = None, parts: Optional[int] = None) -> torch.Tensor:
