@@ -362,8 +362,13 @@ def test_a_training_step_of_the_users_trains_a_two_input_model_with_an_auxiliary
                          "mine:step", "--target-key", "y", "--strategy", strategy, "--steps", "60", "--lr", "0.1",
                          *SMALL, "--checkpoint-dir", f"step-{strategy}", cwd=project)
     assert out.returncode == 0, out.stderr
-    metrics = _summary(project, f"step-{strategy}")["test_metrics"]
-    assert metrics["accuracy"] > 0.5, metrics  # 4 classes: chance is 0.25
+    summary = _summary(project, f"step-{strategy}")
+    assert summary["test_metrics"]["accuracy"] > 0.5, summary  # 4 classes: chance is 0.25
+    if strategy == "sync":  # evaluate calls the model as the run did (the checkpoint names the step): same numbers
+        out = run_in_process("evaluate", "--checkpoint", summary["checkpoint"], "--json", cwd=project)
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout.strip().splitlines()[-1])["metrics"]
+        assert got == pytest.approx(summary["test_metrics"], rel=1e-6)
 
 
 @pytest.mark.parametrize("step,message", [

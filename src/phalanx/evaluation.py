@@ -33,7 +33,7 @@ from .train.config import TrainConfig
 from .train.resume import check_fits
 
 #: The training flags evaluate takes, the same fields (and help) as ``phalanx train``'s.
-FIELDS = ("model", "data", "loss", "metric", "validation_split", "loader_workers", "data_dir", "synthetic_shape",
+FIELDS = ("model", "data", "loss", "training_step", "target_key", "metric", "validation_split", "loader_workers", "data_dir", "synthetic_shape",
           "synthetic_size", "batch_size", "seed", "devices")
 #: Examples per forward pass when --batch-size is not given (a training run's evaluation uses the same).
 EVAL_BATCH = 256
@@ -105,6 +105,9 @@ def recorded(meta: dict[str, Any], has_model: bool, has_data: bool) -> dict[str,
         elif key == "data":
             raise PhalanxError(f"the checkpoint was trained on data handed to the API ({name!r}), which it cannot "
                                "load again; name it with --data MODULE:CALLABLE (or test_data= in phalanx.evaluate)")
+    for key in ("training_step", "target_key"):  # how the run called its model: evaluated the same way
+        if isinstance(meta.get(key), str):
+            out[key] = meta[key]
     return out
 
 

@@ -378,6 +378,7 @@ class WorkerRun:
         return {"world_size": self.ctx.world_size, "workers": self.plan.workers, "batch_size": self.cfg.batch_size,
                 "accumulate": self.cfg.accumulate, "global_batch": self.global_batch,
                 "model": self.plan.task.model_name, "data": self.plan.task.data_name,
+                "training_step": self.cfg.training_step, "target_key": self.cfg.target_key,
                 "model_class": self.model_class,
                 "parameter_shapes": {name: list(t.shape) for name, t in state["model"].items()},
                 "strategy": self.cfg.strategy.name,
