@@ -125,6 +125,32 @@ def test_a_tokenizers_dict_and_a_dataset_of_dicts_are_data_sets_with_minus_100_l
         as_arrays({"x": torch.zeros(2, 3), "labels": torch.tensor([1, 2, 3])}, "train_data")
 
 
+class PaddedItems(DictItems):
+    """Items of different lengths, padded by the Dataset's own collate_fn (a user's, as DataLoader takes one)."""
+
+    def __getitem__(self, i):
+        return {"input_ids": torch.arange(i + 1), "labels": torch.arange(i + 1)}
+
+    @staticmethod
+    def collate_fn(items):
+        ids = torch.nn.utils.rnn.pad_sequence([it["input_ids"] for it in items], batch_first=True)
+        labels = torch.nn.utils.rnn.pad_sequence([it["labels"] for it in items], batch_first=True, padding_value=-100)
+        return {"input_ids": ids, "labels": labels}
+
+
+def test_a_lazily_read_dataset_of_dicts_collates_by_default_or_by_its_own_collate_fn():
+    from phalanx.data.lazy import LazyExamples
+
+    lazy = as_arrays(DictItems(), "train_data", loader_workers=1)
+    assert isinstance(lazy, LazyExamples) and lazy.example_shape == (4,) and lazy.target_shape == (4,)
+    assert lazy.take(torch.tensor([1, 4]))["input_ids"][:, 0].tolist() == [1, 4]
+    assert lazy.largest_target() == 4  # -100 is no class
+    padded = LazyExamples(PaddedItems(), 0, "train_data")
+    got = next(padded.read([(torch.tensor([0, 2]), None)]))
+    assert got["labels"].tolist() == [[0, -100, -100], [0, 1, 2]]
+    assert next(padded.subset(torch.tensor([2, 0])).read([(torch.tensor([1]), None)]))["labels"].tolist() == [[0]]
+
+
 def test_a_cast_changes_floating_inputs_and_leaves_token_ids_and_targets():
     data = Columns({"ids": torch.zeros(3, 2, dtype=torch.long), "feats": torch.zeros(3, 2, dtype=torch.float64),
                     "labels": torch.tensor([0, 1, 2])})
