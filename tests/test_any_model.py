@@ -389,7 +389,7 @@ def test_a_training_step_of_the_users_trains_a_two_input_model_with_an_auxiliary
                          *SMALL, "--checkpoint-dir", f"step-{strategy}", cwd=project)
     assert out.returncode == 0, out.stderr
     summary = _summary(project, f"step-{strategy}")
-    assert summary["test_metrics"]["accuracy"] > 0.5, summary  # 4 classes: chance is 0.25
+    assert summary["test_metrics"]["accuracy"] > 0.4, summary  # 4 classes: chance 0.25, 3 sd of 80 examples below
     if strategy == "sync":  # evaluate calls the model as the run did (the checkpoint names the step): same numbers
         out = run_in_process("evaluate", "--checkpoint", summary["checkpoint"], "--json", cwd=project)
         assert out.returncode == 0, out.stderr
