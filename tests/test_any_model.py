@@ -458,3 +458,14 @@ def test_estimate_refuses_dict_batches_in_one_line(project):
         "error: phalanx estimate measures a model called on batches (inputs, targets), and this run's batches are "
         "{'input_ids': (2, 16) int64, 'attention_mask': (2, 16) int64, 'labels': (2, 16) int64}; phalanx train and "
         "compare (real runs) take it")
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_the_prefetcher_hands_over_dict_batches_whole(depth):
+    from phalanx.data import Prefetcher
+
+    data = Columns(_dict_batch(8))
+    plan = [(torch.tensor([0, 1]), None), (torch.tensor([5, 2]), None)]
+    got = list(Prefetcher(data.read(plan), CPU, depth))
+    assert [b["extra"]["feats"].shape for b in got] == [(2, 3), (2, 3)]
+    torch.testing.assert_close(got[1]["labels"], data.tree["labels"][[5, 2]])
