@@ -275,11 +275,12 @@ def keyword_reference(steps: int = K) -> dict:
     return model.state_dict()
 
 
-def _keyword_run(ctx, options, accumulate: int) -> dict:
+def _keyword_run(ctx, options, accumulate: int, step=None) -> dict:
     def mine(b):
         n = BATCH // ctx.world_size
         return batches.map_tensors(lambda t: t[ctx.rank * n:(ctx.rank + 1) * n], b)
-    runtime = runtime_for(options, ctx, keyword_model(), sgd, accumulate=accumulate, example=mine(keyword_data(BATCH)))
+    runtime = runtime_for(options, ctx, keyword_model(), sgd, accumulate=accumulate, example=mine(keyword_data(BATCH)),
+                          training_step=step)
     for k in range(K):
         runtime.train_step(mine(keyword_data(BATCH, seed=k)))
     state = runtime.state_dict()
@@ -287,11 +288,60 @@ def _keyword_run(ctx, options, accumulate: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options,accumulate", [(Sync(), 1), (Sync(), 2), (FSDP(), 1)],
-                         ids=["sync", "sync accumulate 2", "fsdp"])
-def test_dict_batches_with_the_models_own_loss_on_two_workers_equal_one_process(options, accumulate):
-    got, want = run_workers(_keyword_run, 2, options, accumulate), keyword_reference()
+@pytest.mark.parametrize("options,accumulate,step", [(Sync(), 1, None), (Sync(), 2, None), (FSDP(), 1, None),
+                                                     (FSDP(), 2, "keyword_step")],
+                         ids=["sync", "sync accumulate 2", "fsdp", "fsdp accumulate 2, a training step"])
+def test_dict_batches_with_the_models_own_loss_on_two_workers_equal_one_process(options, accumulate, step):
+    got, want = run_workers(_keyword_run, 2, options, accumulate, step and keyword_step), keyword_reference()
     assert not torch.equal(want["head.weight"], keyword_model().state_dict()["head.weight"])  # it did train
+    for name, p in want.items():
+        torch.testing.assert_close(got[name], p, rtol=1e-9, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+def tiny_gpt2() -> nn.Module:
+    """No dropout: replicas in other processes draw other masks, and the comparison is exact."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0)).double()
+
+
+def lm_batch(k: int) -> dict:
+    """Every row padded alike (-100 on its last 3 labels): each worker's mean is over as many tokens as the
+    other's, so the mean of the two means is the whole batch's (a row-dependent padding would weigh them)."""
+    g = torch.Generator().manual_seed(k)
+    ids = torch.randint(0, 32, (BATCH, 10), generator=g)
+    return {"input_ids": ids, "labels": ids.masked_fill(torch.arange(10) >= 7, -100)}
+
+
+def gpt2_reference() -> dict:
+    model = tiny_gpt2()
+    opt = sgd(model.parameters())
+    for k in range(K):
+        model(**lm_batch(k)).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model.state_dict()
+
+
+def _gpt2_run(ctx, options) -> dict:
+    def mine(b):
+        n = BATCH // ctx.world_size
+        return {key: t[ctx.rank * n:(ctx.rank + 1) * n] for key, t in b.items()}
+    runtime = runtime_for(options, ctx, tiny_gpt2(), sgd, example=mine(lm_batch(0)))
+    for k in range(K):
+        runtime.train_step(mine(lm_batch(k)))
+    state = runtime.state_dict()
+    return None if state is None else state["model"]
+
+
+@pytest.mark.slow
+@needs_transformers
+@pytest.mark.parametrize("options", [Sync(), FSDP()], ids=["sync", "fsdp"])
+def test_gpt2_with_tied_embeddings_on_two_workers_equals_one_process(options):
+    got, want = run_workers(_gpt2_run, 2, options), gpt2_reference()
+    assert torch.equal(got["lm_head.weight"], got["transformer.wte.weight"])  # still tied
     for name, p in want.items():
         torch.testing.assert_close(got[name], p, rtol=1e-9, atol=1e-10, msg=lambda m: f"{name}: {m}")
 
