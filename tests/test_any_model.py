@@ -199,6 +199,20 @@ def test_a_dict_calls_the_model_with_keywords_and_its_own_loss_is_the_loss():
         DefaultStep(never)(model, (b["image"], b["feats"], b["labels"]))
 
 
+class LabelsOnly(KeywordNet):
+    def forward(self, image, feats, labels=None):
+        return super().forward(image, feats, labels)
+
+
+def test_a_label_column_reaches_a_model_that_takes_labels_as_labels():
+    torch.manual_seed(0)
+    b = keyword_data(6, dtype=torch.float32)
+    b["label"] = b.pop("labels")
+    result = DefaultStep(lambda out, y: torch.tensor(1e9))(LabelsOnly(), b)
+    torch.testing.assert_close(result.loss, F.cross_entropy(result.outputs, b["label"]))  # the model's own loss
+    assert list(b) == ["image", "feats", "label"]  # the batch itself unchanged
+
+
 def test_a_users_step_returns_the_loss_or_the_loss_and_outputs():
     torch.manual_seed(0)
     model, b = KeywordNet(), keyword_data(4, dtype=torch.float32)

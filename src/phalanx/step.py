@@ -23,6 +23,7 @@ for evaluation.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
@@ -83,8 +84,8 @@ class DefaultStep:
 
     loss_fn: Callable
     target_key: Optional[str] = None
-    #: causal_lm(model) by id(model): looking it up raises and catches AttributeErrors inside nn.Module, some
-    #: microseconds a step (benchmarks/step_overhead.py)
+    #: what is looked up once per model (by id): causal_lm(model) raises and catches AttributeErrors inside
+    #: nn.Module, some microseconds a step (benchmarks/step_overhead.py); a signature, more
     _causal: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def __call__(self, model: nn.Module, batch: Any) -> StepResult:
@@ -103,7 +104,7 @@ class DefaultStep:
                            "loss that calls your model")
 
     def _keywords(self, model: nn.Module, batch: Mapping) -> StepResult:
-        out = model(**batch)
+        out = model(**self._renamed(model, batch) if "label" in batch else batch)
         y = batches.targets(batch, self.target_key)
         logits, loss = logits_of(out), own_loss(out)
         if loss is None:
@@ -119,6 +120,27 @@ class DefaultStep:
             if causal:
                 logits, y = shifted(logits, y)
         return StepResult(loss, logits, y)
+
+
+    def _renamed(self, model: nn.Module, batch: Mapping) -> Mapping:
+        """A data set's ``label`` given as ``labels`` to a model that takes only that (as Hugging Face's data
+        collators rename it), so a ``datasets`` column named ``label`` trains a ``*ForSequenceClassification``."""
+        key = ("label", id(model))
+        rename = self._causal.get(key)
+        if rename is None:
+            rename = self._causal[key] = takes(model, "labels") and not takes(model, "label")
+        if not rename or "labels" in batch:
+            return batch
+        return {("labels" if k == "label" else k): v for k, v in batch.items()}
+
+
+def takes(model: nn.Module, name: str) -> bool:
+    """Whether the model's forward has a parameter ``name`` (a wrapper's ``module`` looked through)."""
+    inner = getattr(model, "module", model)
+    try:
+        return name in inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 @dataclasses.dataclass
