@@ -9,9 +9,11 @@ rank's smaller last batch as much as a full one).
 Built-in metrics, by name (``--metric NAME``):
 
 - ``accuracy`` (higher is better): the fraction of targets whose class has the highest score
-  (outputs ``(N, C)``, or ``(N, T, C)`` / ``(N, C, T)`` for a target per position);
-- ``loss`` (lower is better): the run's own loss, taken as a mean over the target's elements
-  (torch's ``reduction="mean"``), so a batch adds ``loss x targets.numel()``;
+  (outputs ``(N, C)``, or ``(N, T, C)`` / ``(N, C, T)`` for a target per position); targets of ``-100``
+  (torch's ``ignore_index``, Hugging Face's padding) are left out;
+- ``loss`` (lower is better): the step's own loss (the model's, where it computes one: ``step.py``), taken as
+  a mean over the targets it counted (torch's ``reduction="mean"``, ``-100`` left out), so a batch adds
+  ``loss x counted targets``;
 - ``perplexity`` (lower is better): ``exp`` of that loss over the whole set: with the default loss
   (:func:`cross_entropy`, a mean over tokens) exp of the mean loss per token, a language model's; reported
   by default where the targets are one class per position (targets (N, T));
@@ -19,7 +21,8 @@ Built-in metrics, by name (``--metric NAME``):
 
 A metric of your own (``--metric mymetrics:f1`` or ``Trainer(metrics=[f1])``): a module-level
 function ``fn(outputs, targets) -> (sum, count)`` returning this batch's sum of per-example (or
-per-element) values and how many it summed, as numbers or one-element tensors; its name is the
+per-element) values and how many it summed, as numbers or one-element tensors; ``fn(outputs, batch)``,
+its second parameter named ``batch``, receives the whole batch; its name is the
 function's name and lower is better unless it has an attribute ``higher_is_better = True``.
 """
 
