@@ -86,7 +86,8 @@ def prepare(options: EstimateOptions, train_values: dict, strategy_values: dict,
     config = named_optimizer(config, task).resolved(task.model_name)
     strategies = {cls: cls(**{k: v for k, v in strategy_values.items() if k in cost_model(cls).fields})
                   for cls in map(strategy_class, estimated())}
-    from ..train.checks import check_pair_task, data_facts
+    from ..train.checks import data_facts
+    from ..train.step_checks import check_pair_task
 
     facts = data_facts(config, task.data)
     if config.batch_size > facts.train_size:
