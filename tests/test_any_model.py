@@ -463,15 +463,19 @@ def test_a_training_step_of_the_users_trains_a_two_input_model_with_an_auxiliary
 
 @pytest.mark.parametrize("step,message", [
     (["--training-step", "mine:step"], "runs batches (inputs, targets) through its own schedule, so it takes no "
-     "--training-step; use sync, fsdp, local-sgd, diloco or ps for a step of your own"),
+     "--training-step; use one of {} for a step of your own"),
     ([], "feeds its first stage the inputs and its last the targets, so it takes batches (inputs, targets), and "
-     "this data's are {'image': (2, 4, 4) float32, 'feats': (2, 3) float32, 'y': (2,) int64}; use sync, fsdp, "
-     "local-sgd, diloco or ps for batches of other shapes")], ids=["training step", "dict batch"])
+     "this data's are {{'image': (2, 4, 4) float32, 'feats': (2, 3) float32, 'y': (2,) int64}}; use one of {} "
+     "for batches of other shapes")], ids=["training step", "dict batch"])
 def test_a_pipeline_refuses_a_training_step_and_a_dict_batch_in_one_line(project, step, message):
+    from phalanx.strategies import STRATEGIES
+
+    others = ", ".join(name for name, cls in STRATEGIES.items() if not cls.pairs_only)
+    assert {"sync", "fsdp", "local-sgd", "diloco", "hogwild", "ps"} <= set(others.split(", "))
     out = run_in_process("train", "--model", "mine:TwoInputs", "--data", "mine:two_inputs", "--strategy", "pipeline",
                          "--target-key", "y", *step, *SMALL, "--checkpoint-dir", "pipe", cwd=project)
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == [f"error: --strategy pipeline {message}"]
+    assert out.stderr.strip().splitlines() == [f"error: --strategy pipeline {message.format(others)}"]
 
 
 @pytest.mark.slow

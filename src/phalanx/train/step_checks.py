@@ -70,11 +70,13 @@ def check_pairs(cfg: Any, facts: Any, step: Callable) -> None:
     """A strategy that runs (inputs, targets) through an engine's schedule of its own takes nothing else."""
     if not cfg.strategy.pairs_only:
         return
+    from ..strategies import STRATEGIES
+
+    others = ", ".join(name for name, cls in STRATEGIES.items() if not cls.pairs_only)
     if isinstance(step, UserStep):
         raise PhalanxError(f"--strategy {cfg.strategy.name} runs batches (inputs, targets) through its own schedule, "
-                           "so it takes no --training-step; use sync, fsdp, local-sgd, diloco or ps for a step of "
-                           "your own")
+                           f"so it takes no --training-step; use one of {others} for a step of your own")
     if not batches.is_pair(facts.example):
         raise PhalanxError(f"--strategy {cfg.strategy.name} feeds its first stage the inputs and its last the targets, "
                            f"so it takes batches (inputs, targets), and this data's are {batches.describe(facts.example)}"
-                           "; use sync, fsdp, local-sgd, diloco or ps for batches of other shapes")
+                           f"; use one of {others} for batches of other shapes")
