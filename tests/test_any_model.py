@@ -537,3 +537,15 @@ def test_the_prefetcher_hands_over_dict_batches_whole(depth):
     got = list(Prefetcher(data.read(plan), CPU, depth))
     assert [b["extra"]["feats"].shape for b in got] == [(2, 3), (2, 3)]
     torch.testing.assert_close(got[1]["labels"], data.tree["labels"][[5, 2]])
+
+
+def test_a_stragglers_calibration_times_the_step_on_a_dict_batch_in_micro_batches():
+    from phalanx.train.straggle import calibrate
+
+    torch.manual_seed(0)
+    model = KeywordNet()
+    before = copy.deepcopy(model.state_dict())
+    seconds = calibrate(model, keyword_data(8, dtype=torch.float32), DefaultStep(F.cross_entropy), 2, CPU,
+                        warmup=1, repeats=2)
+    assert seconds > 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # a private copy was timed
