@@ -34,7 +34,7 @@ from . import checkpoint as ckpt
 from . import rundir
 from .config import TrainConfig
 from .resume import batch_for, check_fits
-from .step_checks import check_step
+from .step_checks import check_loss, check_step
 from .step_checks import first_line_of_failure as _first_line_of_failure
 
 
