@@ -86,7 +86,7 @@ class DefaultStep:
     target_key: Optional[str] = None
     #: what is looked up once per model (by id): causal_lm(model) raises and catches AttributeErrors inside
     #: nn.Module, some microseconds a step (benchmarks/step_overhead.py); a signature, more
-    _causal: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    _seen: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def __call__(self, model: nn.Module, batch: Any) -> StepResult:
         if batches.is_pair(batch):  # the fast path: phalanx's own form
@@ -114,21 +114,20 @@ class DefaultStep:
                                    "model, name the targets, or give --training-step")
             loss = self.loss_fn(logits, y)
         else:
-            causal = self._causal.get(id(model))
+            causal = self._seen.get(id(model))
             if causal is None:
-                causal = self._causal[id(model)] = causal_lm(model)
+                causal = self._seen[id(model)] = causal_lm(model)
             if causal:
                 logits, y = shifted(logits, y)
         return StepResult(loss, logits, y)
-
 
     def _renamed(self, model: nn.Module, batch: Mapping) -> Mapping:
         """A data set's ``label`` given as ``labels`` to a model that takes only that (as Hugging Face's data
         collators rename it), so a ``datasets`` column named ``label`` trains a ``*ForSequenceClassification``."""
         key = ("label", id(model))
-        rename = self._causal.get(key)
+        rename = self._seen.get(key)
         if rename is None:
-            rename = self._causal[key] = takes(model, "labels") and not takes(model, "label")
+            rename = self._seen[key] = takes(model, "labels") and not takes(model, "label")
         if not rename or "labels" in batch:
             return batch
         return {("labels" if k == "label" else k): v for k, v in batch.items()}
