@@ -114,9 +114,10 @@ class DefaultStep:
                                    "model, name the targets, or give --training-step")
             loss = self.loss_fn(logits, y)
         else:
-            causal = self._seen.get(id(model))
+            key = ("causal", id(model), type(model))  # (the type too: a freed model's id may be reused)
+            causal = self._seen.get(key)
             if causal is None:
-                causal = self._seen[id(model)] = causal_lm(model)
+                causal = self._seen[key] = causal_lm(model)
             if causal:
                 logits, y = shifted(logits, y)
         return StepResult(loss, logits, y)
@@ -124,7 +125,7 @@ class DefaultStep:
     def _renamed(self, model: nn.Module, batch: Mapping) -> Mapping:
         """A data set's ``label`` given as ``labels`` to a model that takes only that (as Hugging Face's data
         collators rename it), so a ``datasets`` column named ``label`` trains a ``*ForSequenceClassification``."""
-        key = ("label", id(model))
+        key = ("label", id(model), type(model))
         rename = self._seen.get(key)
         if rename is None:
             rename = self._seen[key] = takes(model, "labels") and not takes(model, "label")
