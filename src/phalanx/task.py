@@ -29,6 +29,7 @@ from .errors import PhalanxError
 from .metrics import (BUILT_IN, CLASSIFICATION, REGRESSION, SEQUENCE, Metric, check_target, cross_entropy, mse_loss,
                       user_metric, with_loss)
 from .models import build_model
+from .step import step_for
 
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -52,6 +53,14 @@ class Task:
     metrics: tuple[Metric, ...] = CLASSIFICATION
     make_optimizer: Optional[OptimizerFactory] = None
     make_scheduler: Optional[SchedulerFactory] = None
+    #: the user's ``step(model, batch) -> loss | (loss, outputs)`` (None: the convention's, see step.py)
+    training_step: Optional[Callable] = None
+    target_key: Optional[str] = None  #: the key of a dict batch holding the targets (None: labels or label)
+
+    @property
+    def step(self) -> Callable:
+        """``step(model, batch) -> StepResult``: how every strategy, the evaluation and the checks call the model."""
+        return step_for(self.loss_fn, self.training_step, self.target_key)
 
     def optimizer(self, model: Any) -> torch.optim.Optimizer:
         """The factory's optimizer on ``model`` (a module: see :func:`call_optimizer_factory`), checked: a
@@ -243,7 +252,7 @@ def _culprit(model: nn.Module) -> str:
 def task_from(cfg: Any, *, model: Optional[nn.Module] = None, train_data: Any = None, test_data: Any = None,
               loss_fn: Optional[Callable] = None, optimizer: Optional[OptimizerFactory] = None,
               metrics: Optional[Sequence[Any]] = None, target_flag: str = "--stop-at",
-              lr_scheduler: Optional[SchedulerFactory] = None) -> Task:
+              lr_scheduler: Optional[SchedulerFactory] = None, training_step: Optional[Callable] = None) -> Task:
     """The Task of a run (``cfg``: its TrainConfig): what the API was given first, else the config's
     names (built-in, or import paths resolved here, in the parent, so that nothing starts if one fails).
     Float targets make a regression: MSE unless a loss is given, and loss and mse reported; integer targets
@@ -255,11 +264,13 @@ def task_from(cfg: Any, *, model: Optional[nn.Module] = None, train_data: Any = 
         raise PhalanxError(f"metrics= and --metric {cfg.metric} both name the metrics: give one")
     if lr_scheduler is not None and cfg.lr_scheduler is not None:
         raise PhalanxError(f"lr_scheduler= and --lr-scheduler {cfg.lr_scheduler} both name the LR scheduler: give one")
-    data, data_name = _task_data(cfg, train_data, test_data)
+    target_key = getattr(cfg, "target_key", None)
+    data, data_name = _task_data(cfg, train_data, test_data, target_key)
     regression = data is not None and data.train.target_dtype.is_floating_point
     sequence = data is not None and not regression and len(data.train.target_shape) > 0
     task = _task_parts(cfg.model, cfg.optimizer, cfg.loss, model, loss_fn, optimizer, regression)
     task.data, task.data_name = data, data_name
+    task.training_step, task.target_key = _training_step(cfg, training_step), target_key
     task.metrics = _metrics(cfg, metrics, regression, sequence, target_flag)
     task.make_scheduler = lr_scheduler if lr_scheduler is not None else resolve(
         cfg.lr_scheduler, "--lr-scheduler", "a callable optimizer -> LR scheduler") if cfg.lr_scheduler else None
@@ -269,7 +280,7 @@ def task_from(cfg: Any, *, model: Optional[nn.Module] = None, train_data: Any = 
 def user_task(cfg: Any, *, model: Optional[nn.Module] = None, train_data: Any = None, test_data: Any = None,
               loss_fn: Optional[Callable] = None, optimizer: Optional[OptimizerFactory] = None,
               metrics: Optional[Sequence[Any]] = None, target_flag: str = "--stop-at",
-              lr_scheduler: Optional[SchedulerFactory] = None) -> Task:
+              lr_scheduler: Optional[SchedulerFactory] = None, training_step: Optional[Callable] = None) -> Task:
     """:func:`task_from` for what a Python caller passed (``Trainer``, ``phalanx.compare``,
     ``phalanx.estimate``): a wrong kind of object is one line here, not a TypeError deep in a worker."""
     if model is not None and not isinstance(model, nn.Module):
@@ -280,8 +291,22 @@ def user_task(cfg: Any, *, model: Optional[nn.Module] = None, train_data: Any = 
     if lr_scheduler is not None and not callable(lr_scheduler):
         raise PhalanxError(f"lr_scheduler must be a callable optimizer -> LR scheduler, got "
                            f"{type(lr_scheduler).__name__}")
+    if training_step is not None and not callable(training_step):
+        raise PhalanxError(f"training_step must be a callable step(model, batch) -> loss, got "
+                           f"{type(training_step).__name__}")
     return task_from(cfg, model=model, train_data=train_data, test_data=test_data, loss_fn=loss_fn,
-                     optimizer=optimizer, metrics=metrics, target_flag=target_flag, lr_scheduler=lr_scheduler)
+                     optimizer=optimizer, metrics=metrics, target_flag=target_flag, lr_scheduler=lr_scheduler,
+                     training_step=training_step)
+
+
+def _training_step(cfg: Any, given: Optional[Callable]) -> Optional[Callable]:
+    """``training_step=`` or ``--training-step MODULE:CALLABLE`` (not both)."""
+    spec = getattr(cfg, "training_step", None)
+    if given is not None and spec is not None:
+        raise PhalanxError(f"training_step= and --training-step {spec} both name the training step: give one")
+    if spec is None:
+        return given
+    return resolve(spec, "--training-step", "a step(model, batch) -> loss or (loss, outputs)")
 
 
 def named_optimizer(cfg: Any, task: Task) -> Any:
@@ -337,7 +362,8 @@ def metric_of(spec: Any, flag: str = "--metric") -> Metric:
                        "returning (sum, count) for a batch")
 
 
-def _task_data(cfg: Any, train: Any, test: Any) -> tuple[Optional[DataBundle], str]:
+def _task_data(cfg: Any, train: Any, test: Any, target_key: Optional[str] = None
+               ) -> tuple[Optional[DataBundle], str]:
     """The user's data as a bundle and its name; (None, name) for a built-in set."""
     from .data.user import user_bundle
 
@@ -353,9 +379,10 @@ def _task_data(cfg: Any, train: Any, test: Any) -> tuple[Optional[DataBundle], s
                                "of datasets, test may be None")
         train, test = loaded
         return user_bundle(train, test, cfg.validation_split, cfg.seed, cfg.data, f"--data {cfg.data}",
-                           cfg.loader_workers), cfg.data
+                           cfg.loader_workers, target_key), cfg.data
     if train is not None or test is not None:
-        return user_bundle(train, test, cfg.validation_split, cfg.seed, loader_workers=cfg.loader_workers), "your data"
+        return user_bundle(train, test, cfg.validation_split, cfg.seed, loader_workers=cfg.loader_workers,
+                           target_key=target_key), "your data"
     if cfg.loader_workers:
         raise PhalanxError(f"--loader-workers {cfg.loader_workers} reads a Dataset of your own lazily, and --data "
                            f"{cfg.data} is a built-in set held in memory; drop --loader-workers")

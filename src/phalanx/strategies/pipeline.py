@@ -70,6 +70,7 @@ class Pipeline(Options):
     name: ClassVar[str] = "pipeline"
     summary: ClassVar[str] = ("model parallelism: the network split into contiguous stages, one per worker, "
                               "micro-batches pipelined; torch.distributed.pipelining")
+    pairs_only: ClassVar[bool] = True
 
     stages: Optional[int] = option(None, "pipeline stages, one worker each", show="the number of workers")
     chunks: int = option(4, "micro-batches per step (M); the batch must split into M equal parts")
@@ -250,7 +251,13 @@ class PipelineRuntime(Runtime):
         return self.stage_index == self.stages - 1
 
     # ---- a training step ----
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def train_step(self, x: Any, y: Optional[torch.Tensor] = None, parts: Optional[int] = None) -> torch.Tensor:
+        if y is None:  # a batch given whole: the engine's schedule takes (inputs, targets) only
+            if not (isinstance(x, (tuple, list)) and len(x) == 2):
+                raise PhalanxError("--strategy pipeline takes batches (inputs, targets): its schedule feeds the "
+                                   "first stage the inputs and the last the targets; use another strategy for "
+                                   "batches of other shapes")
+            x, y = x
         micro = self.options.chunks * self.build.accumulate
         if len(x) % micro:
             raise PhalanxError(f"batch {len(x)} does not split into {micro} equal micro-batches")

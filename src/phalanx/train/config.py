@@ -56,7 +56,7 @@ SECTIONS = {
     "parallelism": ("strategy", "devices", "strict_devices", "workers", "threads", "master_addr", "link"),
     "faults": ("timeout_s", "hang_timeout_s", "max_restarts"),
     "speed": ("precision", "compile"),
-    "model and data": ("model", "data", "loss", "metric", "validation_split", "loader_workers", "data_dir",
+    "model and data": ("model", "data", "loss", "training_step", "target_key", "metric", "validation_split", "loader_workers", "data_dir",
                        "synthetic_shape", "synthetic_size"),
     "optimisation (unset: the model's recipe)": (
         "steps", "batch_size", "accumulate", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
@@ -93,6 +93,11 @@ class TrainConfig:
     loss: Optional[str] = option(None, "MODULE:CALLABLE: the loss, (outputs, targets) -> a scalar tensor (a mean "
                                        "over the batch)",
                                  show="cross-entropy (per token for targets per position); MSE for float targets")
+    training_step: Optional[str] = option(None, "MODULE:CALLABLE: your step(model, batch) -> loss or (loss, "
+                                                "outputs), for training and (without gradients) evaluation",
+                                          show="model(x) and the loss for a pair; model(**batch) for a dict, its "
+                                               "output's own loss where it has one")
+    target_key: Optional[str] = option(None, "the key of a dict batch that holds the targets", show="labels or label")
     metric: Optional[str] = option(None, "what evaluation reports, besides the loss: built-in names or "
                                          "MODULE:CALLABLE ((outputs, targets) -> (sum, count) for a batch), "
                                          "comma-separated", choices=("accuracy", "loss", "perplexity", "mse", "rmse",

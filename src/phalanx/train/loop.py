@@ -89,11 +89,12 @@ class WorkerRun:
         self.compiled = compile_blocks(model) if cfg.compile else 0  # in place: before any strategy wraps it
         self.marks.mark("model")
         # Before the runtime: calibrating shares every rank's compute time (a collective).
-        self.straggle = Straggle.start(cfg.straggler, ctx, self.me.shard, model, example, plan.task.loss_fn,
+        self.straggle = Straggle.start(cfg.straggler, ctx, self.me.shard, model, example, plan.task.step,
                                        cfg.accumulate, cfg.seed)
         self.marks.mark("calibration")
         build = Build(ctx, plan.layout, model, self._make_optimizer, plan.task.loss_fn, cfg.steps, cfg.accumulate, example,
-                      cfg.hang_timeout_s, Precision(cfg.precision, ctx.device.type), cfg.clip_grad_norm)
+                      cfg.hang_timeout_s, Precision(cfg.precision, ctx.device.type), cfg.clip_grad_norm,
+                      plan.task.step)
         self.runtime = cfg.strategy.runtime(build)
         self.marks.mark("strategy")
         self.schedule = Schedule(cfg.lr_schedule, cfg.lr_decay_every, cfg.lr_decay_factor, cfg.staircase,
@@ -168,7 +169,7 @@ class WorkerRun:
 
     def _inputs(self) -> Iterator:
         if self.batches is None:
-            return itertools.repeat((None, None))
+            return itertools.repeat(None)
         self.prefetcher = Prefetcher(self.batches(self._position()), self.ctx.device,
                                      prefetch_depth(self.cfg.prefetch, self.ctx.device))
         return self.prefetcher
@@ -191,9 +192,9 @@ class WorkerRun:
             if self._stopping():
                 break
             progress.at(self.step + 1, "the training step")
-            x, y = next(inputs)
+            batch = next(inputs)
             self.lr = self.lr_group["lr"]  # (read before the scheduler moves it on: the one this step uses)
-            loss = self.runtime.train_step(x, y)
+            loss = self.runtime.train_step(batch)
             self.marks.mark("first_step")  # (the first call counts; on a GPU: when the step was queued)
             self.straggle.after_step()
             if self.scheduler is not None:
@@ -343,7 +344,7 @@ class WorkerRun:
         at = advance(self.start_position, step - 1 - self.start_step, len(self.data.train), self.global_batch)
         for shard in range(layout.shards) if layout.lockstep else (self.me.shard,):
             reader = ShardedBatches(self.data.train, self.cfg.batch_size, shard, layout.shards, self.cfg.seed)
-            what = nonfinite_values(reader.one(at)[0])
+            what = nonfinite_values(reader.one(at))
             if what:
                 return f"{what} (data shard {shard})"
         return None
@@ -417,6 +418,7 @@ class WorkerRun:
         return {"world_size": self.ctx.world_size, "workers": self.plan.workers, "batch_size": self.cfg.batch_size,
                 "accumulate": self.cfg.accumulate, "global_batch": self.global_batch,
                 "model": self.plan.task.model_name, "data": self.plan.task.data_name,
+                "training_step": self.cfg.training_step, "target_key": self.cfg.target_key,
                 "model_class": self.model_class,
                 "parameter_shapes": {name: list(t.shape) for name, t in state["model"].items()},
                 "strategy": self.cfg.strategy.name,

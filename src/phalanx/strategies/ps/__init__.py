@@ -183,8 +183,8 @@ class ServerRuntime(Runtime):
         self.notes += [] if rule.drops_late else momentum_note(self.optimizer, workers)
         self.told_diverged = False
 
-    def train_step(self, x, y) -> torch.Tensor:
-        return self.server.serve_one_step()
+    def train_step(self, batch=None, y=None, parts=None) -> torch.Tensor:
+        return self.server.serve_one_step()  # (it reads no data)
 
     def next_step(self, step: int) -> Optional[int]:
         # After a non-finite loss: first the step it belongs to (the loop holds its loss and looks),
@@ -206,7 +206,7 @@ class ServerRuntime(Runtime):
         return losses  # the server heard every worker's loss: it alone guards against divergence
 
     def evaluate(self, batches, totals: Totals = COUNT_CORRECT) -> tuple[float, ...]:
-        return tuple(add_up(self.module, batches, self.ctx.device, totals).tolist())  # the whole set, no collective
+        return tuple(add_up(self.module, batches, self.ctx.device, totals, self.build.step).tolist())  # the whole set, no collective
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
