@@ -13,6 +13,11 @@ the first ``--warmup`` steps are left out of the timing (phalanx: its metrics fi
 
     python3 benchmarks/loop_overhead.py                        # 5 rounds of 3,000 steps
     python3 benchmarks/loop_overhead.py --rounds 3 --steps 1000 --save
+    python3 benchmarks/loop_overhead.py --clip-grad-norm 1.0 --save   # both loops clip every step
+
+With ``--clip-grad-norm`` the hand-written loop calls ``torch.nn.utils.clip_grad_norm_`` before each step and
+phalanx runs with ``--clip-grad-norm``: the ratio then says what phalanx's clipping (the norm kept on the
+device, read at log steps only) costs beyond torch's own call.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +41,7 @@ from _common import parser, print_medians, save_result
 LR = 0.05  # the mlp's recipe
 
 
-def hand_written(steps: int, warmup: int, batch: int) -> float:
+def hand_written(steps: int, warmup: int, batch: int, clip: Optional[float] = None) -> float:
     """examples/s of the plain loop, the warm-up steps left out."""
     bundle = load_data("digits")
     data = bundle.train
@@ -53,16 +59,18 @@ def hand_written(steps: int, warmup: int, batch: int) -> float:
         loss = F.cross_entropy(model(data.x[idx]), data.y[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return batch * steps / (time.perf_counter() - start)
 
 
-def phalanx_loop(steps: int, warmup: int, batch: int) -> float:
+def phalanx_loop(steps: int, warmup: int, batch: int, clip: Optional[float] = None) -> float:
     """examples/s of ``Trainer`` with one worker, from its metrics file's step intervals after the warm-up."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig(model="mlp", data="digits", workers=1, devices="cpu", threads=1, batch_size=batch,
                           lr=LR, steps=warmup + steps, log_every=warmup, progress="none", checkpoint_dir=tmp,
-                          checkpoint_every=0)
+                          checkpoint_every=0, clip_grad_norm=clip)
         Trainer(cfg).fit()
         events = [json.loads(line) for line in Path(cfg.metrics).read_text().splitlines()]
     logged = [e for e in events if e["event"] == "step"]
@@ -76,6 +84,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3000, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--clip-grad-norm", type=float, default=None, help="both loops clip the gradient norm to this")
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -83,10 +92,11 @@ def main() -> None:
     runs: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(args.rounds):
         for name, run in variants.items():
-            runs[name].append(run(args.steps, args.warmup, args.batch))
+            runs[name].append(run(args.steps, args.warmup, args.batch, args.clip_grad_norm))
             print(f"round {r + 1}/{args.rounds}  {name:<12} {runs[name][-1]:9.1f} examples/sec", flush=True)
 
-    print(f"\nmlp on digits, batch {args.batch}, 1 thread, {args.steps} timed steps, {args.rounds} rounds "
+    clipping = f", both clipping to {args.clip_grad_norm:g}" if args.clip_grad_norm is not None else ""
+    print(f"\nmlp on digits, batch {args.batch}, 1 thread, {args.steps} timed steps, {args.rounds} rounds{clipping} "
           "(median, min-max)")
     med = print_medians(runs, 12, " examples/sec")
     ratio = med["phalanx"] / med["hand-written"]
@@ -94,7 +104,7 @@ def main() -> None:
     per_step_us = (args.batch / med["phalanx"] - args.batch / med["hand-written"]) * 1e6
     print(f"  ratio phalanx/hand-written: {ratio:.3f} (paired per round {statistics.median(paired):.3f}, "
           f"{min(paired):.3f}-{max(paired):.3f}); phalanx adds {per_step_us:.0f} us a step (goal: ratio >= 0.97)")
-    save_result("loop_overhead", args, examples_per_sec=runs, median=med, ratio_phalanx_over_hand=ratio,
+    save_result("loop_overhead" + ("-clip" if args.clip_grad_norm is not None else ""), args, examples_per_sec=runs, median=med, ratio_phalanx_over_hand=ratio,
                 paired_ratios=paired, added_us_per_step=per_step_us)
 
 

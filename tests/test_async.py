@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch
 
-from helpers import run_and_signal, run_in_process, run_main, run_workers
+from helpers import run_and_signal, run_cli, run_in_process, run_main, run_workers
 from phalanx import TrainConfig, Trainer
 from phalanx.errors import PhalanxError, TrainingDiverged, WorkerFailed
 from phalanx.data import load_data
@@ -266,6 +266,46 @@ def test_a_ps_worker_that_raises_ends_the_job_with_its_traceback(tmp_path):
         Trainer(cfg, **_with(RaisesOnRank1())).fit()
     assert failed.value.rank == 1
     assert "Traceback" in failed.value.detail and "RuntimeError: a bug in the user's forward" in failed.value.detail
+
+
+RAISES_EVERYWHERE = """
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class Net(nn.Module):
+    \"\"\"User code with a bug that every worker hits alike: from its fourth forward pass on, any worker raises
+    (the server, rank 0, only evaluates).\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += self.training
+        if self.training and dist.is_initialized() and dist.get_rank() > 0 and self.calls >= 4:
+            raise RuntimeError(f"a bug in the user's forward, on rank {dist.get_rank()}")
+        return self.body(x)
+"""
+
+
+@pytest.mark.parametrize("strategy", [["ps"], ["backup", "--backup-workers", "1"]], ids=["ps", "backup"])
+def test_a_bug_in_every_ps_worker_ends_the_job_with_one_traceback_not_lost_workers(strategy, tmp_path):
+    """Before: "worker 1 lost at step 3; continuing with 1 workers", "worker 2 lost ...", then "the parameter
+    server (rank 0) failed: every worker was lost", and no traceback. A worker that raised says so in the job's
+    store before its connection drops: the server stops with it, and the first traceback is the job's error."""
+    (tmp_path / "raising.py").write_text(RAISES_EVERYWHERE)
+    run = run_cli("train", "--model", "raising:Net", "--strategy", *strategy, "--workers", "3", "--steps", "40",
+                  cwd=tmp_path)
+    assert run.returncode == 1, run.stderr
+    found = re.match(r"error: worker (\d) failed:\nTraceback \(most recent call last\):\n", run.stderr)
+    assert found, run.stderr
+    # Once, the named worker's own: not one per worker, not the server's.
+    assert run.stderr.count("Traceback") == 1 and run.stderr.count("RuntimeError: a bug") == 1, run.stderr
+    assert f"RuntimeError: a bug in the user's forward, on rank {found.group(1)}" in run.stderr
+    assert "lost" not in run.stdout + run.stderr and "every worker" not in run.stderr
 
 
 def test_sgd_momentum_on_stale_gradients_is_said_once_in_the_header_and_left_as_set():

@@ -5,11 +5,12 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from helpers import phalanx_cmd, run_and_signal
+from helpers import phalanx_cmd, run_and_signal, spawned_children
 from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint
 
 #: What a C++ abort at exit leaves on stderr (std::terminate, torchrun's report, a c10 error).
@@ -48,15 +49,35 @@ def test_a_torchrun_job_exits_0_every_time_with_nothing_from_cpp(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("to_the_group, signal_", [(False, signal.SIGTERM), (True, signal.SIGINT)],
+                         ids=["SIGTERM-to-the-agent", "SIGINT-to-the-group"])
+def test_under_phalanx_torchrun_a_stop_exits_143_or_130_without_torchruns_traceback(to_the_group, signal_, tmp_path):
+    # Plain torchrun's agent ends on the signal with exit 1 and its SignalException's traceback (its own code:
+    # README, "Preemptible and elastic jobs"); phalanx.torchrun is torchrun, ending as phalanx train does.
+    cmd = [sys.executable, "-m", "phalanx.torchrun", "--standalone", "--nproc-per-node", "2", "-m", "phalanx", "train",
+           *LONG]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    for line in proc.stdout:
+        if line.startswith("step 240,"):
+            (os.killpg if to_the_group else os.kill)(proc.pid, signal_)
+            break
+    out, err = proc.communicate(timeout=300)
+    _stopped_with_checkpoint(proc.returncode, err, tmp_path, signal_.name, 240)
+    assert "SignalException" not in err
+
+
+@pytest.mark.slow
 def test_a_torchrun_input_error_is_printed_once(tmp_path):
     run = _torchrun(tmp_path, "train", "--steps", "3", "--model", "mlp", "--batch-size", "0")
     assert run.returncode != 0
     assert run.stderr.count("error: ") == 1, run.stderr
 
 
-def _ctrl_c(cwd, args, after_line, timeout=300):
+def _ctrl_c(cwd, args, after_line, timeout=300, signal_=signal.SIGINT):
     """Run ``phalanx *args`` in a session of its own (as a terminal does) and, after ``after_line``,
-    send SIGINT to its whole process group: the parent and every worker get it, as from Ctrl-C."""
+    send SIGINT to its whole process group: the parent and every worker get it, as from Ctrl-C (with
+    ``signal_=SIGTERM``: as from Slurm, Kubernetes or ``kill -TERM -PGID``)."""
     proc = subprocess.Popen(phalanx_cmd() + args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, stdin=subprocess.DEVNULL, start_new_session=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -64,7 +85,7 @@ def _ctrl_c(cwd, args, after_line, timeout=300):
     for line in proc.stdout:
         lines.append(line)
         if line.startswith(after_line):
-            os.killpg(proc.pid, signal.SIGINT)
+            os.killpg(proc.pid, signal_)
             break
     rest, err = proc.communicate(timeout=timeout)
     return proc.returncode, "".join(lines) + rest, err
@@ -78,7 +99,8 @@ def _stopped_with_checkpoint(code, err, cwd, signame, after):
     assert found and found.group(1).lstrip("0") == found.group(3).lstrip("0"), err
     assert err.count("stopped at step") == 1
     step = int(found.group(1))
-    assert step > after and load_checkpoint(latest_checkpoint(cwd / "checkpoints"))["step"] == step
+    # (>=: a parameter server reads the request at the step it just printed, and may stop right there)
+    assert step >= after and load_checkpoint(latest_checkpoint(cwd / "checkpoints"))["step"] == step
     assert not any(t in err for t in CPP_TRACES + ("Traceback", "leaked semaphore")), err
     return step
 
@@ -90,10 +112,96 @@ def test_ctrl_c_to_the_process_group_stops_at_one_step_and_saves_it(strategy, tm
     _stopped_with_checkpoint(code, err, tmp_path, "SIGINT", 240)
 
 
+@pytest.mark.parametrize("strategy", ["sync", "ps", "pipeline"])
+def test_sigterm_to_the_process_group_stops_at_one_step_and_saves_it(strategy, tmp_path):
+    # The group holds the fork server too: it died of the SIGTERM, every worker then read as exited 255,
+    # and the command said "stopped by SIGTERM before the first step; nothing was saved" while the workers,
+    # orphaned, saved a step and then lost the store under them (C++ traces).
+    code, out, err = _ctrl_c(tmp_path, ["train", "--strategy", strategy, *LONG], "step 240,", signal_=signal.SIGTERM)
+    _stopped_with_checkpoint(code, err, tmp_path, "SIGTERM", 240)
+
+
+LAZY_DIGITS = """
+import numpy as np
+import torch
+from sklearn.datasets import load_digits
+
+
+class Digits(torch.utils.data.Dataset):
+    \"\"\"scikit-learn's digits, read item by item (by DataLoader workers under --loader-workers).\"\"\"
+
+    def __init__(self, lo, hi):
+        self.lo, self.hi, self.data = lo, hi, None
+
+    def __len__(self):
+        return self.hi - self.lo
+
+    def __getitem__(self, i):
+        if self.data is None:
+            self.data = load_digits()
+        return (self.data.data[self.lo + i] / 16.0).astype(np.float32), int(self.data.target[self.lo + i])
+
+
+def load():
+    return Digits(0, 1500), Digits(1500, 1797)
+"""
+
+
+def test_sigterm_to_the_process_group_with_loader_workers_stops_at_one_step_and_saves_it(tmp_path):
+    # The ranks' DataLoader workers are in the group too: torch's worker dies of a SIGTERM its parent did not
+    # send, and their fork server died of it, so the ranks' next batch failed ("DataLoader worker exited
+    # unexpectedly") before they could stop and save.
+    (tmp_path / "lazydigits.py").write_text(LAZY_DIGITS)
+    code, out, err = _ctrl_c(tmp_path, ["train", "--model", "mlp", "--data", "lazydigits:load", "--loader-workers",
+                                        "2", *LONG], "step 240,", signal_=signal.SIGTERM)
+    _stopped_with_checkpoint(code, err, tmp_path, "SIGTERM", 240)
+
+
 @pytest.mark.parametrize("strategy, signal_", [("sync", signal.SIGTERM), ("pipeline", signal.SIGINT)])
 def test_a_signal_to_one_worker_stops_the_whole_job_at_one_step(strategy, signal_, tmp_path):
     code, out, err = run_and_signal(["train", "--strategy", strategy, *LONG], tmp_path, "step 240,", signal_, rank=1)
     _stopped_with_checkpoint(code, err, tmp_path, signal_.name, 240)
+
+
+SLOW_START = """
+import time
+
+import torch.distributed as dist
+from torch import nn
+
+
+class Net(nn.Module):
+    \"\"\"A small mlp that rank 1 takes its time to build: a signal sent meanwhile reaches it before its first
+    step, while rank 0 already waits for it in a collective (DDP's first broadcast).\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+        if dist.is_initialized() and dist.get_rank() == 1:
+            open("building", "w").close()
+            time.sleep(120)
+
+    def forward(self, x):
+        return self.body(x)
+"""
+
+
+@pytest.mark.parametrize("signal_", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_one_worker_before_its_first_step_stops_the_job_blaming_no_one(signal_, tmp_path):
+    # Before: exit 1, "error: worker 0 failed:" and rank 0's gloo traceback (its collective lost the peer that
+    # ended at once), the rank that was not signalled blamed.
+    (tmp_path / "slowstart.py").write_text(SLOW_START)
+    proc = subprocess.Popen(phalanx_cmd() + ["train", "--model", "slowstart:Net", "--steps", "50", "--checkpoint-every",
+                                             "10"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    while not (tmp_path / "building").exists():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    os.kill(spawned_children(proc.pid)[1], signal_)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal_, err
+    assert err == f"stopped by {signal_.name} before the first step; nothing was saved\n"
+    assert not list(tmp_path.glob("checkpoints/step-*.pt")) and not spawned_children(os.getpid())
 
 
 def test_ranks_of_different_pace_agree_on_when_to_read_the_stop_request():

@@ -162,7 +162,8 @@ API_CASES = [
     (dict(model=nn.Linear(4, 3), train_data=(X, torch.randint(0, 10, (64,)))),
      "the model outputs 3 class scores but the labels go up to 9; make its last layer output 10"),
     (dict(model=nn.Linear(5, 2), train_data=(X, Y)), r"the model fails on an example batch of shape \(2, 4\)"),
-    (dict(model=nn.Linear(4, 2), train_data=(X, Y - 1)), "integer targets are class indices 0..C-1, and -1 is negative"),
+    (dict(model=nn.Linear(4, 2), train_data=(X, Y - 1)),  # -100 is torch's ignore_index: allowed, -1 is not
+     r"integer targets are class indices 0..C-1 \(or -100 for a position no loss counts\), and -1 is neither"),
     (dict(model=nn.Linear(4, 2), train_data=(X, Y[:, None])),  # a target per position, no score per position
      r"the model returns \(2, 2\) for targets of shape \(2, 1\): a class per position needs a score per class"),
     (dict(model=nn.Linear(4, 2), train_data=X), "train_data must be a pair"),

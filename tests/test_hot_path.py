@@ -110,11 +110,11 @@ def test_ordinary_steps_never_synchronise_the_gpu(tmp_path):
         calls = {"steps": 0}
         train_step, look = worker.runtime.train_step, worker._look
 
-        def step(x, y):
+        def step(batch):
             calls["steps"] += 1
             if calls["steps"] == 3:
                 torch.cuda.set_sync_debug_mode("error")
-            return train_step(x, y)
+            return train_step(batch)
 
         def looked(window):
             torch.cuda.set_sync_debug_mode("default")

@@ -85,3 +85,21 @@ def test_torchrun_environment_is_joined(monkeypatch):
         monkeypatch.setenv(k, v)
     # world size 1 under torchrun still runs without a process group
     assert launch(lambda ctx: (ctx.rank, ctx.world_size, ctx.backend), [torch.device("cpu")]) == (0, 1, None)
+
+
+@pytest.mark.parametrize("error, said", [
+    # gloo's words as torch 2.13 raised them when a peer was SIGKILLed (DDP's reducer; a hook's callback)
+    (RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                  "[127.0.0.1]:13211: Connection reset by peer. This is typically caused by a remote worker hanging "
+                  "or bugs in the application."), "Connection reset by peer"),
+    (RuntimeError("Got the following error when running the callback: RuntimeError: [/__w/pytorch/pytorch/third_party/"
+                  "gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:50090. This is typically "
+                  "caused by a remote worker crashing."), "Connection closed by peer"),
+    (RuntimeError("DataLoader worker (pid 4242) exited unexpectedly: [Errno 32] Broken pipe"), None),  # not a peer
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x2)"), None),
+    (ValueError("gloo: Connection reset by peer"), None),  # not what torch raises
+])
+def test_a_lost_peer_is_told_from_other_errors_by_the_backends_words(error, said):
+    from phalanx.launcher.joined import lost_peer
+
+    assert lost_peer(error) == said

@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import gather, run_workers
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from phalanx.errors import PhalanxError
@@ -130,6 +131,63 @@ def test_wire_buffers_are_kept_from_step_to_step():
     again = wire.cast(torch.full((10,), 2.0))
     assert again is first and again.dtype == torch.bfloat16 and again[0].item() == 2.0
     assert wire.cast(torch.ones(5)) is not first  # another bucket size: its own buffer
+
+
+def _flat_counts(ctx):
+    """What the meter counts over 3 steps of 2 micro-batches (the first under ``no_sync``) and an evaluation
+    forward, for DDP's own reducer as sync builds it, and for torch's ``allreduce_hook`` (the reference: its
+    ``dist.all_reduce`` of every bucket is what the meter's wrappers see). A frozen layer and a shared one
+    (counted once), several buckets; and which communication hook DDP says it runs."""
+    out = {}
+    for name in ("reducer", "hook"):
+        torch.manual_seed(0)
+        shared = nn.Linear(32, 32)
+        model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), shared, nn.Tanh(), shared, nn.Linear(32, 3))
+        model[0].requires_grad_(False)
+        ddp = DDP(model, bucket_cap_mb=0.001)
+        if name == "reducer":
+            apply_reduction(ddp, "flat", None, None, ctx.world_size, ctx.rank)
+        else:
+            ddp.register_comm_hook(None, allreduce_hook)
+        with metering() as meter:
+            meter.begin()
+            for _ in range(3):
+                with ddp.no_sync():
+                    ddp(torch.randn(4, 6)).sum().backward()
+                ddp(torch.randn(4, 6)).sum().backward()
+                with torch.no_grad():
+                    ddp(torch.randn(4, 6))
+        out[name] = (meter.sent, meter.received, ddp._get_ddp_logging_data().get("comm_hook"))
+    return out
+
+
+def test_a_flat_reduction_runs_ddps_own_reducer_and_counts_what_the_hook_counted():
+    out = run_workers(_flat_counts, 2)
+    gradient = 4 * (32 * 32 + 32 + 32 * 3 + 3)  # the shared layer once, the frozen one not at all
+    # a ring all-reduce of 2 ranks sends and receives the gradient once, in each of the 3 synchronised steps
+    assert out["hook"] == (3 * gradient, 3 * gradient, "allreduce_hook")
+    assert out["reducer"] == (3 * gradient, 3 * gradient, None)  # no hook: DDP's C++ reducer
+
+
+def test_a_compressed_buckets_failed_all_reduce_fails_the_step(monkeypatch):
+    """A peer lost mid all-reduce: DDP must see the error, not take the bucket as reduced (seen: under torchrun
+    the survivor then trained on, alone and on unreduced gradients, until some other collective failed)."""
+    from phalanx.reduce import CompressState, WireBuffers, compress_hook
+
+    class Failed:
+        def get_future(self):
+            future = torch.futures.Future()
+            future.set_exception(RuntimeError("Connection reset by peer"))
+            return future
+
+    class Bucket:
+        def buffer(self):
+            return torch.ones(4)
+
+    monkeypatch.setattr("torch.distributed.all_reduce", lambda tensor, async_op=False: Failed())
+    reduced = compress_hook(CompressState(WireBuffers(torch.bfloat16), 2), Bucket())
+    with pytest.raises(RuntimeError, match="Connection reset by peer"):
+        reduced.wait()
 
 
 def test_island_validation_and_auto_choice():

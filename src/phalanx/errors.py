@@ -32,6 +32,13 @@ class WorkerFailed(PhalanxError):
         super().__init__(f"{self.who} failed: {detail}")
 
 
+class PeerLost(PhalanxError):
+    """A collective failed because another rank went away (its process or its node died): this rank ends
+    with this one line (exit 1, which a torchrun agent restarts), never a traceback or an abort."""
+
+    exit_code = 1
+
+
 class StorageError(PhalanxError):
     """A checkpoint could not be written (disk full, permission denied); nothing saved before was lost."""
 

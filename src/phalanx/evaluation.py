@@ -36,7 +36,7 @@ from .train.config import TrainConfig
 from .train.resume import check_fits
 
 #: The training flags evaluate takes, the same fields (and help) as ``phalanx train``'s.
-FIELDS = ("model", "data", "loss", "metric", "validation_split", "loader_workers", "data_dir", "synthetic_shape",
+FIELDS = ("model", "data", "loss", "training_step", "target_key", "metric", "validation_split", "loader_workers", "data_dir", "synthetic_shape",
           "synthetic_size", "batch_size", "seed", "devices")
 #: Examples per forward pass when --batch-size is not given (a training run's evaluation uses the same).
 EVAL_BATCH = 256
@@ -94,7 +94,8 @@ class Evaluation:
         """The metrics over the whole held-out set, with where they come from."""
         test = self.data.test
         totals = Totals(self.task.metrics, self.task.loss_fn)
-        values = totals.values(add_up(self.model, eval_batches(test, self.batch), self.device, totals).tolist())
+        sums = add_up(self.model, eval_batches(test, self.batch), self.device, totals, self.task.step)
+        values = totals.values(sums.tolist())
         return {"checkpoint": self.state["path"], "step": int(self.state["step"]), "model": self.task.model_name,
                 "data": self.task.data_name, "held_out": self.data.held_out, "examples": len(test),
                 "metrics": values, "skipped": [path for path, _ in self.state.get("skipped", [])]}
@@ -113,6 +114,9 @@ def recorded(meta: dict[str, Any], has_model: bool, has_data: bool) -> dict[str,
         elif key == "data":
             raise PhalanxError(f"the checkpoint was trained on data handed to the API ({name!r}), which it cannot "
                                "load again; name it with --data MODULE:CALLABLE (or test_data= in phalanx.evaluate)")
+    for key in ("training_step", "target_key"):  # how the run called its model: evaluated the same way
+        if isinstance(meta.get(key), str):
+            out[key] = meta[key]
     return out
 
 

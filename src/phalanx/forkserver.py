@@ -26,8 +26,10 @@ from multiprocessing import forkserver
 from . import shaped_link
 from .errors import PhalanxError
 
-#: Imported by the fork server before it forks anyone: what every worker needs.
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "phalanx.launcher", "phalanx.train.loop",
+#: Imported by the fork server before it forks anyone: first what keeps the server alive through a
+#: SIGTERM sent to the whole process group (``forkserver_signals.py``), then what every worker needs.
+GUARD = "phalanx.forkserver_signals"
+PRELOAD = [GUARD, "torch", "torch._dynamo", "torch.distributed", "phalanx.launcher", "phalanx.train.loop",
            "phalanx.strategies"]
 
 _used = False  #: whether a worker was started from the server (else it is stopped at exit: see start_early)
@@ -74,4 +76,4 @@ def _stop_if_unused() -> None:
             pass
 
 
-__all__ = ["PRELOAD", "start_early", "start_method"]
+__all__ = ["GUARD", "PRELOAD", "start_early", "start_method"]

@@ -9,9 +9,11 @@ rank's smaller last batch as much as a full one).
 Built-in metrics, by name (``--metric NAME``):
 
 - ``accuracy`` (higher is better): the fraction of targets whose class has the highest score
-  (outputs ``(N, C)``, or ``(N, T, C)`` / ``(N, C, T)`` for a target per position);
-- ``loss`` (lower is better): the run's own loss, taken as a mean over the target's elements
-  (torch's ``reduction="mean"``), so a batch adds ``loss x targets.numel()``;
+  (outputs ``(N, C)``, or ``(N, T, C)`` / ``(N, C, T)`` for a target per position); targets of ``-100``
+  (torch's ``ignore_index``, Hugging Face's padding) are left out;
+- ``loss`` (lower is better): the step's own loss (the model's, where it computes one: ``step.py``), taken as
+  a mean over the targets it counted (torch's ``reduction="mean"``, ``-100`` left out), so a batch adds
+  ``loss x counted targets``;
 - ``perplexity`` (lower is better): ``exp`` of that loss over the whole set: with the default loss
   (:func:`cross_entropy`, a mean over tokens) exp of the mean loss per token, a language model's; reported
   by default where the targets are one class per position (targets (N, T));
@@ -19,13 +21,15 @@ Built-in metrics, by name (``--metric NAME``):
 
 A metric of your own (``--metric mymetrics:f1`` or ``Trainer(metrics=[f1])``): a module-level
 function ``fn(outputs, targets) -> (sum, count)`` returning this batch's sum of per-example (or
-per-element) values and how many it summed, as numbers or one-element tensors; its name is the
+per-element) values and how many it summed, as numbers or one-element tensors; ``fn(outputs, batch)``,
+its second parameter named ``batch``, receives the whole batch; its name is the
 function's name and lower is better unless it has an attribute ``higher_is_better = True``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import re
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -33,6 +37,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .data.batch import IGNORE, counted
 from .errors import PhalanxError
 
 Tally = Callable[[torch.Tensor, torch.Tensor], tuple[Any, Any]]
@@ -46,6 +51,7 @@ class Metric:
     higher_is_better: bool
     tally: Optional[Tally] = None  #: (outputs, targets) -> (sum, count); None: the run's loss
     finish: Optional[Callable[[float], float]] = None  #: applied to sum / count (perplexity: exp)
+    wants_batch: bool = False  #: the tally takes (outputs, batch): its second parameter is named ``batch``
 
     def value(self, total: float, count: float) -> float:
         mean = total / count if count else math.nan
@@ -63,7 +69,12 @@ def _predicted(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def correct(outputs: torch.Tensor, targets: torch.Tensor) -> tuple[Any, int]:
-    return (_predicted(outputs, targets) == targets).sum(), targets.numel()
+    """Targets of ``-100`` (torch's ``ignore_index``, Hugging Face's padding) are no class: left out."""
+    hits = _predicted(outputs, targets) == targets
+    if targets.is_floating_point() or not bool((targets == IGNORE).any()):
+        return hits.sum(), targets.numel()
+    kept = targets != IGNORE
+    return (hits & kept).sum(), kept.sum()
 
 
 def _aligned(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -113,12 +124,21 @@ CLASSIFICATION, SEQUENCE, REGRESSION = (ACCURACY, LOSS), (PERPLEXITY, ACCURACY, 
 
 
 def user_metric(fn: Callable, name: Optional[str] = None) -> Metric:
-    """A function ``(outputs, targets) -> (sum, count)`` as a Metric (see the module docstring)."""
+    """A function ``(outputs, targets) -> (sum, count)`` as a Metric (see the module docstring); one whose
+    second parameter is named ``batch`` receives the whole batch instead of its targets."""
     name = name or getattr(fn, "__name__", None) or type(fn).__name__
     higher = getattr(fn, "higher_is_better", False)
     if not isinstance(higher, bool):
         raise PhalanxError(f"metric {name}: higher_is_better is {higher!r}; set it to True or False")
-    return Metric(name, higher, fn)
+    return Metric(name, higher, fn, wants_batch=_second_parameter(fn) == "batch")
+
+
+def _second_parameter(fn: Callable) -> Optional[str]:
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names[1] if len(names) > 1 else None
 
 
 def with_loss(metrics: Sequence[Metric]) -> tuple[Metric, ...]:
@@ -132,35 +152,51 @@ def with_loss(metrics: Sequence[Metric]) -> tuple[Metric, ...]:
 
 class Totals:
     """Per batch, the float64 vector [sum, count] of the loss (where a metric is made of it) and of
-    every other metric: the vector a rank adds to, and the ranks add together (one all-reduce)."""
+    every other metric: the vector a rank adds to, and the ranks add together (one all-reduce).
+
+    The loss is the step's own (the model's where it computes one), weighted by the targets it averaged
+    over (``-100`` left out), so the loss over a set is exact however it was cut into batches."""
 
     def __init__(self, metrics: Sequence[Metric], loss_fn: Optional[Callable] = None):
         self.metrics = tuple(metrics)
-        self.loss_fn = loss_fn if any(m.tally is None for m in self.metrics) else None
-        self.tallies = [m.tally for m in self.metrics if m.tally is not None]
-        self.size = 2 * (len(self.tallies) + (self.loss_fn is not None))
+        self.with_loss = any(m.tally is None for m in self.metrics)
+        self.loss_fn = loss_fn if self.with_loss else None  #: for outputs given without the step's loss
+        self.tallies = [m for m in self.metrics if m.tally is not None]
+        self.size = 2 * (len(self.tallies) + self.with_loss)
 
     def zeros(self) -> torch.Tensor:
         return torch.zeros(self.size, dtype=torch.float64)
 
-    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def __call__(self, outputs: Any, targets: Any, loss: Optional[torch.Tensor] = None, batch: Any = None
+                 ) -> torch.Tensor:
+        """This batch's vector; ``loss``: the step's (None: the loss_fn on outputs and targets)."""
         if not self.size:
             return self.zeros()
-        targets = targets.to(outputs.device)
+        if isinstance(targets, torch.Tensor) and isinstance(outputs, torch.Tensor):
+            targets = targets.to(outputs.device)
         pairs = []
-        if self.loss_fn is not None:
-            pairs.append((self.loss_fn(outputs, targets).double() * targets.numel(), targets.numel()))
-        for tally in self.tallies:
-            made = tally(outputs, targets)
+        if self.with_loss:
+            if loss is None:
+                loss = self.loss_fn(outputs, targets)
+            n = counted(targets) if targets is not None else _examples(batch)
+            pairs.append((loss.detach().double() * n, n))
+        for metric in self.tallies:
+            made = metric.tally(outputs, batch if metric.wants_batch else targets)
             if not isinstance(made, (tuple, list)) or len(made) != 2:
-                raise PhalanxError(f"metric {getattr(tally, '__name__', tally)} returned {type(made).__name__}; "
-                                   "a metric returns (sum, count) for the batch, e.g. (errors.sum(), len(targets))")
+                raise PhalanxError(f"metric {metric.name} returned {type(made).__name__}; a metric returns (sum, "
+                                   "count) for the batch, e.g. (errors.sum(), len(targets))")
             pairs.append(made)
         return torch.tensor([float(v) for pair in pairs for v in pair], dtype=torch.float64)
 
+    def add(self, result: Any, batch: Any) -> torch.Tensor:
+        """This batch's vector from a step's :class:`~phalanx.step.StepResult`."""
+        if not self.size:
+            return self.zeros()
+        return self(result.outputs, result.targets, result.loss, batch)
+
     def values(self, sums: Sequence[float]) -> dict[str, float]:
         """Each metric's value from the summed vector, in the metrics' order."""
-        out, at = {}, 2 if self.loss_fn is not None else 0
+        out, at = {}, 2 if self.with_loss else 0
         for m in self.metrics:
             if m.tally is None:
                 out[m.name] = m.value(sums[0], sums[1])
@@ -170,19 +206,32 @@ class Totals:
         return out
 
 
+def _examples(batch: Any) -> int:
+    from .data.batch import length
+
+    return length(batch) if batch is not None else 1
+
+
 #: Adds nothing: forwards whose outputs are not counted (a rank keeping in step with the others).
 FORWARD_ONLY = Totals(())
 
 
-def add_up(model: torch.nn.Module, batches: Iterable, device: torch.device, totals: Totals) -> torch.Tensor:
-    """``totals`` summed over ``batches`` of ``model``'s outputs (in eval mode, no gradients)."""
+def add_up(model: torch.nn.Module, batches: Iterable, device: torch.device, totals: Totals,
+           step: Optional[Callable] = None) -> torch.Tensor:
+    """``totals`` summed over ``batches`` of ``step(model, batch)`` (in eval mode, no gradients); ``step``: the
+    task's (None: the model called on a pair's inputs, scored with ``totals``' loss)."""
+    from .data.batch import to_device
+    from .step import DefaultStep
+
+    step = step or DefaultStep(totals.loss_fn or cross_entropy)
     was_training = model.training
     model.eval()
     sums = totals.zeros()
     try:
         with torch.no_grad():
-            for x, y in batches:
-                sums += totals(model(x.to(device)), y)
+            for batch in batches:
+                batch = to_device(batch, device)
+                sums += totals.add(step(model, batch), batch)
     finally:
         model.train(was_training)
     return sums

@@ -19,6 +19,9 @@ buffers are kept from step to step (:class:`WireBuffers`) instead of allocated p
 gloo reduces bf16/fp16 on the CPU as well (torch 2.13), so this runs on CPU workers too, but gloo
 adds fp16 element by element (slower than fp32) and on loopback a byte costs about as much to cast
 as to send: see docs/topology.md for what it saves where.
+
+A flat reduction without compression registers no hook at all: DDP's C++ reducer all-reduces its
+buckets itself, and :class:`CountedAllReduce` prices them on the wire meter (``wire.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+from . import wire
 from .errors import PhalanxError
 
 REDUCTIONS = ("flat", "hierarchical", "auto")
@@ -100,7 +103,8 @@ def compress_hook(state, bucket):  # no annotations: DDP checks them, and they w
     wire = state.wire.cast(flat).div_(state.world_size)  # divided first: fp16 sums must not overflow
     future = dist.all_reduce(wire, async_op=True).get_future()
 
-    def back(_):
+    def back(done):
+        done.value()  # a failed all-reduce (a peer lost) fails the step; unread, DDP took the bucket as reduced
         return flat.copy_(wire)
 
     return future.then(back)
@@ -159,6 +163,33 @@ def hierarchical_hook(state, bucket):  # no annotations: DDP checks them, and th
     return future
 
 
+def reduced_bytes(ddp_model) -> int:
+    """The bytes DDP all-reduces per synchronised backward: every bucket once, i.e. the gradients of the
+    parameters it reduces (those that require grad, less those it was told to ignore; shared ones once)."""
+    return sum(p.numel() * p.element_size() for name, p in ddp_model.module.named_parameters()
+               if p.requires_grad and name not in ddp_model.parameters_to_ignore)
+
+
+class CountedAllReduce:
+    """DDP's own all-reduce, priced on the wire meter without a communication hook (a forward pre-hook).
+
+    A forward pass with gradients on and outside ``no_sync`` arms DDP's reducer (the condition below is
+    DDP's own): the backward that follows all-reduces every bucket once, so one all-reduce of
+    :func:`reduced_bytes` is counted there; inner micro-batches under ``no_sync`` count nothing. Why not
+    torch's ``allreduce_hook``, which sends the buckets through ``dist.all_reduce`` where they are
+    counted: it cost 1.6-3.2% of a DDP step, and a lost peer's error came out of its callback on gloo's
+    thread (``Got the following error when running the callback``), not out of the reducer.
+    """
+
+    def __init__(self, ddp_model):
+        self.nbytes = reduced_bytes(ddp_model)
+        self.size = ddp_model.process_group.size()
+
+    def __call__(self, ddp_model, args) -> None:
+        if torch.is_grad_enabled() and ddp_model.require_backward_grad_sync:
+            wire.count("all_reduce", self.nbytes, self.size)
+
+
 def choose_reduction(reduce: str, islands: Optional[list[list[int]]], cpu: bool = False) -> str:
     """``auto`` picks hierarchical only where the topology gives it something to win.
 
@@ -176,7 +207,8 @@ def choose_reduction(reduce: str, islands: Optional[list[list[int]]], cpu: bool 
 
 def apply_reduction(ddp_model, reduce: str, compress: Optional[str], islands: Optional[list[list[int]]],
                     world_size: int, rank: int, cpu: bool = False) -> str:
-    """Register the right communication hook on ``ddp_model``; return a phrase for the run header."""
+    """Register the right communication hook on ``ddp_model`` (none for a flat all-reduce in full precision:
+    DDP's own reducer, counted by :class:`CountedAllReduce`); return a phrase for the run header."""
     if compress not in COMPRESSIONS:
         raise PhalanxError(f"unknown --compress {compress!r}: choose bf16 or fp16")
     kind = choose_reduction(reduce, islands, cpu)
@@ -195,10 +227,8 @@ def apply_reduction(ddp_model, reduce: str, compress: Optional[str], islands: Op
             described = f"flat all-reduce (islands {islands}: {why}, nothing to reduce hierarchically)"
     if described.startswith("flat") and compress is not None:
         ddp_model.register_comm_hook(CompressState(WireBuffers(COMPRESSIONS[compress]), world_size), compress_hook)
-    elif described.startswith("flat"):
-        # torch's own hook, the same all-reduce as DDP's built-in one: through dist.all_reduce, where
-        # phalanx counts the bytes on the wire (wire.py); the C++ reducer's own call is never seen.
-        ddp_model.register_comm_hook(None, allreduce_hook)
+    elif described.startswith("flat"):  # DDP's own reducer, no hook: its bytes counted as it is armed
+        ddp_model.register_forward_pre_hook(CountedAllReduce(ddp_model))
     if compress == "fp16" and cpu:
         return described + ", fp16 on the wire (gloo adds fp16 slowly on the CPU: bf16 is faster there)"
     return described + (f", {compress} on the wire" if compress else "")

@@ -29,16 +29,20 @@ from .errors import PhalanxError
 from .metrics import (BUILT_IN, CLASSIFICATION, REGRESSION, SEQUENCE, Metric, check_target, cross_entropy, mse_loss,
                       user_metric, with_loss)
 from .models import build_model
+from .step import step_for
 
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+#: ``(optimizer) -> scheduler``, or ``(optimizer, total_steps=...)`` where it names total_steps
+SchedulerFactory = Callable[..., Any]
 
 
 @dataclasses.dataclass
 class Task:
     """The user's problem. ``make_model(input_shape, num_classes)`` builds the model (every worker
     calls it after seeding, so every replica starts equal); ``make_optimizer`` None: the config's
-    built-in optimizer by name (sgd, adam, adamw), with its lr schedule and batch scaling."""
+    built-in optimizer by name (sgd, adam, adamw), with its lr schedule and batch scaling;
+    ``make_scheduler`` None: phalanx's own schedule (``--lr-schedule``)."""
 
     make_model: Callable[[tuple, int], nn.Module]
     model_name: str  #: how the header and the checkpoint name the model: ``cnn``, ``mymodels:Net``
@@ -48,20 +52,43 @@ class Task:
     #: what evaluation reports (the loss always among them), each with its direction (see metrics.py)
     metrics: tuple[Metric, ...] = CLASSIFICATION
     make_optimizer: Optional[OptimizerFactory] = None
+    make_scheduler: Optional[SchedulerFactory] = None
+    #: the user's ``step(model, batch) -> loss | (loss, outputs)`` (None: the convention's, see step.py)
+    training_step: Optional[Callable] = None
+    target_key: Optional[str] = None  #: the key of a dict batch holding the targets (None: labels or label)
 
-    def optimizer(self, params: Any) -> torch.optim.Optimizer:
-        """The factory's optimizer, checked: a factory returning something else is one line."""
-        made = self.make_optimizer(params)
+    @property
+    def step(self) -> Callable:
+        """``step(model, batch) -> StepResult``: how every strategy, the evaluation and the checks call the model."""
+        return step_for(self.loss_fn, self.training_step, self.target_key)
+
+    def optimizer(self, model: Any) -> torch.optim.Optimizer:
+        """The factory's optimizer on ``model`` (a module: see :func:`call_optimizer_factory`), checked: a
+        factory returning something else is one line."""
+        made = call_optimizer_factory(self.make_optimizer, model)
         if not isinstance(made, torch.optim.Optimizer):
             raise PhalanxError(f"the optimizer factory {label(self.make_optimizer)} returned "
                                f"{type(made).__name__}; expected a torch.optim.Optimizer built on the params given")
         return made
 
-    def optimizer_for(self, cfg: Any, params: Any, global_batch: Optional[int] = None) -> torch.optim.Optimizer:
-        """The run's optimizer: the user's factory (its own lr: a schedule multiplies it), else the config's
-        ``--optimizer`` at ``--lr``, scaled to ``global_batch`` by the linear scaling rule (None: as given)."""
+    def scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+        """The user's LR scheduler on ``optimizer``, checked: something without ``step`` and ``state_dict``
+        (what the loop and checkpoints use) is one line."""
+        factory = self.make_scheduler
+        made = factory(optimizer, total_steps=total_steps) if names_parameter(factory, "total_steps") \
+            else factory(optimizer)
+        if not all(callable(getattr(made, m, None)) for m in ("step", "state_dict", "load_state_dict")):
+            raise PhalanxError(f"the LR scheduler factory {label(factory)} returned {type(made).__name__}; expected a "
+                               "torch.optim.lr_scheduler scheduler built on the optimizer given")
+        return made
+
+    def optimizer_for(self, cfg: Any, model: Any, global_batch: Optional[int] = None) -> torch.optim.Optimizer:
+        """The run's optimizer on ``model`` (a module, or its parameters): the user's factory (its own lr: a
+        schedule multiplies it), else the config's ``--optimizer`` at ``--lr``, scaled to ``global_batch`` by
+        the linear scaling rule (None: as given)."""
         if self.make_optimizer is not None:
-            return self.optimizer(params)
+            return self.optimizer(model)
+        params = model.parameters() if isinstance(model, nn.Module) else model
         from .train.schedules import scaled_lr
 
         lr = cfg.lr if global_batch is None else scaled_lr(cfg.lr, global_batch, cfg.lr_base_batch)
@@ -69,6 +96,25 @@ class Task:
             make = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
             return make(params, lr=lr, weight_decay=cfg.weight_decay)
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def names_parameter(fn: Callable, name: str, first: bool = False) -> bool:
+    """Whether ``fn``'s signature names a parameter ``name`` (``first``: as its first one)."""
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return (params[:1] == [name]) if first else name in params
+
+
+def call_optimizer_factory(factory: Callable, model: Any) -> torch.optim.Optimizer:
+    """``factory(model)`` where its first parameter is named ``model`` (``def opt(model): return
+    model.configure_optimizers(...)``: parameter groups by name are the user's rule), else
+    ``factory(model.parameters())`` as torch's optimizers take them. ``model`` is the module the
+    strategy steps (see docs/strategies.md); parameters given instead are passed as they are."""
+    if not isinstance(model, nn.Module):
+        return factory(model)
+    return factory(model) if names_parameter(factory, "model", first=True) else factory(model.parameters())
 
 
 # --------------------------------------------------------------------------- import paths
@@ -95,19 +141,47 @@ def resolve(spec: str, flag: str, expected: str) -> Callable:
     if not module_name or not attr:
         raise PhalanxError(f"{flag} {spec}: write MODULE:CALLABLE, e.g. mymodels:Net")
     importable_cwd()
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as e:  # the user's module may raise anything while importing
-        first = (str(e).strip().splitlines() or [""])[0][:160]
-        raise PhalanxError(f"{flag} {spec}: cannot import module '{module_name}' ({type(e).__name__}: {first}); "
-                           "run from the directory that holds it, or add it to PYTHONPATH") from None
+    obj: Any = _import(module_name, spec, flag)
     for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise PhalanxError(f"{flag} {spec}: module '{module_name}' has no attribute '{attr}'")
-        obj = getattr(obj, part)
+        obj = _attribute(obj, part, module_name, attr, spec, flag)
     if not callable(obj):
         raise PhalanxError(f"{flag} {spec}: '{attr}' is a {type(obj).__name__}, not callable; expected {expected}")
     return obj
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:160]
+
+
+def _import(module_name: str, spec: str, flag: str) -> Any:
+    """The module, or one line: where the module itself is not found, where to run from; where it (or an
+    import inside it) raised, the exception, since running elsewhere would not help."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        # Only this module (or a package above it) missing means it is not on the path; a module it
+        # imports that is missing is the user's environment, named as it is.
+        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise PhalanxError(f"{flag} {spec}: cannot import module '{module_name}' (ModuleNotFoundError: "
+                               f"{_first_line(e)}); "
+                               "run from the directory that holds it, or add it to PYTHONPATH") from None
+        raise PhalanxError(f"{flag} {spec}: importing module '{module_name}' failed (ModuleNotFoundError: "
+                           f"{_first_line(e)}); install what it imports") from None
+    except Exception as e:  # the user's module may raise anything while importing (SyntaxError included)
+        raise PhalanxError(f"{flag} {spec}: importing module '{module_name}' raised {type(e).__name__}: "
+                           f"{_first_line(e)}") from None
+
+
+def _attribute(obj: Any, part: str, module_name: str, attr: str, spec: str, flag: str) -> Any:
+    """``getattr(obj, part)``, or one line: a lazy module (transformers' ``_LazyModule``) imports on
+    attribute access and may raise anything there, not only AttributeError."""
+    try:
+        return getattr(obj, part)
+    except AttributeError:
+        raise PhalanxError(f"{flag} {spec}: module '{module_name}' has no attribute '{attr}'") from None
+    except Exception as e:
+        raise PhalanxError(f"{flag} {spec}: looking up '{attr}' in module '{module_name}' raised "
+                           f"{type(e).__name__}: {_first_line(e)}") from None
 
 
 def label(obj: Any) -> str:
@@ -122,20 +196,26 @@ def label(obj: Any) -> str:
 
 
 def call_model_factory(factory: Callable, name: str, input_shape: tuple, num_classes: int) -> nn.Module:
-    """Call an imported model factory with those of ``input_shape`` and ``num_classes`` it accepts."""
-    offered = {"input_shape": tuple(input_shape), "num_classes": num_classes}
+    """Call an imported model factory with what it can take, in the ecosystem's conventions: ``num_classes``
+    where a parameter is so named or through ``**kwargs`` (torchvision's builders pass it on to the model's
+    constructor), ``input_shape`` only where a parameter is so named (no constructor of the ecosystem takes it)."""
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         params = {}
-    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    kwargs = {k: v for k, v in offered.items() if takes_all or k in params}
+    takes_more = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs: dict[str, Any] = {}
+    if "input_shape" in params:
+        kwargs["input_shape"] = tuple(input_shape)
+    if "num_classes" in params or takes_more:
+        kwargs["num_classes"] = num_classes
     try:
         model = factory(**kwargs)
     except Exception as e:
-        first = (str(e).strip().splitlines() or [""])[0][:160]
         raise PhalanxError(f"--model {name}: calling it with {kwargs or 'no arguments'} failed "
-                           f"({type(e).__name__}: {first}); it may take input_shape and num_classes keywords") from None
+                           f"({type(e).__name__}: {_first_line(e)}); phalanx passes num_classes (named, or through "
+                           "**kwargs) and input_shape (named) only; wrap other arguments in a function of yours") \
+            from None
     if not isinstance(model, nn.Module):
         raise PhalanxError(f"--model {name}: returned {type(model).__name__}; expected a torch.nn.Module")
     return model
@@ -171,7 +251,8 @@ def _culprit(model: nn.Module) -> str:
 
 def task_from(cfg: Any, *, model: Optional[nn.Module] = None, train_data: Any = None, test_data: Any = None,
               loss_fn: Optional[Callable] = None, optimizer: Optional[OptimizerFactory] = None,
-              metrics: Optional[Sequence[Any]] = None, target_flag: str = "--stop-at") -> Task:
+              metrics: Optional[Sequence[Any]] = None, target_flag: str = "--stop-at",
+              lr_scheduler: Optional[SchedulerFactory] = None, training_step: Optional[Callable] = None) -> Task:
     """The Task of a run (``cfg``: its TrainConfig): what the API was given first, else the config's
     names (built-in, or import paths resolved here, in the parent, so that nothing starts if one fails).
     Float targets make a regression: MSE unless a loss is given, and loss and mse reported; integer targets
@@ -181,18 +262,25 @@ def task_from(cfg: Any, *, model: Optional[nn.Module] = None, train_data: Any = 
         raise PhalanxError(f"optimizer= and --optimizer {cfg.optimizer} both name the optimizer: give one")
     if metrics is not None and cfg.metric is not None:
         raise PhalanxError(f"metrics= and --metric {cfg.metric} both name the metrics: give one")
-    data, data_name = _task_data(cfg, train_data, test_data)
+    if lr_scheduler is not None and cfg.lr_scheduler is not None:
+        raise PhalanxError(f"lr_scheduler= and --lr-scheduler {cfg.lr_scheduler} both name the LR scheduler: give one")
+    target_key = getattr(cfg, "target_key", None)
+    data, data_name = _task_data(cfg, train_data, test_data, target_key)
     regression = data is not None and data.train.target_dtype.is_floating_point
     sequence = data is not None and not regression and len(data.train.target_shape) > 0
     task = _task_parts(cfg.model, cfg.optimizer, cfg.loss, model, loss_fn, optimizer, regression)
     task.data, task.data_name = data, data_name
+    task.training_step, task.target_key = _training_step(cfg, training_step), target_key
     task.metrics = _metrics(cfg, metrics, regression, sequence, target_flag)
+    task.make_scheduler = lr_scheduler if lr_scheduler is not None else resolve(
+        cfg.lr_scheduler, "--lr-scheduler", "a callable optimizer -> LR scheduler") if cfg.lr_scheduler else None
     return task
 
 
 def user_task(cfg: Any, *, model: Optional[nn.Module] = None, train_data: Any = None, test_data: Any = None,
               loss_fn: Optional[Callable] = None, optimizer: Optional[OptimizerFactory] = None,
-              metrics: Optional[Sequence[Any]] = None, target_flag: str = "--stop-at") -> Task:
+              metrics: Optional[Sequence[Any]] = None, target_flag: str = "--stop-at",
+              lr_scheduler: Optional[SchedulerFactory] = None, training_step: Optional[Callable] = None) -> Task:
     """:func:`task_from` for what a Python caller passed (``Trainer``, ``phalanx.compare``,
     ``phalanx.estimate``): a wrong kind of object is one line here, not a TypeError deep in a worker."""
     if model is not None and not isinstance(model, nn.Module):
@@ -200,16 +288,35 @@ def user_task(cfg: Any, *, model: Optional[nn.Module] = None, train_data: Any = 
     if optimizer is not None and not callable(optimizer):
         raise PhalanxError(f"optimizer must be a callable params -> torch.optim.Optimizer, got "
                            f"{type(optimizer).__name__}")
+    if lr_scheduler is not None and not callable(lr_scheduler):
+        raise PhalanxError(f"lr_scheduler must be a callable optimizer -> LR scheduler, got "
+                           f"{type(lr_scheduler).__name__}")
+    if training_step is not None and not callable(training_step):
+        raise PhalanxError(f"training_step must be a callable step(model, batch) -> loss, got "
+                           f"{type(training_step).__name__}")
     return task_from(cfg, model=model, train_data=train_data, test_data=test_data, loss_fn=loss_fn,
-                     optimizer=optimizer, metrics=metrics, target_flag=target_flag)
+                     optimizer=optimizer, metrics=metrics, target_flag=target_flag, lr_scheduler=lr_scheduler,
+                     training_step=training_step)
+
+
+def _training_step(cfg: Any, given: Optional[Callable]) -> Optional[Callable]:
+    """``training_step=`` or ``--training-step MODULE:CALLABLE`` (not both)."""
+    spec = getattr(cfg, "training_step", None)
+    if given is not None and spec is not None:
+        raise PhalanxError(f"training_step= and --training-step {spec} both name the training step: give one")
+    if spec is None:
+        return given
+    return resolve(spec, "--training-step", "a step(model, batch) -> loss or (loss, outputs)")
 
 
 def named_optimizer(cfg: Any, task: Task) -> Any:
-    """The config with the optimizer factory's name (``mymodels:adamw``) where the API gave the factory:
-    the header, the checkpoint's settings and ``--resume`` name it."""
-    if task.make_optimizer is None or cfg.optimizer is not None:
-        return cfg
-    return dataclasses.replace(cfg, optimizer=label(task.make_optimizer))
+    """The config with the optimizer and scheduler factories' names (``mymodels:adamw``) where the API gave
+    the factories: the header, the checkpoint's settings and ``--resume`` name them."""
+    if task.make_optimizer is not None and cfg.optimizer is None:
+        cfg = dataclasses.replace(cfg, optimizer=label(task.make_optimizer))
+    if task.make_scheduler is not None and cfg.lr_scheduler is None:
+        cfg = dataclasses.replace(cfg, lr_scheduler=label(task.make_scheduler))
+    return cfg
 
 
 def _metrics(cfg: Any, given: Optional[Sequence[Any]], regression: bool, sequence: bool = False,
@@ -255,7 +362,8 @@ def metric_of(spec: Any, flag: str = "--metric") -> Metric:
                        "returning (sum, count) for a batch")
 
 
-def _task_data(cfg: Any, train: Any, test: Any) -> tuple[Optional[DataBundle], str]:
+def _task_data(cfg: Any, train: Any, test: Any, target_key: Optional[str] = None
+               ) -> tuple[Optional[DataBundle], str]:
     """The user's data as a bundle and its name; (None, name) for a built-in set."""
     from .data.user import user_bundle
 
@@ -271,9 +379,10 @@ def _task_data(cfg: Any, train: Any, test: Any) -> tuple[Optional[DataBundle], s
                                "of datasets, test may be None")
         train, test = loaded
         return user_bundle(train, test, cfg.validation_split, cfg.seed, cfg.data, f"--data {cfg.data}",
-                           cfg.loader_workers), cfg.data
+                           cfg.loader_workers, target_key), cfg.data
     if train is not None or test is not None:
-        return user_bundle(train, test, cfg.validation_split, cfg.seed, loader_workers=cfg.loader_workers), "your data"
+        return user_bundle(train, test, cfg.validation_split, cfg.seed, loader_workers=cfg.loader_workers,
+                           target_key=target_key), "your data"
     if cfg.loader_workers:
         raise PhalanxError(f"--loader-workers {cfg.loader_workers} reads a Dataset of your own lazily, and --data "
                            f"{cfg.data} is a built-in set held in memory; drop --loader-workers")

@@ -53,6 +53,27 @@ def store_client(addr: str, port: int, timeout_s: float = 30.0) -> dist.Store:
     return dist.PrefixStore(PREFIX, dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s)))
 
 
+def say_raised(store: Optional[dist.Store], rank: int) -> None:
+    """Record in the job's store that ``rank`` raised an exception, before its connections close: a peer
+    that sees it go can tell a bug (which every worker may share: end the job with its traceback) from a
+    lost machine (go on without it). A round trip (``add``), so the record is there before the connections
+    close."""
+    if store is None:
+        return
+    try:
+        store.add(f"{PREFIX}raised/{rank}", 1)
+    except Exception:  # the store is gone: the job is ending anyway
+        pass
+
+
+def has_raised(store: Optional[dist.Store], rank: int) -> bool:
+    """Whether ``rank`` recorded that it raised (see :func:`say_raised`)."""
+    try:
+        return store is not None and store.check([f"{PREFIX}raised/{rank}"])
+    except Exception:
+        return False
+
+
 # --------------------------------------------------------------------------- worker side
 
 
@@ -236,6 +257,11 @@ class Watcher:
             return max(state.step for state in states.values())
         return states[rank].step if rank in states else None
 
+    def steps_made(self) -> bool:
+        """Whether any rank has finished a step of this run (a rank is at step N + 1 while it makes step N + 1;
+        a resumed run's ranks begin past 0, so a stop before its first step still reads as steps made)."""
+        return any(state.step > 1 for state in self.read().values())
+
     def hung(self, now: Optional[float] = None) -> bool:
         """No rank the job needs has moved for the timeout. Start-up (spawning, importing, building the
         model, profiling, until every rank has begun its first step) is allowed at least :data:`STARTUP_S`."""
@@ -329,4 +355,5 @@ def exit_status(signame: str) -> int:
     return 128 + int(getattr(signal, signame))
 
 
-__all__ = ["Progress", "Watcher", "describe_hang", "enable_flight_recorder", "exit_status", "store_client"]
+__all__ = ["Progress", "Watcher", "describe_hang", "enable_flight_recorder", "exit_status", "has_raised", "say_raised",
+           "store_client"]

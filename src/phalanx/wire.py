@@ -11,10 +11,15 @@ engines phalanx uses call them directly (FSDP2's all-gathers and reduce-scatters
 schedules' isend/irecv, the model averagers' all-reduce, the parameter server's send/recv). While
 metering, the public functions of ``torch.distributed`` and the same names inside
 ``distributed_c10d`` (through which torch's object collectives reach their tensor collectives) are
-replaced by one counting wrapper each, restored on the way out. DDP's buckets never pass through
-Python (its C++ reducer all-reduces them): ``reduce.py`` registers torch's own ``allreduce_hook``
-so that they do. Only the outermost call counts (``all_gather_into_tensor`` calls
-``all_gather_single``), and the counting is a few Python operations per call: nothing is sent.
+replaced by one counting wrapper each, restored on the way out. Only the outermost call counts
+(``all_gather_into_tensor`` calls ``all_gather_single``), and the counting is a few Python operations
+per call: nothing is sent.
+
+DDP's buckets never pass through Python: its C++ reducer all-reduces them. Routing them through a
+Python communication hook only to count them cost sync 1.6-3.2% of a step, and a lost peer's error
+came out of the hook's callback on gloo's thread. They need no wrapper: what DDP all-reduces
+per synchronised backward is known in advance (every bucket once: the gradients of the parameters it
+reduces), so ``reduce.py`` prices that with :func:`count` as each such backward is armed.
 
 Each call is priced by the traffic of the algorithm gloo runs, measured on a namespace's loopback
 counters (torch 2.13, 2 and 3 ranks, 4 MiB tensors; totals over the ranks within 1%). Per rank,
@@ -194,6 +199,19 @@ class _Wrapped:
         self.meter.add(*traffic(self.kind, _nbytes(bound.get(self.input)), size, root))
 
 
+#: the meters of the metering() blocks open in this process, innermost last
+_OPEN: list[Meter] = []
+
+
+def count(kind: str, nbytes: int, size: int) -> None:
+    """Price a ``kind`` collective of ``nbytes`` over ``size`` ranks that torch makes out of Python's
+    sight (DDP's reducer), on every open meter, as the wrappers price the calls they see."""
+    if _OPEN:
+        sent, received = traffic(kind, nbytes, size)
+        for meter in _OPEN:
+            meter.add(sent, received)
+
+
 @contextlib.contextmanager
 def metering(meter: Optional[Meter] = None) -> Iterator[Meter]:
     """Inside, every torch.distributed call of this process is counted on ``meter`` (a new one by
@@ -210,9 +228,11 @@ def metering(meter: Optional[Meter] = None) -> Iterator[Meter]:
             if getattr(module, name, None) is original:
                 saved.append((module, name, original))
                 setattr(module, name, wrapper)
+    _OPEN.append(meter)
     try:
         yield meter
     finally:
+        _OPEN[:] = [m for m in _OPEN if m is not meter]  # (by identity: meters compare by value)
         for module, name, original in saved:
             setattr(module, name, original)
 
@@ -238,4 +258,4 @@ def summary_line(meter: Meter, job: Optional[float], steps: int) -> str:
     return f"bytes on the wire: {size(job / per)} per step, {size(job)} in {steps} steps (what every rank sent; {mine})"
 
 
-__all__ = ["Meter", "metering", "size", "summary_fields", "summary_line", "traffic"]
+__all__ = ["Meter", "count", "metering", "size", "summary_fields", "summary_line", "traffic"]

@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import pickle
 import select
+import signal
 import sys
 import threading
 from typing import Any, Iterable, Iterator, NamedTuple, Optional
@@ -31,10 +32,15 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from ..errors import PhalanxError
+from ..forkserver import GUARD
+from . import batch as batches
+from .columns import check_targets
 
 #: What the loader workers' fork server imports before it forks them (see the module docstring), besides
 #: the module defining the Dataset: each worker would otherwise import them again, seconds per worker.
-LOADER_PRELOAD = ["__main__", "torch", __name__]
+#: First the module that makes the server and its workers ignore SIGTERM (a stop sent to the whole process
+#: group is the rank's to handle: see ``phalanx/forkserver_signals.py``).
+LOADER_PRELOAD = [GUARD, "__main__", "torch", __name__]
 
 
 def as_tensor(value: Any, name: str) -> torch.Tensor:
@@ -47,40 +53,50 @@ def as_tensor(value: Any, name: str) -> torch.Tensor:
 
 
 class LazyExamples:
-    """A map-style Dataset of (input, target) items, read a batch at a time (the same interface as an
-    in-memory ArrayDataset: ``take``, ``read``, ``subset``, ``cast``). ``workers``: DataLoader worker
-    processes reading it (0: read in this process)."""
+    """A map-style Dataset of items of any structure (pairs, tuples, dicts of tensors), read a batch at a time
+    (the same interface as an in-memory ArrayDataset: ``take``, ``read``, ``subset``, ``cast``). ``workers``:
+    DataLoader worker processes reading it (0: read in this process). Items are collated by the Dataset's own
+    ``collate_fn`` where it has one, else by torch's ``default_collate``."""
 
     augment_params = None  #: the user's Dataset augments in its own __getitem__, if at all
 
     def __init__(self, dataset: Any, workers: int, name: str, inputs: Optional[torch.dtype] = None,
-                 targets: Optional[torch.dtype] = None):
+                 targets: Optional[torch.dtype] = None, target_key: Optional[str] = None):
         self.dataset, self.workers, self.name = dataset, workers, name
         self.inputs, self.targets = inputs, targets  # dtypes to cast to (None: as the items come)
+        self.target_key = target_key
         if len(dataset) == 0:
             raise PhalanxError(f"{name} is empty: give at least one example")
-        x, y = self[0]
-        self.example_shape, self.target_shape = tuple(x.shape), tuple(y.shape)
-        self.input_dtype, self.target_dtype = x.dtype, y.dtype
-        if y.is_complex() or y.dtype == torch.bool:
+        first = self.take(torch.arange(1))
+        x = batches.first_tensor(batches.inputs(first, target_key))
+        y = batches.targets(first, target_key)
+        self.example_shape = tuple(x.shape[1:]) if x is not None else ()
+        self.input_dtype = x.dtype if x is not None else torch.float32
+        self.target_shape = tuple(y.shape[1:]) if isinstance(y, torch.Tensor) else ()
+        self.target_dtype = y.dtype if isinstance(y, torch.Tensor) else torch.long
+        if y is not None and (y.is_complex() or y.dtype == torch.bool):
             raise PhalanxError(f"{name}: targets are {str(y.dtype).replace('torch.', '')}: give integer class "
                                "indices or float regression targets")
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> Any:
         item = read_item(self.dataset, i, self.name)
-        if not isinstance(item, (tuple, list)) or len(item) != 2:
-            raise PhalanxError(f"{self.name}[{i}] is a {type(item).__name__}; phalanx needs items (input, target)")
+        if not (isinstance(item, (tuple, list)) and len(item) == 2) or isinstance(item[0], (tuple, list, dict)):
+            return item  # a tree: collated as it is
         x, y = as_tensor(item[0], self.name), as_tensor(item[1], self.name)
         x = x if self.inputs is None or not x.is_floating_point() else x.to(self.inputs)
         y = y if self.targets is None or not y.is_floating_point() else y.to(self.targets)
         return x, y if y.is_floating_point() else y.long()
 
-    def take(self, idx: torch.Tensor, params: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def collate_fn(self) -> Any:
+        return getattr(self.dataset, "collate_fn", None) or collate
+
+    def take(self, idx: torch.Tensor, params: Optional[torch.Tensor] = None) -> Any:
         """The examples ``idx`` as one batch, read here."""
-        return collate([self[int(i)] for i in idx])
+        return self.collate_fn([self[int(i)] for i in idx])
 
     def read(self, plan: Iterable[tuple[torch.Tensor, Optional[torch.Tensor]]]) -> Iterator[tuple[torch.Tensor,
                                                                                                     torch.Tensor]]:
@@ -89,26 +105,31 @@ class LazyExamples:
             yield from (self.take(idx) for idx, _ in plan)
             return
         indices = (idx.tolist() for idx, _ in plan)
-        batches = iter(DataLoader(_Guarded(self), batch_sampler=indices, num_workers=self.workers,
-                                  collate_fn=collate, worker_init_fn=functools.partial(leave_with, os.getpid()),
-                                  multiprocessing_context=loader_context(type(self.dataset).__module__)))
+        stream = iter(DataLoader(_Guarded(self), batch_sampler=indices, num_workers=self.workers,
+                                 collate_fn=functools.partial(guarded, self.collate_fn),
+                                 worker_init_fn=functools.partial(loader_worker, os.getpid()),
+                                 multiprocessing_context=loader_context(type(self.dataset).__module__)))
         try:
-            for batch in batches:
+            for batch in stream:
                 if isinstance(batch, Unreadable):
                     raise PhalanxError(batch.message)
                 yield batch
         finally:  # end the worker processes now, not whenever the iterator is collected
-            getattr(batches, "_shutdown_workers", lambda: None)()
+            getattr(stream, "_shutdown_workers", lambda: None)()
             # Free its queues' named semaphores now: a rank that fails leaves with os._exit (no finalizers),
             # and its traceback holds this frame (the resource tracker would report them "leaked").
-            del batches
+            del stream
             gc.collect()  # the iterator and the DataLoader hold each other
 
     def subset(self, idx: torch.Tensor) -> "LazyExamples":
-        return LazyExamples(Subset(self.dataset, idx.tolist()), self.workers, self.name, self.inputs, self.targets)
+        subset = Subset(self.dataset, idx.tolist())
+        if hasattr(self.dataset, "collate_fn"):
+            subset.collate_fn = self.dataset.collate_fn
+        return LazyExamples(subset, self.workers, self.name, self.inputs, self.targets, self.target_key)
 
     def cast(self, inputs: Optional[torch.dtype] = None, targets: Optional[torch.dtype] = None) -> "LazyExamples":
-        return LazyExamples(self.dataset, self.workers, self.name, inputs or self.inputs, targets or self.targets)
+        return LazyExamples(self.dataset, self.workers, self.name, inputs or self.inputs, targets or self.targets,
+                            self.target_key)
 
     def largest_target(self) -> int:
         """The largest class index: from the Dataset's ``targets`` (torchvision's convention) where it has
@@ -118,12 +139,12 @@ class LazyExamples:
             ys = [as_tensor(known, self.name)]
         else:
             n, step = len(self), 256
-            ys = [y for _, y in self.read((torch.arange(s, min(s + step, n)), None) for s in range(0, n, step))]
-        smallest, largest = min(int(y.min()) for y in ys), max(int(y.max()) for y in ys)
-        if smallest < 0:
-            raise PhalanxError(f"{self.name}: integer targets are class indices 0..C-1, and {smallest} is "
-                               "negative; for regression give float targets")
-        return largest
+            ys = [batches.targets(b, self.target_key)
+                  for b in self.read((torch.arange(s, min(s + step, n)), None) for s in range(0, n, step))]
+            ys = [y for y in ys if isinstance(y, torch.Tensor)]
+        for y in ys:
+            check_targets(y, self.name)
+        return max((int(y.max()) for y in ys if y.numel()), default=0)
 
     def check_sendable(self) -> None:
         """DataLoader workers (and spawned ranks) receive the Dataset by pickling: say so plainly when they cannot."""
@@ -177,15 +198,28 @@ def users_index(dataset: Any, i: int) -> int:
     return i
 
 
-def collate(items: list[Any]) -> Any:
+def guarded(collate_fn: Any, items: list[Any]) -> Any:
+    """``collate_fn(items)``, in a loader worker: a batch holding an example that could not be read is the first
+    such failure (see :class:`Unreadable`)."""
     failed = next((item for item in items if isinstance(item, Unreadable)), None)
-    if failed is not None:  # in a loader worker: the whole batch is the first failure
-        return failed
+    return failed if failed is not None else collate_fn(items)
+
+
+def collate(items: list) -> Any:
+    """Pairs stacked as two tensors (the fast form), any other items by torch's ``default_collate``."""
+    if not all(isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], torch.Tensor) for item in items):
+        return batches.collate(items, "a Dataset")
     try:
         return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
     except RuntimeError as e:
         raise PhalanxError(f"the items of a Dataset must all have the same shape ({str(e).splitlines()[0][:120]})"
                            ) from None
+
+
+def loader_worker(reader: int, worker_id: int = 0) -> None:
+    """A DataLoader worker's start: it ignores SIGTERM and leaves once its rank is gone (both below)."""
+    ignore_sigterm(worker_id)
+    leave_with(reader, worker_id)
 
 
 def leave_with(reader: int, worker_id: int = 0) -> None:
@@ -207,6 +241,15 @@ def leave_with(reader: int, worker_id: int = 0) -> None:
         os._exit(0)
 
     threading.Thread(target=wait, name="phalanx-leave-with-rank", daemon=True).start()
+
+
+def ignore_sigterm(worker_id: int) -> None:
+    """In a DataLoader worker: ignore SIGTERM. torch's worker dies of one sent by anyone but its parent
+    (its C++ handler), so a SIGTERM to the whole process group (Slurm, Kubernetes) killed the loader
+    workers and failed their rank's next batch before the rank could stop at a step and save. The rank
+    ends its loader workers itself (an end-of-data message to each; a stuck one's watchdog sees its
+    parent gone)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def loader_context(module: str) -> Any:

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Iterator, NamedTuple, Optional, Union
+from typing import Any, Iterator, NamedTuple, Optional, Union
 
 import torch
 
 from ..errors import PhalanxError
+from .batch import pin, record_stream, to_device
 from .datasets import ArrayDataset
 
 
@@ -103,11 +104,11 @@ class ShardedBatches:
             yield idx, None if params is None else params[idx]
             here = Position(here.epoch, here.offset + self.global_batch)
 
-    def __call__(self, start: Union[int, Position] = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __call__(self, start: Union[int, Position] = 0) -> Iterator[Any]:
         """Batches from ``start``: a :class:`Position`, or a step counted from the very beginning."""
         return self.data.read(self.plan(start))
 
-    def one(self, start: Union[int, Position] = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def one(self, start: Union[int, Position] = 0) -> Any:
         """The one batch at ``start``, read in this process (no DataLoader workers start for it)."""
         return self.data.take(*next(self.plan(start)))
 
@@ -158,16 +159,15 @@ class Prefetcher:
 
     def _produce(self, batches: Iterator) -> None:
         try:
-            for x, y in batches:
+            for batch in batches:  # any batch tree: every tensor of it pinned and copied
                 if self.cuda:
                     with torch.cuda.stream(self.stream):
-                        x = x.pin_memory().to(self.device, non_blocking=True)
-                        y = y.pin_memory().to(self.device, non_blocking=True)
+                        batch = to_device(pin(batch), self.device, non_blocking=True)
                         ready = torch.cuda.Event()
                         ready.record(self.stream)
-                    item = (x, y, ready)
+                    item = (batch, ready)
                 else:
-                    item = (x, y, None)
+                    item = (batch, None)
                 while not self.stop.is_set():
                     try:
                         self.queue.put(item, timeout=0.1)
@@ -186,21 +186,20 @@ class Prefetcher:
     def __iter__(self) -> "Prefetcher":
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> Any:
         if self.inline is not None:
-            x, y = next(self.inline)
-            return (x, y) if self.device.type == "cpu" else (x.to(self.device), y.to(self.device))
+            batch = next(self.inline)
+            return batch if self.device.type == "cpu" else to_device(batch, self.device)
         item = self.queue.get()
         if item is _DONE:
             raise StopIteration
         if isinstance(item, BaseException):
             raise item
-        x, y, ready = item
+        batch, ready = item
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
-            x.record_stream(torch.cuda.current_stream(self.device))
-            y.record_stream(torch.cuda.current_stream(self.device))
-        return x, y
+            record_stream(batch, torch.cuda.current_stream(self.device))
+        return batch
 
     def close(self) -> None:
         """Stop the producer and wait for it: a thread still inside a torch op while the

@@ -12,6 +12,7 @@ DataLoader worker processes per rank (``lazy.py``): for data that loads from dis
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import numpy as np
@@ -20,6 +21,8 @@ from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from ..errors import PhalanxError
 from .datasets import ArrayDataset, DataBundle
+from .batch import collate
+from .columns import Columns, check_targets
 from .lazy import LazyExamples, as_tensor, read_item
 
 #: The fraction held out for validation when no test set is given.
@@ -37,9 +40,7 @@ class Examples(ArrayDataset):
             raise PhalanxError(f"targets are {str(self.y.dtype).replace('torch.', '')}: give integer class indices "
                                "or float regression targets")
         if not self.y.is_floating_point():
-            if len(self.y) and int(self.y.min()) < 0:
-                raise PhalanxError(f"integer targets are class indices 0..C-1, and {int(self.y.min())} is negative; "
-                                   "for regression give float targets (y.float())")
+            check_targets(self.y, "the data")  # class indices, or -100: a position no loss counts
             self.y = self.y.long()
 
 
@@ -48,28 +49,38 @@ def regression(data: ArrayDataset) -> bool:
     return data.target_dtype.is_floating_point
 
 
-def as_arrays(value: Any, name: str, loader_workers: int = 0) -> ArrayDataset:
-    """One set of (input, target) examples as an ArrayDataset (a general Dataset with ``loader_workers``:
-    left lazy, see ``lazy.py``), or one line saying what it should be."""
-    if isinstance(value, (ArrayDataset, LazyExamples)):
+def as_arrays(value: Any, name: str, loader_workers: int = 0, target_key: Optional[str] = None) -> ArrayDataset:
+    """One set of examples in memory: (input, target) pairs as an ArrayDataset, items of any other structure as
+    :class:`Columns` (a general Dataset with ``loader_workers``: left lazy, see ``lazy.py``), or one line saying
+    what it should be."""
+    if isinstance(value, (ArrayDataset, LazyExamples, Columns)):
         return value
+    if isinstance(value, Mapping):  # a dict of equal-length columns, as a tokenizer returns it
+        return Columns({k: as_tensor(v, f"{name}[{k!r}]") for k, v in value.items()}, target_key, name)
     if isinstance(value, IterableDataset):
         raise PhalanxError(f"{name} is an IterableDataset ({type(value).__name__}): phalanx shards data by index, "
                            "so that every epoch's order is deterministic and a resume exact; give a map-style "
                            "Dataset (__len__ and __getitem__) or tensors")
-    if isinstance(value, TensorDataset) and len(value.tensors) == 2:
-        return _pair(value.tensors, name)
-    if isinstance(value, (tuple, list)) and len(value) == 2 and not isinstance(value[0], (tuple, list)):
+    if isinstance(value, TensorDataset):
+        return _pair(value.tensors, name) if len(value.tensors) == 2 else Columns(tuple(value.tensors), None, name)
+    if isinstance(value, (tuple, list)) and len(value) == 2 and not isinstance(value[0], (tuple, list, Mapping)):
         return _pair(value, name)
     plain = isinstance(value, (torch.Tensor, np.ndarray))  # inputs alone: the targets are missing
     if not plain and (isinstance(value, Dataset) or (hasattr(value, "__getitem__") and hasattr(value, "__len__"))):
         if loader_workers:
-            lazy = LazyExamples(value, loader_workers, name)
+            lazy = LazyExamples(value, loader_workers, name, target_key=target_key)
             lazy.check_sendable()
             return lazy
-        return _materialise(value, name)
-    raise PhalanxError(f"{name} must be a pair (inputs, targets) of tensors or numpy arrays, or a map-style "
-                       f"torch Dataset of (input, target) items; got {type(value).__name__}")
+        return _materialise(value, name, target_key)
+    raise PhalanxError(f"{name} must be a pair (inputs, targets) of tensors or numpy arrays, a dict of equal-length "
+                       f"tensors, or a map-style torch Dataset (items: pairs, tuples or dicts of tensors); got "
+                       f"{type(value).__name__}")
+
+
+def _pair_item(item: Any) -> bool:
+    """(input, target), two arrays or numbers: stacked into the fast pair form."""
+    return isinstance(item, (tuple, list)) and len(item) == 2 and \
+        not any(isinstance(v, (tuple, list, Mapping)) for v in item)
 
 
 def _pair(value: Any, name: str) -> ArrayDataset:
@@ -79,15 +90,16 @@ def _pair(value: Any, name: str) -> ArrayDataset:
     return Examples(x, y)
 
 
-def _materialise(dataset: Any, name: str) -> ArrayDataset:
-    """Every item of a map-style dataset, stacked (small data: see the module docstring)."""
+def _materialise(dataset: Any, name: str, target_key: Optional[str] = None) -> Any:
+    """Every item of a map-style dataset, stacked (small data: see the module docstring): pairs into an
+    ArrayDataset, items of any other structure collated into :class:`Columns`."""
     n = len(dataset)
     if n == 0:
         raise PhalanxError(f"{name} is empty: give at least one example")
     first = read_item(dataset, 0, name)
-    if not isinstance(first, (tuple, list)) or len(first) != 2:
-        raise PhalanxError(f"{name}[0] is a {type(first).__name__}; phalanx needs items (input, target)")
     items = [first] + [read_item(dataset, i, name) for i in range(1, n)]
+    if not _pair_item(first):
+        return Columns(collate(items, name), target_key, name)
     try:
         x = torch.stack([as_tensor(item[0], name) for item in items])
         y = torch.stack([as_tensor(item[1], name) for item in items])
@@ -97,14 +109,15 @@ def _materialise(dataset: Any, name: str) -> ArrayDataset:
 
 
 def user_bundle(train: Any, test: Any, validation_split: Optional[float] = None, seed: int = 0,
-                name: str = "your data", source: Optional[str] = None, loader_workers: int = 0) -> DataBundle:
+                name: str = "your data", source: Optional[str] = None, loader_workers: int = 0,
+                target_key: Optional[str] = None) -> DataBundle:
     """The user's train and test sets; without a test set, a fixed (seeded) ``validation_split`` held out.
     ``source``: where they came from, in messages (``--data mymod:load``; None: the API's arguments)."""
     train_name, test_name = (f"{source}: its train set", f"{source}: its test set") if source \
         else ("train_data", "test_data")
     if train is None:
         raise PhalanxError("test_data was given without train_data: give both, or neither for a built-in set")
-    train_ds = as_arrays(train, train_name, loader_workers)
+    train_ds = as_arrays(train, train_name, loader_workers, target_key)
     if loader_workers and not isinstance(train_ds, LazyExamples):
         raise PhalanxError(f"--loader-workers {loader_workers} reads a map-style Dataset lazily, and {train_name} "
                            f"is in memory already ({type(train).__name__}); drop --loader-workers")
@@ -112,7 +125,7 @@ def user_bundle(train: Any, test: Any, validation_split: Optional[float] = None,
         if validation_split is not None:
             raise PhalanxError("--validation-split holds out part of the training data when there is no test set, "
                                "and this data has one; drop --validation-split")
-        test_ds, held_out = as_arrays(test, test_name, loader_workers), "test"
+        test_ds, held_out = as_arrays(test, test_name, loader_workers, target_key), "test"
         classes = _outputs(train_ds, test_ds)
     else:
         classes = _outputs(train_ds, train_ds)  # before the split: one pass over a lazy set

@@ -98,7 +98,7 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
     shards = workers if cfg.batch_size * workers <= len(data.train) else 1
     batches = ShardedBatches(data.train, cfg.batch_size, (ctx.rank - beside) % shards, shards, cfg.seed)
     prefetcher = Prefetcher(batches(0), device, prefetch_depth(cfg.prefetch, device))
-    optimizer = task.optimizer_for(cfg, model.parameters())
+    optimizer = task.optimizer_for(cfg, model)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
     def one_step() -> tuple[float, ...]:  # forward, backward, optimizer, the rest of the loop; CPU-seconds
@@ -136,10 +136,9 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
         from ..reduce import apply_reduction
 
         replica = DDP(copy.deepcopy(model), bucket_cap_mb=spec.bucket_mb)
-        # as sync builds it: its all-reduce through dist.all_reduce (a Python hook, where the bytes are counted),
-        # not the reducer's own call (on the digits mlp, 2 gloo ranks: 3.4-3.6 ms a step against 3.1)
+        # as sync builds it: DDP's own reducer, its bytes counted on the wire meter as each backward is armed
         apply_reduction(replica, "flat", None, None, ctx.world_size, ctx.rank, cpu=device.type == "cpu")
-        return _step(replica, task.optimizer_for(cfg, replica.parameters()), x, y, task.loss_fn, device)
+        return _step(replica, task.optimizer_for(cfg, replica.module), x, y, task.loss_fn, device)
 
     step_s = statistics.median(sum(row[:4]) for row in rows)
     with metering() as meter:  # every collective and message counted, as in a training step (wire.py)

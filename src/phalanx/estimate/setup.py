@@ -87,6 +87,7 @@ def prepare(options: EstimateOptions, train_values: dict, strategy_values: dict,
     strategies = {cls: cls(**{k: v for k, v in strategy_values.items() if k in cost_model(cls).fields})
                   for cls in map(strategy_class, estimated())}
     from ..train.checks import data_facts
+    from ..train.step_checks import check_pair_task
 
     facts = data_facts(config, task.data)
     if config.batch_size > facts.train_size:
@@ -102,6 +103,7 @@ def prepare(options: EstimateOptions, train_values: dict, strategy_values: dict,
         facts = data_facts(config, cast_to_model(task.data, model))
     caps = (cost_model(o).bucket_mb(o) for o in strategies.values())
     bucket_mb = next((cap for cap in caps if cap is not None), DEFAULT_BUCKET_MB)
+    check_pair_task(facts, task.step, "phalanx estimate")
     sizes = model_facts(model, facts.example[0], config.batch_size, bucket_mb)
     setup = Setup(options, config, task, strategies, device, per_node, available_cores(), model, sizes,
                   tuple(facts.input_shape), bucket_mb)

@@ -6,7 +6,9 @@ rendezvouses (:mod:`phalanx.launch_env`), and the process leaves through :func:`
 
 from __future__ import annotations
 
+import gc
 import os
+import re
 import sys
 from datetime import timedelta
 from typing import Optional
@@ -14,7 +16,23 @@ from typing import Optional
 import torch.distributed as dist
 
 from .context import init_worker, shutdown
+from ..errors import PeerLost
 from ..launch_env import Joined
+from ..watch import say_raised
+
+#: How gloo says the other end of a connection went away (reading from it, writing to it, reconnecting)
+#: and how NCCL says a remote rank did; said by gloo or NCCL (a data loader's broken pipe is no lost peer).
+PEER_GONE = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|Connection refused|remote process exited")
+BACKENDS = re.compile(r"gloo|NCCL", re.I)
+
+
+def lost_peer(error: BaseException) -> Optional[str]:
+    """How a collective's error says that another rank went away (e.g. ``Connection reset by peer``); None:
+    it is some other error."""
+    text = str(error)
+    gone = PEER_GONE.search(text) if isinstance(error, RuntimeError) and BACKENDS.search(text) else None
+    return gone.group(0) if gone else None
+
 
 def _attempt_store(job: Joined, timeout_s: float) -> Optional[dist.Store]:
     """Under torchrun's agent store, a client of it keyed by the restart attempt (None: join by init_method).
@@ -47,6 +65,17 @@ def run_joined(job: Joined, fn, devices, args, threads, timeout_s):
     _joined_a_group = ctx.distributed
     try:
         return fn(ctx, *args)
+    except BaseException as e:  # (torch's DistError is a RuntimeError)
+        gone = lost_peer(e) if ctx.distributed else None
+        if gone is None:
+            say_raised(ctx.store, ctx.rank)  # (so that a parameter server does not take it for a lost worker)
+            raise
+        # The one line that a lost peer is worth (the dead rank's own log says why it died), then out
+        # through leave(): an uncaught error would end in the interpreter's teardown, where gloo's
+        # threads can abort the process (see leave).
+        raise PeerLost(f"worker {ctx.rank} lost a peer in {ctx.progress.phase} (step {ctx.progress.step}): "
+                       f"{gone}; another worker or its node died (its own log says why); under "
+                       "torchrun --max-restarts the job restarts from the newest checkpoint") from None
     finally:
         ctx.progress.close()
         shutdown()
@@ -79,6 +108,16 @@ def leave(code: int) -> int:
     """
     if not _joined_a_group:
         return code
+    collect_before_exit()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def collect_before_exit() -> None:
+    """Collect reference cycles before ``os._exit``, so that the finalizers of what they hold run: a
+    DataLoader iterator, once its workers are ended, still holds its queues' semaphores, registered
+    with the job's resource tracker, and left to ``os._exit`` they were reported at the job's end
+    ("There appear to be 4 leaked semaphore objects"; 1 of 4 runs stopped by SIGTERM with
+    ``--loader-workers 2``, seen in a rank: 4 live before the collection, 0 after)."""
+    gc.collect()

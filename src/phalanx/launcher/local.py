@@ -8,20 +8,19 @@ store.
 Failure: the parent polls its children; the first one that raises or dies takes the job down
 (the others get SIGTERM, then SIGKILL) and the parent raises :class:`WorkerFailed` with that
 rank and its traceback. A :class:`PhalanxError` raised inside a worker (bad input discovered
-late) is carried back as itself so the CLI still prints one line and exits 2.
+late) is carried back as itself so the CLI still prints one line and exits 2. A worker that ends
+at once on a stop signal (before its first step) is a stop request, not a failure (:mod:`.stopping`).
 
 World size 1 runs in the calling process with no process group at all.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 from datetime import timedelta
@@ -34,12 +33,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .. import errors
-from ..errors import JobHung, PhalanxError, Stopped, WorkerFailed
+from ..errors import JobHung, PhalanxError, WorkerFailed
 from ..forkserver import start_method
-from ..watch import PREFIX, Progress, Watcher, store_client
+from ..watch import PREFIX, Progress, Watcher, say_raised, store_client
 from .context import DEFAULT_TIMEOUT_S, init_worker, local_world_size, shutdown, threads_per_worker
 from ..launch_env import joined
-from .joined import run_joined
+from .joined import collect_before_exit, run_joined
+from .stopping import STOP_CODES, Forward, signals_to
 
 @dataclasses.dataclass(frozen=True)
 class Report:
@@ -74,6 +74,7 @@ def _spawned_worker(
     progress = Progress(local_rank)
     progress.handle_signals()  # SIGTERM/SIGINT: stop at a step boundary, not a KeyboardInterrupt traceback
     code = 0
+    store = None
     try:
         store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
         if watched:
@@ -90,9 +91,11 @@ def _spawned_worker(
         # every worker): send the message home, then fail so the rest stop too.
         text = e.detail if isinstance(e, WorkerFailed) else str(e)
         results.put(Report("error", local_rank, time.time(), error=type(e).__name__, text=text))
+        say_raised(store, local_rank)
         code = 3
     except BaseException:
         results.put(Report("crash", local_rank, time.time(), text=traceback.format_exc()))  # the parent says it
+        say_raised(store, local_rank)  # (a parameter server must not take a bug for a lost worker)
         code = 1
     finally:
         progress.close()
@@ -102,6 +105,7 @@ def _spawned_worker(
     # noexcept C++ destructor during finalization and aborts the process ("terminate called without
     # an active exception"; see :func:`leave`). The reports went through a SimpleQueue, whose put
     # writes to the pipe before it returns, so nothing is lost.
+    collect_before_exit()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -209,7 +213,7 @@ def launch(
         return run_joined(job, fn, devices, args, threads, timeout_s)
     if len(devices) == 1:
         ctx = init_worker(0, 1, 0, devices[0], threads, None, timeout_s)
-        with _signals_to(lambda name: ctx.progress.request_stop(name)):
+        with signals_to(lambda name: ctx.progress.request_stop(name)):
             return fn(ctx, *args)
 
     store = dist.TCPStore(addr, 0, len(devices), is_master=True, wait_for_workers=False,
@@ -243,38 +247,22 @@ def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], b
     A rank for which ``tolerate(rank)`` is true may die without ending the job (an asynchronous
     strategy's worker: its server carries on without it). Once rank 0 has delivered its result,
     ranks that are still alive after a grace period (a frozen worker its server dropped) are
-    ended. Signals received meanwhile are passed on to every worker (see :func:`_forward`).
+    ended. Signals received meanwhile are passed on to every worker, and a worker that ended on
+    one before its first step asks the same of the job (see :mod:`.stopping`).
     """
     received: list[Report] = []
     alive = set(range(len(processes)))
     done_at: Optional[float] = None
-    forward = _Forward(processes, alive)
-    with _signals_to(forward):
+    forward = Forward(processes, alive, _terminate, watcher.label)
+    with signals_to(forward):
         while alive:
             # Drain while waiting: a large result blocks its sender until the pipe is read.
             received += _drain(results)
             if done_at is None and any(r.kind == "result" for r in received):
                 done_at = time.monotonic()
             mp_connection.wait([processes[r].sentinel for r in alive], timeout=0.2)
-            for rank in sorted(alive):
-                code = processes[rank].exitcode
-                if code is None:
-                    continue
-                alive.discard(rank)
-                if code == 0:
-                    continue
-                if tolerate is not None and tolerate(rank):
-                    watcher.store.add("gone", 1)  # the others need not wait for it to leave
-                    continue
-                last_step = watcher.last_step(rank, since=time.time())  # before the others are ended
-                _terminate([processes[r] for r in alive])
-                received += _drain(results)
-                if forward.first is not None:  # asked to stop before training began: nothing to save
-                    raise Stopped(f"stopped by {forward.first} before the first step; nothing was saved",
-                                  forward.first)
-                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-                raise _failure(received, (rank, f"process {processes[rank].pid} {how}"), killed=code < 0,
-                               last_step=last_step)
+            for rank in _exited(processes, alive):
+                _ended(rank, processes, alive, results, received, tolerate, watcher, forward)
             raised = _expendable_that_raised(processes, alive, received, tolerate) if done_at is None else None
             if raised is not None:  # a bug (the user's model, say), not a lost machine: end the job with it
                 _terminate([processes[r] for r in alive])
@@ -286,7 +274,45 @@ def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], b
                 report = watcher.report()
                 _terminate([processes[r] for r in alive])
                 raise JobHung(f"the job made no progress for {watcher.timeout:g} s (--hang-timeout): {report}")
-    return received + _drain(results)
+    received += _drain(results)
+    if forward.first is not None and not any(r.kind == "result" for r in received):
+        raise forward.stopped(watcher.steps_made())  # every worker ended before it could stop at a step
+    return received
+
+
+def _exited(processes: list, alive: set) -> list[int]:
+    """The ranks that have exited, those that ended on a stop signal first: a rank signalled before its
+    first step ends at once, and its peers fail in their next collective a moment later; the stop, not
+    their gloo tracebacks, is what happened (and the order in which exits are seen is the kernel's)."""
+    done = [r for r in alive if processes[r].exitcode is not None]
+    return sorted(done, key=lambda r: (processes[r].exitcode not in STOP_CODES, r))
+
+
+def _ended(rank: int, processes: list, alive: set, results: Any, received: list[Report],
+           tolerate: Optional[Callable[[int], bool]], watcher: Watcher, forward: Forward) -> None:
+    """Rank ``rank`` exited: carry on without it, take its exit as the job's stop request, or end the job."""
+    if rank not in alive:  # (already taken: a stop exit seen while another rank's failure was looked at)
+        return
+    code = processes[rank].exitcode
+    alive.discard(rank)
+    if code == 0:
+        return
+    if code in STOP_CODES or (tolerate is not None and tolerate(rank)):
+        watcher.store.add("gone", 1)  # the others need not wait for it to leave
+        if code in STOP_CODES:
+            forward.worker_stopped(rank, code)
+        return
+    last_step = watcher.last_step(rank, since=time.time())  # (waits up to a second: a stop exit may show meanwhile)
+    for other in _exited(processes, alive):
+        if processes[other].exitcode in STOP_CODES:
+            _ended(other, processes, alive, results, received, tolerate, watcher, forward)
+    _terminate([processes[r] for r in alive])
+    received += _drain(results)
+    steps_made = watcher.steps_made()
+    if forward.explains_failure(steps_made):
+        raise forward.stopped(steps_made)
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+    raise _failure(received, (rank, f"process {processes[rank].pid} {how}"), killed=code < 0, last_step=last_step)
 
 
 def _expendable_that_raised(processes: list, alive: set, reports: list[Report],
@@ -311,41 +337,6 @@ def _expendable_that_raised(processes: list, alive: set, reports: list[Report],
 LEAVE_GRACE_S = 15.0
 
 
-class _Forward:
-    """The first SIGTERM/SIGINT goes on to every worker (they stop together at a step boundary and
-    save a checkpoint); a second one ends them at once."""
-
-    def __init__(self, processes: list, alive: set):
-        self.processes, self.alive = processes, alive
-        self.first: Optional[str] = None
-
-    def __call__(self, name: str) -> None:
-        if self.first is not None:
-            _terminate([self.processes[r] for r in self.alive])
-            raise Stopped(f"stopped at once by a second {name}; checkpoints are written atomically, so the newest "
-                          "one in the checkpoint directory is whole", name)
-        self.first = name
-        for rank in self.alive:
-            if self.processes[rank].is_alive():
-                os.kill(self.processes[rank].pid, getattr(signal, name))
-
-
-@contextlib.contextmanager
-def _signals_to(handler: Callable[[str], None]):
-    """While inside, SIGTERM and SIGINT call ``handler(name)`` (in the main thread only; elsewhere nothing)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    for sig in previous:
-        signal.signal(sig, lambda signum, frame: handler(signal.Signals(signum).name))
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
 def _terminate(processes: list) -> None:
     """End these workers now: SIGKILL (workers take SIGTERM as a request to stop at a step boundary,
     and checkpoints are written atomically, so nothing is torn)."""
@@ -367,15 +358,20 @@ def _failure(reports: list[Report], first: tuple[int, str], killed: bool, last_s
              ) -> PhalanxError:
     """The error to raise for a failed job.
 
-    A worker's own PhalanxError wins (it is the user's problem, stated plainly); then a process
-    killed by a signal (it could not report); then the earliest crash report; then whatever
-    exited first.
+    A worker's own PhalanxError wins (bad input, the user's to fix, stated plainly); then a process
+    killed by a signal (it could not report); then the earliest failure reported: a crash's traceback,
+    or a failure a rank diagnosed itself (a WorkerFailed: a parameter server that lost every worker,
+    or one that stopped because a worker raised, which the worker's own traceback, earlier, explains);
+    then whatever exited first.
     """
-    first_error = min((r for r in reports if r.kind == "error"), key=lambda r: (r.at, r.rank), default=None)
-    if first_error is not None:
-        return _rebuild_error(first_error.rank, first_error.error, first_error.text)
-    first_crash = min((r for r in reports if r.kind == "crash"), key=lambda r: (r.at, r.rank), default=None)
-    if first_crash is not None and not killed:
-        rank = first_crash.rank
-        return WorkerFailed(rank, first_crash.text.rstrip(), step=last_step if rank == first[0] else None)
+    bad_input = min((r for r in reports if r.kind == "error" and r.error != "WorkerFailed"),
+                    key=lambda r: (r.at, r.rank), default=None)
+    if bad_input is not None:
+        return _rebuild_error(bad_input.rank, bad_input.error, bad_input.text)
+    earliest = min((r for r in reports if r.kind in ("crash", "error")), key=lambda r: (r.at, r.rank), default=None)
+    if earliest is not None and not killed:
+        rank = earliest.rank
+        if earliest.kind == "error":
+            return _rebuild_error(rank, earliest.error, earliest.text)
+        return WorkerFailed(rank, earliest.text.rstrip(), step=last_step if rank == first[0] else None)
     return WorkerFailed(*first, step=last_step)

@@ -30,6 +30,7 @@ class Lockstep(SimulatedRule):
             shards = list(zip(x.chunk(world.workers), y.chunk(world.workers)))
             grad, loss = world.grads.mean(params.vector(), shards)
             params.set_grad(grad)
+            world.clip(params.tensors)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()

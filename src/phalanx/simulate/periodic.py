@@ -51,6 +51,7 @@ class Periodic(SimulatedRule):
             batches = [next(r) for r in readers]
             grads, losses = world.grads.each(_matrix(stacks), batches)
             _set_stacked_grads(stacks, grads)
+            world.clip(stacks, rows=True)  # each worker's own inner step
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()

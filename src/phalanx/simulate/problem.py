@@ -70,13 +70,16 @@ def build_problem(train: TrainConfig, workers: tuple[int, ...], per_node: Option
     from ..launcher import available_cores
     from ..devices import resolve_devices
     from ..train.checks import data_facts
+    from ..train.step_checks import check_pair_task
 
     task = task or task_from(train)
     cfg = train.resolved(task.model_name)
     problem = Problem(cfg, task, None, None, None)  # type: ignore[arg-type]
     data = problem.data(cfg.seed)
     model = problem.model(cfg.seed)
-    example = data_facts(cfg, data).example[0]
+    facts = data_facts(cfg, data)
+    check_pair_task(facts, task.step, "compare --simulate")
+    example = facts.example[0]
     facts = model_facts(model, example, cfg.batch_size)
     device = resolve_devices(cfg.devices)[0]
     per_node = per_node or (torch.cuda.device_count() if device.type == "cuda" else 2)

@@ -89,6 +89,7 @@ class Server(SimulatedRule):
                     world.staleness.record(updates - used)
                 total = taken[0][0] if len(taken) == 1 else torch.stack([g for g, _ in taken]).sum(0)
                 params.set_grad(total * rule.weight(len(taken)))
+                world.clip(params.tensors)  # the update's gradient, as the server clips it
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 state.moved()

@@ -28,8 +28,10 @@ from torch import nn
 
 from ..costs import Prediction, cost_model
 from ..data import ShardedBatches, eval_batches
+from ..errors import PhalanxError
 from ..metrics import Target, Totals, add_up
 from ..strategies.staleness import StalenessStats
+from ..task import label, names_parameter
 from ..train.schedules import Schedule
 from ..train.straggle import Slowness, unit_draw
 from .gradients import Gradients
@@ -92,10 +94,30 @@ class World:
 
     def optimizer(self, params) -> torch.optim.Optimizer:
         """The run's optimizer, as the training loop makes it (the linear scaling rule on the global batch)."""
+        factory = self.problem.task.make_optimizer
+        if factory is not None and names_parameter(factory, "model", first=True):
+            raise PhalanxError(f"the optimizer factory {label(factory)} takes the model, and compare --simulate steps "
+                               "its parameters as flat tensors (no module to give it); give a params -> Optimizer "
+                               "factory, or compare without --simulate")
         return self.problem.task.optimizer_for(self.cfg, params, self.global_batch)
 
-    def scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    def clip(self, tensors: list[torch.Tensor], rows: bool = False) -> None:
+        """``--clip-grad-norm`` on the gradients of ``tensors``, as a real run clips them (the applied gradient's
+        norm); ``rows``: each tensor stacks the W workers' own copies (row w: worker w's), each clipped alone."""
+        limit = self.cfg.clip_grad_norm
+        if limit is None:
+            return
+        if rows:
+            clip_rows([t.grad for t in tensors if t.grad is not None], limit)
+        else:
+            torch.nn.utils.clip_grad_norm_([t for t in tensors if t.grad is not None], limit)
+
+    def scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
+        """The run's LR scheduler: the user's (``--lr-scheduler``), else phalanx's schedule; stepped once per
+        global step, as the training loop steps it."""
         cfg = self.cfg
+        if self.problem.task.make_scheduler is not None:
+            return self.problem.task.scheduler(optimizer, self.max_steps)
         schedule = Schedule(cfg.lr_schedule, cfg.lr_decay_every, cfg.lr_decay_factor, cfg.staircase,
                             cfg.warmup_steps, self.max_steps)
         return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -203,3 +225,13 @@ class World:
         out.peak_versions = self.versions.peak
         return out
 
+
+def clip_rows(grads: list[torch.Tensor], limit: float) -> None:
+    """torch's clip_grad_norm_ rule applied to each row alone, in place: row w of every tensor in ``grads`` is
+    worker w's gradient (the simulated local steps stack the W workers' copies)."""
+    if not grads:
+        return
+    norms = sum(g.reshape(len(g), -1).square().sum(1) for g in grads).sqrt()
+    scale = (limit / (norms + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(scale.view(-1, *([1] * (g.dim() - 1))))

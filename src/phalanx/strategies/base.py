@@ -10,7 +10,7 @@
   :class:`Build`. It wraps the user's model and optimizer and keeps their interfaces, and the
   training loop calls only the few methods below, never asking which strategy it holds:
 
-      loss = runtime.train_step(x, y)       # forward, backward, update (micro-batched)
+      loss = runtime.train_step(batch)      # forward, backward, update (micro-batched); any batch tree
       step = runtime.next_step(step)        # the global step now (None: this rank is done)
       losses = runtime.global_losses(losses)  # the per-step losses every rank agrees on (at log steps)
       sums = runtime.evaluate(batches, totals)  # metrics' (sum, count)s over every rank's part
@@ -31,14 +31,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..data import batch as batches
 from ..errors import PhalanxError
 from ..launcher import WorkerContext
 from ..metrics import ACCURACY, Totals, add_up
 from ..precision import Precision
+from ..step import DefaultStep, StepResult
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+#: called with the module the strategy steps (see ``task.call_optimizer_factory``: a factory of the user's gets
+#: the model where its first parameter is named ``model``, else its parameters)
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-Batch = tuple[torch.Tensor, torch.Tensor]
+#: A pair (inputs, targets), a tuple, a dict or nested containers of tensors (see ``data/batch.py``).
+Batch = Any
+#: ``step(model, batch) -> StepResult``: the task's training step (see ``step.py``)
+Step = Callable[[nn.Module, Any], StepResult]
 #: What ``evaluate`` adds up when given nothing else: (correct, total).
 COUNT_CORRECT = Totals((ACCURACY,))
 
@@ -126,6 +133,9 @@ class Options:
     fp16_scaler: ClassVar[bool] = False
     #: its workers share one machine's CPU memory, so it runs on CPU devices only (compare leaves it out on GPUs)
     cpu_only: ClassVar[bool] = False
+    #: it runs batches (inputs, targets) through an engine's schedule of its own (a pipeline's), not the task's
+    #: training step: other batches and --training-step are refused before anything starts
+    pairs_only: ClassVar[bool] = False
 
     def layout(self, job: Job) -> Layout:
         """Pure: the processes of the job (raise PhalanxError for a job this strategy cannot run)."""
@@ -168,6 +178,12 @@ class Build:
     #: how long a peer may stay silent before it counts as hung (0: never), for strategies that drop one
     hang_timeout_s: float = 0.0
     precision: Precision = Precision()  #: autocast around each forward (and fp16's gradient scaler)
+    clip_grad_norm: Optional[float] = None  #: the largest norm of the gradient an update applies (None: no clipping)
+    step: Optional[Step] = None  #: the task's training step (None: the model on a pair's inputs, then loss_fn)
+
+    def __post_init__(self) -> None:
+        if self.step is None:
+            self.step = DefaultStep(self.loss_fn)
 
     @property
     def plan(self) -> RankPlan:
@@ -191,15 +207,22 @@ class Runtime:
     evaluation counts over every rank, and save the model and optimizer as they are.
     """
 
+    #: this rank's optimizer applies the updates (a parameter server's worker: no, its server's does), so
+    #: the LR scheduler steps here
+    steps_optimizer: ClassVar[bool] = True
+
     def __init__(self, build: Build, model: Optional[nn.Module] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None, description: str = "",
                  notes: Sequence[str] = ()):
         self.build, self.ctx = build, build.ctx
         self.model = model if model is not None else build.model
-        self.optimizer = optimizer if optimizer is not None else build.make_optimizer(self.model.parameters())
+        # The bare module (no DDP around it): a factory that takes the model finds its own names there.
+        self.optimizer = optimizer if optimizer is not None else build.make_optimizer(self.module)
         self.description = description
         self.notes = list(notes)
         self.scaler = build.precision.scaler()  #: fp16 only (sync: checked in the parent)
+        #: the norm of the last update's gradient before clipping, on the device (None: no clipping)
+        self.grad_norm: Optional[torch.Tensor] = None
 
     @property
     def module(self) -> nn.Module:
@@ -209,36 +232,69 @@ class Runtime:
         """Inside it, backward passes accumulate locally without communicating."""
         return contextlib.nullcontext()
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, parts: Optional[int] = None) -> torch.Tensor:
+    def forward_backward(self, batch: Batch, y: Optional[torch.Tensor] = None,
+                         parts: Optional[int] = None) -> torch.Tensor:
         """Gradients of the mean loss over the batch, in ``parts`` micro-batches (default: ``accumulate``).
 
         Returns the mean loss. Only the last micro-batch's backward communicates: the others run
-        under ``no_sync``. The forward and the loss run under the run's autocast (if any).
+        under ``no_sync``. The task's step (the forward and the loss) runs under the run's autocast (if any).
+        ``batch``: any batch tree; ``forward_backward(x, y)`` is the pair ``(x, y)``.
         """
-        parts = parts or self.build.accumulate
-        xs, ys = x.chunk(parts), y.chunk(parts)
-        total = torch.zeros((), device=x.device)
-        for i, (xk, yk) in enumerate(zip(xs, ys)):
-            weight = len(xk) / len(x)
-            with self.no_sync() if i < len(xs) - 1 else contextlib.nullcontext():
-                with self.build.precision.autocast():
-                    loss = self.build.loss_fn(self.model(xk), yk)
-                scaled = loss * weight  # (under autocast the loss is computed in fp32)
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            total += loss.detach() * weight
+        batch = as_batch(batch, y)
+        pieces = batches.split(batch, parts or self.build.accumulate)
+        if len(pieces) == 1:  # (the common case, without the micro-batches' bookkeeping)
+            return self._backward(batch, 1.0)
+        size, total = batches.length(batch), None
+        for i, piece in enumerate(pieces):
+            with self.no_sync() if i < len(pieces) - 1 else contextlib.nullcontext():
+                part = self._backward(piece, batches.length(piece) / size)
+            total = part if total is None else total + part
         return total
 
+    def _backward(self, batch: Batch, weight: float) -> torch.Tensor:
+        """Backward of the step's loss on ``batch`` times ``weight`` (its share of the examples); that loss, detached."""
+        with self.build.precision.autocast():
+            loss = self.build.step(self.model, batch).loss
+        scaled = loss * weight if weight != 1.0 else loss  # (under autocast the loss is computed in fp32)
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        return loss.detach() * weight if weight != 1.0 else loss.detach()
+
     # ---- what the loop calls ----
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, parts: Optional[int] = None) -> torch.Tensor:
-        """Forward, backward, one optimizer step; this rank's mean loss over its batch (detached)."""
-        loss = self.forward_backward(x, y, parts)
-        if self.scaler is not None:  # fp16: unscale, skip the step if a gradient overflowed, adapt the scale
+    def train_step(self, batch: Batch, y: Optional[torch.Tensor] = None, parts: Optional[int] = None) -> torch.Tensor:
+        """Forward, backward, one optimizer step; this rank's mean loss over its batch (detached).
+        ``batch``: any batch tree (``train_step(x, y)``: the pair)."""
+        loss = self.forward_backward(batch, y, parts)
+        self.update()
+        return loss
+
+    def update(self) -> None:
+        """The optimization step on the gradients backward left (reduced, where the strategy reduces them):
+        unscaled (fp16), clipped (``--clip-grad-norm``), applied, cleared."""
+        if self.build.clip_grad_norm is not None:
+            if self.scaler is not None:  # the norm is the true gradient's, not the scaled one's
+                self.scaler.unscale_(self.optimizer)
+            self.clip_gradients()
+        if self.scaler is not None:  # fp16: skip the step if a gradient overflowed, adapt the scale
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss
+
+    def clip_gradients(self) -> None:
+        """torch's clip_grad_norm_, in its two halves, over the optimizer's parameters: the total norm of the
+        gradient the update applies (:meth:`gradient_norm`), then every gradient scaled by max_norm / norm where
+        that is below 1. No host read: the norm stays on the device (``grad_norm``) until a log step."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        self.grad_norm = self.gradient_norm([p.grad for p in params])
+        torch.nn.utils.clip_grads_with_norm_(params, self.build.clip_grad_norm, self.grad_norm)
+
+    def gradient_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The 2-norm of the whole model's gradient, given this rank's ``grads`` (every rank holds the whole
+        gradient by default; a strategy that splits it overrides this)."""
+        if not grads:
+            return torch.zeros((), device=self.ctx.device)
+        return torch.nn.utils.get_total_norm(grads)
 
     def next_step(self, step: int) -> Optional[int]:
         """The global step after this rank's train_step (None: this rank is done)."""
@@ -263,7 +319,7 @@ class Runtime:
     def evaluate(self, batches: Iterable[Batch], totals: Totals = COUNT_CORRECT) -> tuple[float, ...]:
         """The sums and counts of ``totals`` (see ``metrics.py``) over every rank's part of the test set,
         added over the ranks (a collective); by default (correct, total)."""
-        sums = add_up(self.module, batches, self.ctx.device, totals)
+        sums = add_up(self.module, batches, self.ctx.device, totals, self.build.step)
         if self.ctx.distributed:
             sums = sums.to(self.ctx.device)
             dist.all_reduce(sums)
@@ -304,28 +360,45 @@ class Runtime:
         """Release what the runtime took (threads, servers, shared memory)."""
 
 
-def runtime_for(options: Options, ctx: WorkerContext, model: nn.Module, make_optimizer: OptimizerFactory,
+def runtime_for(options: Options, ctx: WorkerContext, model: nn.Module, make_optimizer: Callable[[Any], Any],
                 loss_fn: Optional[LossFn] = None, *, steps: int = 0, accumulate: int = 1,
-                example: Optional[Batch] = None) -> Runtime:
+                example: Optional[Batch] = None, clip_grad_norm: Optional[float] = None,
+                training_step: Optional[Callable] = None) -> Runtime:
     """This rank's runtime for a loop of your own, inside a worker that :func:`phalanx.launch` started.
 
     The layout is computed here for ``ctx.world_size`` processes (every rank computes the same).
+    ``make_optimizer``: ``params -> optimizer``, or ``model -> optimizer`` where its first parameter is
+    named ``model``. ``training_step``: your ``step(model, batch) -> loss | (loss, outputs)`` (None:
+    ``model(x)`` and ``loss_fn`` for a pair, ``model(**batch)`` and its own loss for a dict; see ``step.py``).
     """
+    import functools
+
     import torch.nn.functional as F
 
-    job = Job((ctx.device,) * ctx.world_size, len(example[0]) if example is not None else None, accumulate,
+    from ..step import step_for
+    from ..task import call_optimizer_factory  # (the task layer: how a factory of the user's is called)
+
+    if options.pairs_only and training_step is not None:
+        raise PhalanxError(f"--strategy {options.name} runs batches (inputs, targets) through its own schedule and "
+                           "takes no training step; use another strategy for a step of your own")
+    loss_fn = loss_fn or F.cross_entropy
+    job = Job((ctx.device,) * ctx.world_size, batches.length(example) if example is not None else None, accumulate,
               processes=ctx.world_size, model=model)
-    build = Build(ctx, options.layout(job), model, make_optimizer, loss_fn or F.cross_entropy, steps, accumulate,
-                  example)
+    build = Build(ctx, options.layout(job), model, functools.partial(call_optimizer_factory, make_optimizer),
+                  loss_fn, steps, accumulate, example, clip_grad_norm=clip_grad_norm,
+                  step=step_for(loss_fn, training_step))
     return options.runtime(build)
 
 
-def nonfinite_values(x: Optional[torch.Tensor]) -> str:
-    """"NaN" or "infinity" when the batch ``x`` holds them, else "" (a host read: for after a non-finite loss,
-    never an ordinary step)."""
-    if x is None or not torch.is_floating_point(x) or bool(torch.isfinite(x).all()):
-        return ""
-    return "NaN" if bool(torch.isnan(x).any()) else "infinity"
+def as_batch(batch: Batch, y: Optional[torch.Tensor] = None) -> Batch:
+    """``train_step(x, y)``, the form own loops were written in, is the pair ``(x, y)``."""
+    return batch if y is None else (batch, y)
+
+
+def nonfinite_values(batch: Batch) -> str:
+    """"NaN" or "infinity" when a floating tensor of the batch holds them, else "" (a host read: for after a
+    non-finite loss, never an ordinary step)."""
+    return "" if batch is None else batches.nonfinite(batch)
 
 
 

@@ -249,8 +249,8 @@ class DiLoCoRuntime(Runtime):
         copy = p.detach().to("cpu", copy=True, dtype=torch.float32)
         return copy.pin_memory() if pin else copy
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, parts: Optional[int] = None) -> torch.Tensor:
-        loss = super().train_step(x, y, parts)
+    def train_step(self, batch: Any, y: Optional[torch.Tensor] = None, parts: Optional[int] = None) -> torch.Tensor:
+        loss = super().train_step(batch, y, parts)
         index, self.steps = self.steps, self.steps + 1
         fragments = due(index, self.options.sync_every, self.offsets)
         self._rounds(fragments)

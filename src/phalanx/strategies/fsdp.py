@@ -48,6 +48,7 @@ from ..simulate import LOCKSTEP
 from ..errors import PhalanxError
 from ..models import model_blocks_by_default
 from ..options import option
+from ..data.batch import head
 from ..metrics import FORWARD_ONLY, Totals, add_up
 from .base import COUNT_CORRECT, Batch, Build, Job, Layout, Options, Report, Runtime, data_parallel
 from .registry import register
@@ -81,6 +82,8 @@ def shard_units(model: nn.Module, names: Optional[tuple[str, ...]] = None) -> li
         units = [(n, m) for n, m in units if any(True for _ in m.parameters())]
     else:
         units = model_blocks_by_default(model)
+        if _tied(units):  # tied weights (a language model's input and output embeddings) must share one unit
+            units = repeated_blocks(model)
     if not units:
         raise PhalanxError(
             f"{type(model).__name__} has no blocks to shard: fsdp shards each block (a submodule holding parameters) "
@@ -88,6 +91,29 @@ def shard_units(model: nn.Module, names: Optional[tuple[str, ...]] = None) -> li
             "FSDP(blocks=...) / --blocks"
         )
     return units
+
+
+def _tied(units: list[tuple[str, nn.Module]]) -> bool:
+    """Whether two units hold the same parameter (``fully_shard`` refuses a parameter in two groups)."""
+    seen: set[int] = set()
+    for _, unit in units:
+        mine = {id(p) for p in unit.parameters()}
+        if mine & seen:
+            return True
+        seen |= mine
+    return False
+
+
+def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks of the model's largest ``nn.ModuleList`` (a transformer's layers, Hugging Face's
+    ``transformer.h``, ``encoder.layer``): torchtitan's units. What lies outside them (embeddings, a tied
+    head) stays with the root, in one group, so tied weights stay one parameter."""
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return []
+    name, blocks = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    units = [(f"{name}.{i}", block) for i, block in enumerate(blocks)]
+    return [] if _tied(units) else [(n, m) for n, m in units if any(True for _ in m.parameters())]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +187,13 @@ class FSDPRuntime(Runtime):
         """Accumulate gradients locally (unsharded), reduce-scatter only after the last micro-batch."""
         return _no_gradient_sync(self.model) if self.sharded else contextlib.nullcontext()
 
+    def gradient_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The whole model's gradient norm from this rank's shards: torch computes it on the DTensor gradients as
+        a partial sum of every shard's; ``full_tensor`` adds those up over the mesh (one small all-reduce), so
+        every rank clips by the same norm, the one the unsharded gradient has (as torchtitan does)."""
+        norm = super().gradient_norm(grads)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
     # ---- evaluation ----
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch], totals: Totals = COUNT_CORRECT) -> tuple[float, ...]:
@@ -175,14 +208,14 @@ class FSDPRuntime(Runtime):
         batches = list(batches)
         most = torch.tensor([len(batches)], device=self.ctx.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        sums = add_up(self.model, batches, self.ctx.device, totals)
-        filler = batches[0][0][:1] if batches else (self.build.example[0][:1] if self.build.example else None)
+        sums = add_up(self.model, batches, self.ctx.device, totals, self.build.step)
+        source = batches[0] if batches else self.build.example
         missing = int(most) - len(batches)
-        if missing and filler is None:
+        if missing and source is None:
             raise PhalanxError("fsdp evaluation: this rank has no test batch and no example batch to keep in step "
                                "with the others; give every rank a part of the test set")
         if missing:
-            add_up(self.model, [(filler, None)] * missing, self.ctx.device, FORWARD_ONLY)
+            add_up(self.model, [head(source, 1)] * missing, self.ctx.device, FORWARD_ONLY, self.build.step)
         self._reshard()
         sums = sums.to(self.ctx.device)
         dist.all_reduce(sums)

@@ -126,10 +126,10 @@ class HogwildRuntime(Runtime):
         dist.broadcast_object_list(name, src=0)
         return torch.from_file(name[0], shared=True, size=count, dtype=torch.float32)
 
-    def train_step(self, x, y):
+    def train_step(self, batch, y=None, parts=None):
         rank = self.ctx.rank
         seen = float(self.counters.sum()) - float(self.counters[rank])
-        loss = super().train_step(x, y)
+        loss = super().train_step(batch, y, parts)
         self.counters[rank] += 1
         others = float(self.counters.sum()) - float(self.counters[rank])
         self.staleness.record(int(others - seen))

@@ -70,6 +70,7 @@ class Pipeline(Options):
     name: ClassVar[str] = "pipeline"
     summary: ClassVar[str] = ("model parallelism: the network split into contiguous stages, one per worker, "
                               "micro-batches pipelined; torch.distributed.pipelining")
+    pairs_only: ClassVar[bool] = True
 
     stages: Optional[int] = option(None, "pipeline stages, one worker each", show="the number of workers")
     chunks: int = option(4, "micro-batches per step (M); the batch must split into M equal parts")
@@ -250,15 +251,20 @@ class PipelineRuntime(Runtime):
         return self.stage_index == self.stages - 1
 
     # ---- a training step ----
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def train_step(self, x: Any, y: Optional[torch.Tensor] = None, parts: Optional[int] = None) -> torch.Tensor:
+        if y is None:  # a batch given whole: the engine's schedule takes (inputs, targets) only
+            if not (isinstance(x, (tuple, list)) and len(x) == 2):
+                raise PhalanxError("--strategy pipeline takes batches (inputs, targets): its schedule feeds the "
+                                   "first stage the inputs and the last the targets; use another strategy for "
+                                   "batches of other shapes")
+            x, y = x
         micro = self.options.chunks * self.build.accumulate
         if len(x) % micro:
             raise PhalanxError(f"batch {len(x)} does not split into {micro} equal micro-batches")
         if not self.pipelined:  # one stage: the whole model, micro-batched in-process as the engine would
             loss = self.forward_backward(x, y, parts=micro)
             self._average_over_replicas()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.update()
             return loss
         schedule = self._training_schedule(x, micro)
         losses: list[torch.Tensor] = []
@@ -269,11 +275,21 @@ class PipelineRuntime(Runtime):
         else:
             schedule.step(return_outputs=False)
         self._average_over_replicas()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.update()
         if self.is_last:
             return torch.stack([loss.detach() for loss in losses]).mean()
         return torch.zeros((), device=self.ctx.device)  # only the last stage knows it: see global_losses
+
+    def gradient_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The whole model's gradient norm: every stage holds a part of it (no weight is on two stages: tied
+        weights are refused), so the squared norms add up over this replica's pipeline (one small all-reduce;
+        the replicas of a stage hold the same averaged gradient, so every rank gets the same norm)."""
+        mine = super().gradient_norm(grads).to(self.ctx.device)
+        if not self.pipelined:
+            return mine
+        squared = mine.square()
+        dist.all_reduce(squared, group=self.pipe_group)
+        return squared.sqrt()
 
     @torch.no_grad()
     def _average_over_replicas(self) -> None:

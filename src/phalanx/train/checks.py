@@ -23,8 +23,10 @@ from torch import nn
 
 from ..data import DataBundle, load_data
 from ..data.datasets import DATASETS, CIFAR_CROP, cifar10_sizes, check_cifar10_files
+from ..data import batch as batches
 from ..errors import PhalanxError
 from ..metrics import Metric, Totals
+from ..step import DefaultStep, logits_of, own_loss
 from ..models import MODELS
 from ..strategies import STRATEGIES, Layout
 from ..task import Task, label
@@ -32,6 +34,8 @@ from . import checkpoint as ckpt
 from . import rundir
 from .config import TrainConfig
 from .resume import batch_for, check_fits
+from .step_checks import check_loss, check_step
+from .step_checks import first_line_of_failure as _first_line_of_failure
 
 
 # --------------------------------------------------------------------------- data
@@ -44,7 +48,7 @@ class DataFacts:
     input_shape: tuple[int, ...]
     num_classes: int
     train_size: int
-    example: tuple[torch.Tensor, torch.Tensor]  #: two examples as a model sees them
+    example: Any  #: two examples as a model sees them: a pair, or a batch of any structure
     bundle: Optional[DataBundle] = None  #: the data itself, where it is small enough to send to the workers
 
 
@@ -111,33 +115,44 @@ def check_straggler(cfg: TrainConfig, layout: Layout) -> None:
                            f"the workers instead (ranks {computing[0]}..{computing[-1]})")
 
 
-def check_model(model: nn.Module, facts: DataFacts, loss_fn: Callable, metrics: Sequence[Metric] = ()) -> None:
+def check_model(model: nn.Module, facts: DataFacts, loss_fn: Callable, metrics: Sequence[Metric] = (),
+                step: Optional[Callable] = None) -> None:
     """One forward pass, the loss and every metric on two examples, in the parent: shapes and classes
-    (a classifier), or outputs that match the targets (a regression), or one clear line."""
+    (a classifier), or outputs that match the targets (a regression), or one clear line. ``step``: the task's
+    (None: the convention's on a pair)."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    x, y = facts.example[0].to(device), facts.example[1].to(device)
+    step = step or DefaultStep(loss_fn)
+    batch = batches.to_device(facts.example, device)
+    if not (batches.is_pair(batch) and isinstance(step, DefaultStep)):
+        return check_step(model, batch, step, loss_fn, metrics)
+    x, y = batch
     regression = y.is_floating_point()
     was_training = model.training
     model.eval()  # eval: no BatchNorm statistics move, no dropout
     try:
         with torch.no_grad():
-            out = _first_line_of_failure(lambda: model(x), f"the model fails on an example batch of shape "
-                                         f"{tuple(x.shape)}", f"make it accept inputs of shape (batch, "
-                                         f"{', '.join(map(str, facts.input_shape))})")
-            if regression:
-                _check_regression_outputs(out, y)
-            else:
-                _check_class_scores(out, y, facts.num_classes)
+            made = _first_line_of_failure(lambda: model(x), f"the model fails on an example batch of shape "
+                                          f"{tuple(x.shape)}", f"make it accept inputs of shape (batch, "
+                                          f"{', '.join(map(str, facts.input_shape))})")
+            out = logits_of(made)
+            if own_loss(made) is None:
+                if regression:
+                    _check_regression_outputs(out, y)
+                else:
+                    _check_class_scores(out, y, facts.num_classes)
             takes = "(outputs, float targets)" if regression else "(scores, integer labels)"
-            loss = _first_line_of_failure(lambda: loss_fn(out, y), f"loss_fn fails on the model's output of "
-                                          f"shape {tuple(out.shape)}", f"make it take {takes}")
-            _first_line_of_failure(lambda: Totals(metrics, loss_fn)(out, y),
+            result = _first_line_of_failure(lambda: step(model, batch), f"loss_fn fails on the model's output of "
+                                            f"shape {_shape(out)}", f"make it take {takes}")
+            _first_line_of_failure(lambda: Totals(metrics, loss_fn).add(result, batch),
                                    f"a metric ({', '.join(m.name for m in metrics)}) fails on the model's output "
-                                   f"of shape {tuple(out.shape)}", "make it return (sum, count) for the batch")
+                                   f"of shape {_shape(out)}", "make it return (sum, count) for the batch")
     finally:
         model.train(was_training)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise PhalanxError("loss_fn must return one number (a mean over the batch), as F.cross_entropy does")
+    check_loss(result.loss, "loss_fn")
+
+
+def _shape(out: Any) -> Any:
+    return tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
 
 
 def _check_class_scores(out: Any, y: torch.Tensor, num_classes: int) -> None:
@@ -173,23 +188,21 @@ def _check_regression_outputs(out: Any, y: torch.Tensor) -> None:
                            f"{(len(y), 1)}); for classes give integer targets")
 
 
-def check_optimizer(task: Task, model: nn.Module) -> None:
-    """A user's optimizer factory, tried once on the model in the parent: a failure is one line, before any
-    worker starts (the workers call it again on their own replicas)."""
+def check_optimizer(task: Task, model: nn.Module, steps: int = 1) -> None:
+    """A user's optimizer and LR scheduler factories, tried once on the model in the parent: a failure is one
+    line, before any worker starts (the workers call them again on their own replicas)."""
     if task.make_optimizer is not None:
-        _first_line_of_failure(lambda: task.optimizer(model.parameters()),
-                               f"the optimizer factory {label(task.make_optimizer)} fails on the model's parameters",
-                               "make it a callable params -> torch.optim.Optimizer")
-
-
-def _first_line_of_failure(call: Callable[[], Any], what: str, fix: str) -> Any:
-    try:
-        return call()
-    except PhalanxError:
-        raise
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise PhalanxError(f"{what} ({type(e).__name__}: {first}); {fix}") from None
+        _first_line_of_failure(lambda: task.optimizer(model),
+                               f"the optimizer factory {label(task.make_optimizer)} fails on the model",
+                               "make it a callable params -> torch.optim.Optimizer, or model -> "
+                               "torch.optim.Optimizer with its first parameter named model")
+    if task.make_scheduler is not None:
+        optimizer = task.optimizer(model) if task.make_optimizer is not None else \
+            torch.optim.SGD(model.parameters(), lr=0.1)
+        _first_line_of_failure(lambda: task.scheduler(optimizer, steps),
+                               f"the LR scheduler factory {label(task.make_scheduler)} fails on the optimizer",
+                               "make it a callable optimizer -> torch.optim.lr_scheduler.LRScheduler (it may take "
+                               "total_steps=)")
 
 
 # --------------------------------------------------------------------------- sending to spawned workers
@@ -200,7 +213,8 @@ def check_sendable(task: Task) -> None:
     classes travel by module and name, so say so plainly when they cannot."""
     main = sys.modules.get("__main__")
     for what, obj in (("the model", task.make_model), ("loss_fn", task.loss_fn),
-                      ("the optimizer factory", task.make_optimizer)):
+                      ("the optimizer factory", task.make_optimizer),
+                      ("the LR scheduler factory", task.make_scheduler), ("the training step", task.training_step)):
         inner = getattr(obj, "args", ())  # a partial's model object or imported factory
         defined = [type(o) if isinstance(o, nn.Module) else o for o in (obj, *inner)]
         if any(getattr(o, "__module__", None) == "__main__" for o in defined) and not getattr(main, "__file__", None):

@@ -33,7 +33,9 @@ MAX_STEPS = 10**9
 
 #: The optimisation settings: on --resume each one given wins over the checkpoint's (see resume.py).
 SETTINGS = ("optimizer", "lr", "momentum", "weight_decay", "lr_schedule", "lr_decay_every", "lr_decay_factor",
-            "staircase", "warmup_steps", "lr_base_batch")
+            "staircase", "warmup_steps", "lr_base_batch", "lr_scheduler", "clip_grad_norm")
+#: phalanx's own schedule's settings, which a scheduler of the user's (--lr-scheduler) replaces
+OWN_SCHEDULE = ("lr_schedule", "lr_decay_every", "lr_decay_factor", "staircase", "warmup_steps")
 #: Settings whose default is the same for every model (None until resolved, so that giving one is seen).
 PLAIN_DEFAULTS: dict[str, Any] = {"weight_decay": 0.0, "lr_schedule": "constant", "warmup_steps": 0}
 
@@ -54,11 +56,12 @@ SECTIONS = {
     "parallelism": ("strategy", "devices", "strict_devices", "workers", "threads", "master_addr", "link"),
     "faults": ("timeout_s", "hang_timeout_s", "max_restarts"),
     "speed": ("precision", "compile"),
-    "model and data": ("model", "data", "loss", "metric", "validation_split", "loader_workers", "data_dir",
+    "model and data": ("model", "data", "loss", "training_step", "target_key", "metric", "validation_split", "loader_workers", "data_dir",
                        "synthetic_shape", "synthetic_size"),
     "optimisation (unset: the model's recipe)": (
         "steps", "batch_size", "accumulate", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
-        "lr_decay_every", "lr_decay_factor", "staircase", "warmup_steps", "lr_base_batch", "seed", "straggler"),
+        "lr_decay_every", "lr_decay_factor", "staircase", "warmup_steps", "lr_base_batch", "lr_scheduler",
+        "clip_grad_norm", "seed", "straggler"),
     "observation and checkpoints": ("log_every", "eval_every", "stop_at", "stop_at_accuracy", "metrics", "tensorboard",
                                     "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "init_from",
                                     "overwrite", "keep_global_batch", "progress", "profile_startup", "prefetch"),
@@ -90,6 +93,11 @@ class TrainConfig:
     loss: Optional[str] = option(None, "MODULE:CALLABLE: the loss, (outputs, targets) -> a scalar tensor (a mean "
                                        "over the batch)",
                                  show="cross-entropy (per token for targets per position); MSE for float targets")
+    training_step: Optional[str] = option(None, "MODULE:CALLABLE: your step(model, batch) -> loss or (loss, "
+                                                "outputs), for training and (without gradients) evaluation",
+                                          show="model(x) and the loss for a pair; model(**batch) for a dict, its "
+                                               "output's own loss where it has one")
+    target_key: Optional[str] = option(None, "the key of a dict batch that holds the targets", show="labels or label")
     metric: Optional[str] = option(None, "what evaluation reports, besides the loss: built-in names or "
                                          "MODULE:CALLABLE ((outputs, targets) -> (sum, count) for a batch), "
                                          "comma-separated", choices=("accuracy", "loss", "perplexity", "mse", "rmse",
@@ -123,6 +131,14 @@ class TrainConfig:
     staircase: Optional[bool] = option(None, "exponential: decay in whole steps", show="off")
     warmup_steps: Optional[int] = option(None, "linear warmup length in steps", show="0")
     lr_base_batch: Optional[int] = option(None, "linear scaling rule: lr x global batch / this")
+    lr_scheduler: Optional[str] = option(None, "MODULE:CALLABLE: a torch LR scheduler of yours, called with the "
+                                               "optimizer (and total_steps= where it names it), stepped once per "
+                                               "global step, saved in checkpoints; replaces --lr-schedule",
+                                         show="phalanx's --lr-schedule")
+    clip_grad_norm: Optional[float] = option(None, "clip the norm of the gradient each update applies to this "
+                                                   "(torch's clip_grad_norm_ over the whole model: after the "
+                                                   "all-reduce, over every shard and stage; the server's under ps)",
+                                             show="no clipping")
     seed: int = option(0, "model initialisation and data order")
     precision: str = option("fp32", "autocast each forward pass to bf16 or fp16 (fp16: CUDA and sync only, with a "
                                     "gradient scaler); parameters and checkpoints stay fp32", choices=PRECISIONS)
@@ -274,6 +290,12 @@ class TrainConfig:
                                f"got {self.weight_decay}")
         if self.validation_split is not None and not 0 < self.validation_split < 1:
             raise PhalanxError(f"--validation-split must be a fraction in (0, 1), e.g. 0.1, got {self.validation_split}")
+        if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float))
+                                                    and 0 < self.clip_grad_norm < math.inf):
+            raise PhalanxError(f"--clip-grad-norm must be a positive, finite norm (e.g. 1.0), got {self.clip_grad_norm}")
+        if self.lr_scheduler is not None and not (isinstance(self.lr_scheduler, str) and ":" in self.lr_scheduler):
+            raise PhalanxError(f"--lr-scheduler {self.lr_scheduler}: write MODULE:CALLABLE, a function of the "
+                               "optimizer returning a torch LR scheduler (e.g. mymod:one_cycle)")
         if self.lr_decay_factor is not None and not 0 < self.lr_decay_factor <= 1:
             raise PhalanxError(f"--lr-decay-factor must be in (0, 1], got {self.lr_decay_factor}")
         if self.stop_at_accuracy is not None:
@@ -298,6 +320,11 @@ class TrainConfig:
                     raise PhalanxError(f"{_flag(name)} applies to the built-in optimizers ({', '.join(OPTIMIZERS)}); "
                                        f"--optimizer {self.optimizer} builds its own: set it there, or drop "
                                        f"{_flag(name)}")
+        if self.lr_scheduler is not None:
+            for name in OWN_SCHEDULE:
+                if getattr(self, name) is not None:
+                    raise PhalanxError(f"--lr-scheduler {self.lr_scheduler} replaces phalanx's own schedule, and "
+                                       f"{_flag(name)} sets that one: drop {_flag(name)}, or --lr-scheduler")
         for name, (setting, applies_to, _) in ONLY_FOR.items():
             value = getattr(self, name)
             chosen = getattr(self, setting)

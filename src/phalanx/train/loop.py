@@ -89,11 +89,12 @@ class WorkerRun:
         self.compiled = compile_blocks(model) if cfg.compile else 0  # in place: before any strategy wraps it
         self.marks.mark("model")
         # Before the runtime: calibrating shares every rank's compute time (a collective).
-        self.straggle = Straggle.start(cfg.straggler, ctx, self.me.shard, model, example, plan.task.loss_fn,
+        self.straggle = Straggle.start(cfg.straggler, ctx, self.me.shard, model, example, plan.task.step,
                                        cfg.accumulate, cfg.seed)
         self.marks.mark("calibration")
         build = Build(ctx, plan.layout, model, self._make_optimizer, plan.task.loss_fn, cfg.steps, cfg.accumulate, example,
-                      cfg.hang_timeout_s, Precision(cfg.precision, ctx.device.type))
+                      cfg.hang_timeout_s, Precision(cfg.precision, ctx.device.type), cfg.clip_grad_norm,
+                      plan.task.step)
         self.runtime = cfg.strategy.runtime(build)
         self.marks.mark("strategy")
         self.schedule = Schedule(cfg.lr_schedule, cfg.lr_decay_every, cfg.lr_decay_factor, cfg.staircase,
@@ -111,10 +112,11 @@ class WorkerRun:
         self.last_checkpoint: Optional[str] = None
         if resumed:
             self._restore(resumed)
-        # The schedule is a pure function of the step: the step alone puts it where it was, under the
-        # settings in force now (a checkpoint's scheduler state would bring back its old ones).
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.runtime.optimizer, self.schedule,
-                                                           last_epoch=self.step - 1)
+        self.scheduler = self._scheduler(resumed)
+        # The first param group, whose lr the metrics file logs: held, so that a step reads it in one lookup
+        # (the optimizer's groups are replaced only by a load, done above).
+        self.lr_group = self.runtime.optimizer.param_groups[0]
+        self.lr = self.lr_group["lr"]  #: the learning rate the optimizer used in the step just taken
         self.straggle.begin(self.step)
         self.eval_seconds = 0.0  # evaluation time, kept out of the training time
         # What evaluation adds up: every metric's (sum, count), over every rank (exact, see metrics.py).
@@ -136,15 +138,38 @@ class WorkerRun:
         return (f"starting from the weights of {state['path']} (step {state['step']}), with a fresh optimizer and "
                 "schedule from step 0")
 
-    def _make_optimizer(self, params) -> torch.optim.Optimizer:
+    def _make_optimizer(self, module: nn.Module) -> torch.optim.Optimizer:
         task = self.plan.task
         if task.make_optimizer is None and is_import_path(self.cfg.optimizer):  # a checkpoint's, on --resume
             task.make_optimizer = resolve(self.cfg.optimizer, "--optimizer", "params -> torch.optim.Optimizer")
-        return task.optimizer_for(self.cfg, params, self.global_batch)
+        return task.optimizer_for(self.cfg, module, self.global_batch)
+
+    def _scheduler(self, resumed: Optional[dict[str, Any]]) -> Optional[Any]:
+        """The run's LR scheduler on the optimizer that applies the updates (None on a rank whose optimizer
+        never steps: a parameter server's worker, whose server's scheduler is the run's).
+
+        The user's (``--lr-scheduler``) continues from the checkpoint's state where it has one, and the
+        optimizer's learning rates are put back to where that state left them (a chainable scheduler, e.g.
+        StepLR, reads them). phalanx's own is a pure function of the step: the step alone puts it where it
+        was, under the settings in force now (a checkpoint's scheduler state would bring back its old ones)."""
+        if not self.runtime.steps_optimizer:
+            return None
+        optimizer, task = self.runtime.optimizer, self.plan.task
+        if task.make_scheduler is None and self.cfg.lr_scheduler:  # a checkpoint's, on --resume
+            task.make_scheduler = resolve(self.cfg.lr_scheduler, "--lr-scheduler", "optimizer -> LR scheduler")
+        if task.make_scheduler is None:
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, self.schedule, last_epoch=self.step - 1)
+        scheduler = task.scheduler(optimizer, self.cfg.steps)
+        saved = (resumed or {}).get("lr_scheduler")
+        if saved is not None:
+            scheduler.load_state_dict(saved)
+            for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
+        return scheduler
 
     def _inputs(self) -> Iterator:
         if self.batches is None:
-            return itertools.repeat((None, None))
+            return itertools.repeat(None)
         self.prefetcher = Prefetcher(self.batches(self._position()), self.ctx.device,
                                      prefetch_depth(self.cfg.prefetch, self.ctx.device))
         return self.prefetcher
@@ -167,11 +192,13 @@ class WorkerRun:
             if self._stopping():
                 break
             progress.at(self.step + 1, "the training step")
-            x, y = next(inputs)
-            loss = self.runtime.train_step(x, y)
+            batch = next(inputs)
+            self.lr = self.lr_group["lr"]  # (read before the scheduler moves it on: the one this step uses)
+            loss = self.runtime.train_step(batch)
             self.marks.mark("first_step")  # (the first call counts; on a GPU: when the step was queued)
             self.straggle.after_step()
-            self.scheduler.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
             following = self.runtime.next_step(self.step)
             if following is None:  # an asynchronous worker told to stop
                 break
@@ -317,7 +344,7 @@ class WorkerRun:
         at = advance(self.start_position, step - 1 - self.start_step, len(self.data.train), self.global_batch)
         for shard in range(layout.shards) if layout.lockstep else (self.me.shard,):
             reader = ShardedBatches(self.data.train, self.cfg.batch_size, shard, layout.shards, self.cfg.seed)
-            what = nonfinite_values(reader.one(at)[0])
+            what = nonfinite_values(reader.one(at))
             if what:
                 return f"{what} (data shard {shard})"
         return None
@@ -326,7 +353,9 @@ class WorkerRun:
         rate = steps * self.global_batch / max(seconds, 1e-9)
         per_batch = seconds / max(steps, 1)
         self.reporter.say(step_line(self.step, loss, rate, per_batch))
-        self.reporter.record("step", step=self.step, loss=loss, lr=self.scheduler.get_last_lr()[0],
+        norm = self.runtime.grad_norm  # (a host read of the device's norm: at log steps only)
+        clipped = {"grad_norm": float(norm)} if norm is not None and self.ctx.is_main else {}
+        self.reporter.record("step", step=self.step, loss=loss, lr=float(self.lr), **clipped,
                              examples_per_sec=rate, sec_per_batch=per_batch, **self.runtime.report().fields)
 
     def _evaluate(self, start: float, final: bool = False) -> dict[str, float]:
@@ -370,17 +399,26 @@ class WorkerRun:
         if self.ctx.is_main and state is not None:
             ckpt.save_checkpoint(
                 {"format": ckpt.FORMAT, "step": self.step, "run_id": self.plan.run_id, **state,
-                 "scheduler": self.scheduler.state_dict(), "rng": rng, "meta": self._meta(state),
+                 **self._scheduler_state(), "rng": rng, "meta": self._meta(state),
                  "data_position": {"epoch": position.epoch, "examples_in_epoch": position.offset}},
                 self.cfg.checkpoint_dir, self.step, self.cfg.keep_checkpoints,
             )
             self.reporter.record("checkpoint", step=self.step, path=path)
         self.last_checkpoint = path
 
+    def _scheduler_state(self) -> dict[str, Any]:
+        """phalanx's own schedule under ``scheduler`` (as before); the user's under ``lr_scheduler``, which a
+        resume loads (phalanx's is recomputed from the step)."""
+        if self.scheduler is None:
+            return {}
+        key = "lr_scheduler" if self.plan.task.make_scheduler is not None else "scheduler"
+        return {key: self.scheduler.state_dict()}
+
     def _meta(self, state: dict[str, Any]) -> dict[str, Any]:
         return {"world_size": self.ctx.world_size, "workers": self.plan.workers, "batch_size": self.cfg.batch_size,
                 "accumulate": self.cfg.accumulate, "global_batch": self.global_batch,
                 "model": self.plan.task.model_name, "data": self.plan.task.data_name,
+                "training_step": self.cfg.training_step, "target_key": self.cfg.target_key,
                 "model_class": self.model_class,
                 "parameter_shapes": {name: list(t.shape) for name, t in state["model"].items()},
                 "strategy": self.cfg.strategy.name,

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..data.loader import Position, advance
 from ..errors import PhalanxError
-from .config import SETTINGS, TrainConfig, _flag
+from .config import OWN_SCHEDULE, SETTINGS, TrainConfig, _flag
 from .schedules import scaled_lr
 
 
@@ -86,6 +86,8 @@ def resume_config(cfg: TrainConfig, state: dict[str, Any], shards: int) -> Resum
     """The config a run resumed from ``state`` on ``shards`` data shards uses, and its header lines."""
     recorded = recorded_settings(state)
     taken = {name: value for name, value in recorded.items() if name in SETTINGS and name not in cfg._given}
+    if any(name in cfg._given for name in OWN_SCHEDULE):  # phalanx's own schedule asked for: not the checkpoint's
+        taken.pop("lr_scheduler", None)                   # scheduler of the user's, which would replace it
     batch, accumulate = batch_for(cfg, state, shards)
     run = dataclasses.replace(cfg, **taken, batch_size=batch, accumulate=accumulate)
     fresh = recorded.get("optimizer", run.optimizer) != run.optimizer

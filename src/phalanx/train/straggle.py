@@ -38,7 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..data import batch as batches
 from ..errors import PhalanxError
+from ..step import DefaultStep, UserStep
 
 KINDS = ("none", "slow", "pauses")
 EXAMPLES = "RANK:FACTOR, slow:RANK:FACTOR or pauses:P:FACTOR (e.g. 1:2: rank 1 twice as slow; pauses:0.1:4)"
@@ -138,21 +140,25 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def calibrate(model: nn.Module, example: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable,
-              accumulate: int, device: torch.device, warmup: int = 2, repeats: int = 5) -> float:
-    """Median seconds of forward + backward of ``model`` on ``example`` (in ``accumulate`` parts).
+def calibrate(model: nn.Module, example: Any, step: Callable, accumulate: int, device: torch.device,
+              warmup: int = 2, repeats: int = 5) -> float:
+    """Median seconds of forward + backward of ``model`` on ``example`` (any batch, in ``accumulate`` parts).
+    ``step``: the task's training step (``step(model, batch) -> StepResult``), or a loss ``(outputs, targets)``
+    for a pair.
 
     A private copy is timed, under a forked random state: the model's parameters, gradients and
     buffers (BatchNorm statistics) stay untouched and the run's random streams draw nothing.
     """
-    x, y = example[0].to(device), example[1].to(device)
+    step = step if isinstance(step, (DefaultStep, UserStep)) else DefaultStep(step)
+    batch = batches.to_device(example, device)
+    size = batches.length(batch)
     seconds = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         private = copy.deepcopy(model).train()
         for _ in range(warmup + repeats):
             began = _now(device)
-            for xk, yk in zip(x.chunk(accumulate), y.chunk(accumulate)):
-                (loss_fn(private(xk), yk) * (len(xk) / len(x))).backward()
+            for piece in batches.split(batch, accumulate):
+                (step(private, piece).loss * (batches.length(piece) / size)).backward()
             seconds.append(_now(device) - began)
             private.zero_grad(set_to_none=True)
     return statistics.median(seconds[warmup:])
@@ -179,7 +185,7 @@ class Straggle:
 
     @classmethod
     def start(cls, slowness: Optional[Slowness], ctx: Any, worker: Optional[int], model: nn.Module,
-              example: Optional[tuple], loss_fn: Callable, accumulate: int, seed: int, **kwargs: Any) -> "Straggle":
+              example: Any, step: Callable, accumulate: int, seed: int, **kwargs: Any) -> "Straggle":
         """Calibrate this rank where it may be slowed, and share every rank's calibration.
 
         Called by every rank before the strategy's runtime exists (its ``all_gather_object`` must
@@ -190,7 +196,7 @@ class Straggle:
             return cls(None, ctx.rank, worker, [], seed, **kwargs)
         mine = None
         if slowness.may_slow(ctx.rank) and example is not None and worker is not None:
-            mine = calibrate(model, example, loss_fn, accumulate, ctx.device)
+            mine = calibrate(model, example, step, accumulate, ctx.device)
         compute = [mine]
         if ctx.distributed:
             compute = [None] * ctx.world_size

@@ -4,7 +4,8 @@ The process that writes the metrics file (rank 0, which also holds every evaluat
 they are reduced over the ranks before it records them) hands each record to :class:`Board` as
 well, so the curves in TensorBoard are the metrics file's values, at the same steps and times:
 
-- every log step: ``train/loss``, ``train/lr``, ``train/examples_per_sec``, and where the strategy
+- every log step: ``train/loss``, ``train/lr``, ``train/examples_per_sec``, ``train/grad_norm`` (under
+  ``--clip-grad-norm``: the norm before clipping), and where the strategy
   reports them ``staleness/mean|p95|max`` and ``gradients/applied|dropped`` (totals so far);
 - every evaluation: ``test/METRIC`` for each metric (``validation/METRIC`` for a held-out part).
 
@@ -23,6 +24,7 @@ from ..errors import PhalanxError
 
 #: step-event field -> its TensorBoard tag
 STEP_TAGS = {"loss": "train/loss", "lr": "train/lr", "examples_per_sec": "train/examples_per_sec",
+             "grad_norm": "train/grad_norm",
              "staleness_mean": "staleness/mean", "staleness_p95": "staleness/p95", "staleness_max": "staleness/max",
              "gradients_applied_total": "gradients/applied", "gradients_dropped_total": "gradients/dropped"}
 

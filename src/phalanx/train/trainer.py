@@ -28,7 +28,7 @@ from ..data.user import cast_to_model
 from ..task import Task, named_optimizer, user_task
 from ..strategies import Job, Layout
 from . import checkpoint as ckpt
-from . import checks, rundir, tensorboard
+from . import checks, rundir, step_checks, tensorboard
 from .config import TrainConfig
 
 
@@ -56,13 +56,19 @@ class Trainer:
     Bring your own model and data: ``Trainer(config, model=net, train_data=(x, y),
     test_data=(x_test, y_test), loss_fn=F.cross_entropy, optimizer=lambda p: AdamW(p, 1e-3))``.
     ``model`` is copied to every worker (it must be picklable); data is a pair of tensors or numpy
-    arrays (inputs, targets: integer classes, or floats for a regression, MSE by default), a map-style
-    torch ``Dataset`` of (input, target) items (a ``TensorDataset``), or an ``ArrayDataset``; without
-    ``test_data`` a validation part is held out. ``metrics``: names (``"mae"``), functions
-    ``(outputs, targets) -> (sum, count)`` or :class:`~phalanx.metrics.Metric` (see ``metrics.py``);
+    arrays (inputs, targets: integer classes, ``-100`` for a position no loss counts, or floats for a regression,
+    MSE by default), a dict of equal-length tensors (as a tokenizer returns it), a map-style torch ``Dataset``
+    whose items are pairs, tuples, dicts or nested containers of tensors, or an ``ArrayDataset``; without
+    ``test_data`` a validation part is held out. A pair calls ``model(x)``, a dict ``model(**batch)``, and an
+    output with a ``loss`` (a Hugging Face ``ModelOutput``) is the loss (see ``step.py``);
+    ``training_step``: your ``step(model, batch) -> loss | (loss, outputs)`` for anything else.
+    ``metrics``: names (``"mae"``), functions ``(outputs, targets) -> (sum, count)`` (``(outputs, batch)``
+    where the second parameter is named ``batch``) or :class:`~phalanx.metrics.Metric` (see ``metrics.py``);
     the loss is always reported too.
     ``optimizer``: a picklable ``params -> torch.optim.Optimizer`` (module level, not a lambda, when
-    workers are spawned). All of it becomes one :class:`~phalanx.task.Task`.
+    workers are spawned), or ``model -> torch.optim.Optimizer`` where its first parameter is named
+    ``model`` (parameter groups by name). ``lr_scheduler``: ``optimizer -> scheduler`` (with
+    ``total_steps=`` where it names it), stepped once per global step in place of phalanx's schedule. All of it becomes one :class:`~phalanx.task.Task`.
     A script that calls ``fit()`` must do so under ``if __name__ == "__main__":`` (workers are
     spawned and import the script again).
     ``task``: a :class:`~phalanx.task.Task` built already (a comparison builds one and trains every
@@ -72,13 +78,15 @@ class Trainer:
     def __init__(self, config: Optional[TrainConfig] = None, *, model: Optional[nn.Module] = None,
                  train_data: Any = None, test_data: Any = None, loss_fn: Optional[Callable] = None,
                  optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None, metrics: Any = None,
-                 task: Optional[Task] = None):
+                 task: Optional[Task] = None, lr_scheduler: Optional[Callable[..., Any]] = None,
+                 training_step: Optional[Callable] = None):
         if config is not None and not isinstance(config, TrainConfig):
             raise PhalanxError(f"config must be a phalanx.TrainConfig, got {type(config).__name__}")
         config = config or TrainConfig()
         if task is not None:
             parts = [name for name, value in (("model", model), ("train_data", train_data), ("test_data", test_data),
-                                              ("loss_fn", loss_fn), ("optimizer", optimizer), ("metrics", metrics))
+                                              ("loss_fn", loss_fn), ("optimizer", optimizer), ("metrics", metrics),
+                                              ("lr_scheduler", lr_scheduler), ("training_step", training_step))
                      if value is not None]
             if parts:
                 raise PhalanxError(f"task= holds the model, data, loss, optimizer and metrics already, and {parts[0]}= "
@@ -86,7 +94,8 @@ class Trainer:
             self.task = task
         else:
             self.task = user_task(config, model=model, train_data=train_data, test_data=test_data, loss_fn=loss_fn,
-                                  optimizer=optimizer, metrics=metrics)
+                                  optimizer=optimizer, metrics=metrics, lr_scheduler=lr_scheduler,
+                                  training_step=training_step)
         self.config = named_optimizer(config, self.task)
 
     def plan(self, began: Optional[float] = None) -> Plan:
@@ -100,8 +109,9 @@ class Trainer:
         model = task.make_model(facts.input_shape, facts.num_classes)
         if task.data is not None:  # float64 numpy inputs meet float32 parameters: cast once, here
             facts = checks.data_facts(cfg, cast_to_model(task.data, model))
-        checks.check_model(model, facts, task.loss_fn, task.metrics)
-        checks.check_optimizer(task, model)
+        step_checks.check_pairs(cfg, facts, task.step)  # (a strategy's refusal before the model's details)
+        checks.check_model(model, facts, task.loss_fn, task.metrics, task.step)
+        checks.check_optimizer(task, model, cfg.steps)
         devices = worker_devices(cfg)
         job = Job(tuple(devices), cfg.batch_size, cfg.accumulate, processes=launcher_world_size(),
                   gpu_islands=_gpu_islands(devices, cfg), model=model)

@@ -35,6 +35,7 @@ from ...costs import ParameterServerCost
 from ...simulate import SERVER as SIMULATED_SERVER
 from ...errors import PhalanxError
 from ...options import option
+from ...watch import has_raised
 from ...metrics import Totals, add_up
 from ..base import COUNT_CORRECT, Build, Job, Layout, Options, RankPlan, Report, Runtime
 from ..registry import register
@@ -174,13 +175,16 @@ class ServerRuntime(Runtime):
         super().__init__(build, description=options.describe())
         workers = self.ctx.world_size - 1
         rule = options.aggregation(workers)
+        store = self.ctx.store
+        clip = self.clip_gradients if build.clip_grad_norm is not None else None  # the update's gradient, here
         self.server = Server(self.model, self.optimizer, self.ctx.world_size, self.ctx.device, options.bound,
-                             rule, build.steps, build.hang_timeout_s)
+                             rule, build.steps, build.hang_timeout_s, raised=lambda worker: has_raised(store, worker),
+                             clip=clip)
         self.notes += [] if rule.drops_late else momentum_note(self.optimizer, workers)
         self.told_diverged = False
 
-    def train_step(self, x, y) -> torch.Tensor:
-        return self.server.serve_one_step()
+    def train_step(self, batch=None, y=None, parts=None) -> torch.Tensor:
+        return self.server.serve_one_step()  # (it reads no data)
 
     def next_step(self, step: int) -> Optional[int]:
         # After a non-finite loss: first the step it belongs to (the loop holds its loss and looks),
@@ -202,7 +206,7 @@ class ServerRuntime(Runtime):
         return losses  # the server heard every worker's loss: it alone guards against divergence
 
     def evaluate(self, batches, totals: Totals = COUNT_CORRECT) -> tuple[float, ...]:
-        return tuple(add_up(self.module, batches, self.ctx.device, totals).tolist())  # the whole set, no collective
+        return tuple(add_up(self.module, batches, self.ctx.device, totals, self.build.step).tolist())  # the whole set, no collective
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)

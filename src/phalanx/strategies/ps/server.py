@@ -27,7 +27,9 @@ A worker whose connection drops is reported lost and no longer counted (in the g
 and so is one that stays silent for the hang timeout while the server expects its gradient (it is
 stopped, frozen or stuck): the others go on. The server never blocks on one worker: each worker's
 replies go out through a sender thread of its own, so a worker that stops reading holds up only
-its own sender.
+its own sender. A worker that raised an exception is not lost: it recorded so in the job's store
+before its connection dropped, and the server stops with it (a bug in the user's code is every
+worker's: going on would lose the workers one by one and name none of their tracebacks).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import math
 import queue
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.nn.utils import parameters_to_vector
@@ -52,12 +54,13 @@ from .protocol import BYE, HELLO, PUSH, Message, Reply, buffer_count, buffers_to
 
 
 def apply_gradients(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, grads: list[torch.Tensor],
-                    weight: float) -> None:
+                    weight: float, clip: Optional[Callable[[], None]] = None) -> None:
     """One update of ``params``: ``weight`` times the sum of ``grads`` (flat vectors the caller gives up:
     the first is summed into and scaled in place), stepped by ``optimizer``. The parameters' gradients
     are views of that one vector: no pass over the bytes beyond the sum and the scaling, and no new
     buffer, whose first touch (page faults) costs more than the pass (the estimate prices this very
-    function: ``estimate/profile.py``)."""
+    function: ``estimate/profile.py``). ``clip``: clips the gradients so set, before the step (the update's
+    gradient is the one ``--clip-grad-norm`` bounds)."""
     grad = grads[0]
     for other in grads[1:]:
         grad.add_(other)
@@ -66,14 +69,19 @@ def apply_gradients(params: list[torch.Tensor], optimizer: torch.optim.Optimizer
     for p in params:
         p.grad = grad[offset:offset + p.numel()].view_as(p)
         offset += p.numel()
+    if clip is not None:
+        clip()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
 class Server:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int,
-                 device: torch.device, bound: Optional[int], rule: Rule, steps: int, hang_timeout_s: float = 0.0):
+                 device: torch.device, bound: Optional[int], rule: Rule, steps: int, hang_timeout_s: float = 0.0,
+                 raised: Callable[[int], bool] = lambda worker: False, clip: Optional[Callable[[], None]] = None):
         self.model, self.optimizer, self.device = model, optimizer, device
+        self.raised = raised  #: whether a worker recorded that it raised (``watch.say_raised``), as it went
+        self.clip = clip  #: clips every update's gradient before the optimizer applies it (None: no clipping)
         self.params = list(model.parameters())
         self.size = sum(p.numel() for p in self.params)
         self.buffer_size = buffer_count(model)
@@ -220,7 +228,7 @@ class Server:
         """One update: the weighed sum of the gradients taken, and the first worker's buffers."""
         for message in taken:
             self.staleness.record(self.updates - message.version)
-        apply_gradients(self.params, self.optimizer, [m.grad for m in taken], self.rule.weight(len(taken)))
+        apply_gradients(self.params, self.optimizer, [m.grad for m in taken], self.rule.weight(len(taken)), self.clip)
         if taken[0].buffers is not None:  # taken is in worker order: the lowest-numbered worker's
             vector_to_buffers(taken[0].buffers, self.model)
         self.updates += 1
@@ -261,6 +269,12 @@ class Server:
     def _lose(self, worker: int, why: str) -> None:
         if worker not in self.live:
             return
+        if self.raised(worker):
+            # A bug, not a lost machine: the user's code is the same on every worker, so the others would
+            # raise it too, one by one, each read as lost ("every worker was lost"). Stop serving; the
+            # worker's own traceback, sent home before its connection closed, is the job's error.
+            raise WorkerFailed(worker, f"raised an exception at step {self.global_step()} (its traceback is "
+                                       f"worker {worker}'s own); the parameter server stops with it")
         self.gate.lose(worker)
         self.waiting.discard(worker)
         if self.pending.pop(worker, None) is not None:  # its round goes on without it

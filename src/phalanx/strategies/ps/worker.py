@@ -11,17 +11,19 @@ the number of gradients it pushed (the server checks that each was applied or co
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch.nn.utils import vector_to_parameters
 
 from ...metrics import Totals
-from ..base import COUNT_CORRECT, Build, Runtime, nonfinite_values
+from ..base import COUNT_CORRECT, Build, Runtime, as_batch, nonfinite_values
 from .protocol import WorkerChannel, buffer_count, buffers_to_vector, vector_to_buffers
 
 
 class WorkerRuntime(Runtime):
+    steps_optimizer = False  # the server's optimizer applies every update (and its LR scheduler steps there)
+
     def __init__(self, build: Build, description: str):
         super().__init__(build, description=description)
         self.params = list(self.model.parameters())
@@ -30,18 +32,19 @@ class WorkerRuntime(Runtime):
         self.stop = False
         self.joined = False
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def train_step(self, batch: Any, y: Optional[torch.Tensor] = None, parts: Optional[int] = None) -> torch.Tensor:
         if not self.joined:
             self.channel.hello()
             self._pull()
             self.joined = True
             if self.stop:  # the run ended before this worker joined (it started late): nothing to compute
                 return torch.zeros((), device=self.ctx.device)
-        loss = self.forward_backward(x, y)
+        batch = as_batch(batch, y)
+        loss = self.forward_backward(batch, parts=parts)
         grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in self.params])
         value = float(loss)  # the push needs it on the host anyway
         # Only a non-finite loss makes us look at the batch, so the server can say the data is the cause.
-        inputs = nonfinite_values(x) if not math.isfinite(value) else ""
+        inputs = nonfinite_values(batch) if not math.isfinite(value) else ""
         self.channel.push(self.version, value, grad, buffers_to_vector(self.model), inputs)
         self.pushes += 1
         self.model.zero_grad(set_to_none=True)

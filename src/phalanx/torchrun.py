@@ -1,0 +1,35 @@
+"""``python -m phalanx.torchrun ARGS``: torchrun itself, whose agent ends on a stop signal with the shell's status.
+
+The same arguments as ``torchrun`` (this *is* ``torch.distributed.run``), for example::
+
+    python -m phalanx.torchrun --standalone --nproc-per-node 2 -m phalanx train --steps 4000
+
+torchrun's agent takes SIGTERM and SIGINT (Slurm's and Kubernetes' stop, a terminal's Ctrl-C) by
+raising its ``SignalException`` in its monitoring loop: it passes SIGTERM on to the workers, waits
+for them (up to 30 s; phalanx's workers stop at one step and save it, and print how to continue),
+then lets the exception end the agent: exit 1 and the exception's traceback, whatever the workers
+did. That is torchrun's code; under plain ``torchrun`` phalanx cannot change it. Here the exception
+is taken where torchrun lets it out, after its workers have ended, and the agent exits 143 for
+SIGTERM, 130 for SIGINT (128 + the signal, as ``phalanx train`` does), without a traceback. Any
+other ending (success, a failed worker's report) is torchrun's, unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun(list(argv) if argv is not None else None)
+    except SignalException as e:  # (its workers were told and waited for: what they saved, they said)
+        return 128 + int(e.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
