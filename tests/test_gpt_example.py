@@ -25,7 +25,6 @@ import gpt  # noqa: E402  (the example, importable here and in the spawned worke
 import gpt_quality  # noqa: E402  (the plain PyTorch loop the strategies are measured against)
 
 VOCAB = 105  #: the bytes the 16 corpus modules of Python 3.11 use
-PPL_AFTER_60 = 99.0  #: placeholder until measured
 
 
 def small(seed: int = 0) -> gpt.GPT:
@@ -171,7 +170,10 @@ def test_sync_on_two_workers_equals_one_process_on_the_whole_batch(tmp_path):
         torch.testing.assert_close(got[name], p, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
 
 
-STEPS = 60
+STEPS = 100
+#: the test perplexity a CLI run of STEPS steps of 2 x 16 windows stays under: measured sync 11.6, ps 15.4 and 16.5
+#: (asynchronous: each worker's gradient an update of its own, a step stale); the unigram model scores 23.0
+BAR = {"sync": 14.0, "ps": 20.0}
 CLI = ("--model", "gpt:make", "--data", "gpt:load", "--training-step", "gpt:step", "--optimizer", "gpt:optimizer",
        "--lr-scheduler", "gpt:schedule", "--clip-grad-norm", "1.0", "--steps", str(STEPS), "--batch-size", "16",
        "--workers", "2", "--devices", "cpu", "--log-every", "1", "--progress", "none", "--checkpoint-every", "0")
@@ -199,7 +201,7 @@ def test_the_example_trains_through_the_cli_with_nothing_but_its_import_paths(tm
     assert all(e["grad_norm"] > 0 for e in steps)  # clipped (the norm before clipping is logged)
     summary = next(e for e in events if e["event"] == "summary")
     base = char_lm.baselines(*gpt.load())
-    assert summary["test_metrics"]["perplexity"] < PPL_AFTER_60 < base["unigram"], summary["test_metrics"]
+    assert summary["test_metrics"]["perplexity"] < BAR[strategy] < base["unigram"], summary["test_metrics"]
     state = torch.load(summary["checkpoint"], weights_only=False)
     assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.1, 0.0]  # configure_optimizers'
     model = gpt.make(VOCAB)
