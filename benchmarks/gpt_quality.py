@@ -15,10 +15,12 @@ perplexity over the plain loop's median.
     python3 benchmarks/gpt_quality.py                           # 400 steps of 64 windows, seed 0
     python3 benchmarks/gpt_quality.py --seeds 2 --save          # what the example's docstring quotes
     python3 benchmarks/gpt_quality.py --plain-only              # the reference loop alone, against the baselines
+    python3 benchmarks/gpt_quality.py --plain-only --stale --seeds 2 --save   # and as asynchrony would run it
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import statistics
@@ -73,6 +75,38 @@ def plain_loop(steps: int, batch_size: int, seed: int = 0) -> gpt.GPT:
     return model
 
 
+def stale_loop(steps: int, batch_size: int, workers: int = 2, seed: int = 0) -> gpt.GPT:
+    """The plain loop as an asynchronous parameter server runs it with ``workers`` workers that keep pace:
+    ``workers`` updates a step, each on ``batch_size / workers`` windows, its gradient computed on the
+    parameters of one update before (staleness 1, what ps measured with 2 workers) and scaled by 1/workers;
+    the schedule stepped once a step. Plain PyTorch: what asynchrony alone costs this model."""
+    train, test = gpt.load()
+    x, y = train
+    torch.manual_seed(seed)
+    model = gpt.make(vocabulary(train, test))
+    behind = copy.deepcopy(model)  # the parameters a worker computed its gradient on
+    opt = gpt.optimizer(model)
+    sched = gpt.schedule(opt, steps)
+    per, order, at = batch_size // workers, torch.randperm(len(x)), 0
+    for update in range(steps * workers):
+        if at + per > len(order):
+            order, at = torch.randperm(len(x)), 0
+        idx = order[at:at + per]
+        at += per
+        _, loss = behind(x[idx], y[idx])
+        behind.zero_grad(set_to_none=True)
+        loss.backward()
+        behind.load_state_dict(model.state_dict())  # the next gradient: on these parameters, one update old then
+        for p, b in zip(model.parameters(), behind.parameters()):
+            p.grad = b.grad / workers
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if update % workers == workers - 1:
+            sched.step()
+    return model
+
+
 @torch.no_grad()
 def perplexity(model: gpt.GPT, test: tuple, batch: int = 256) -> float:
     """exp of the mean cross-entropy over every test byte (the sum over batches, then one division)."""
@@ -109,6 +143,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2, help="phalanx's training processes (ps: and a server)")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated, of " + ", ".join(STRATEGIES))
     p.add_argument("--plain-only", action="store_true", help="the reference loop alone")
+    p.add_argument("--stale", action="store_true", help="also the plain loop with gradients one update stale, as "
+                                                        "ps applies them (--workers updates a step)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     train, test = gpt.load()
@@ -119,6 +155,10 @@ def main() -> None:
     for seed in range(args.seeds):
         runs["plain"].append(perplexity(plain_loop(args.steps, args.batch_size, seed), test))
         print(f"seed {seed}: plain PyTorch {runs['plain'][-1]:.3f}", flush=True)
+        if args.stale:
+            runs.setdefault("plain-stale", []).append(perplexity(stale_loop(args.steps, args.batch_size,
+                                                                            args.workers, seed), test))
+            print(f"seed {seed}: plain PyTorch, gradients one update stale {runs['plain-stale'][-1]:.3f}", flush=True)
         for name in names:
             runs[name].append(phalanx_run(name, args.steps, args.batch_size, args.workers, seed))
             print(f"seed {seed}: phalanx {name} {runs[name][-1]:.3f}", flush=True)
@@ -127,8 +167,9 @@ def main() -> None:
     print(f"\ntest perplexity after {args.steps} steps of {args.batch_size} windows, median (min-max) over "
           f"{args.seeds} seed(s); ratio to the plain loop's median:")
     for name, values in runs.items():
-        print(f"  {name:<10} {medians[name]:7.3f} ({min(values):.3f}-{max(values):.3f})  ratio {ratios[name]:.3f}")
-    save_result("gpt_quality", args, baselines=base, perplexity=runs, medians=medians, ratios=ratios)
+        print(f"  {name:<11} {medians[name]:7.3f} ({min(values):.3f}-{max(values):.3f})  ratio {ratios[name]:.3f}")
+    name = "gpt_quality-stale" if args.stale and args.plain_only else "gpt_quality"  # (the strategies' kept apart)
+    save_result(name, args, baselines=base, perplexity=runs, medians=medians, ratios=ratios)
 
 
 if __name__ == "__main__":

@@ -25,10 +25,11 @@ What to expect, measured on 2 CPU cores shared with other jobs (``benchmarks/gpt
 400 steps of 64 windows, 2 workers of 32, seeds 0 and 1, the same initial model as the plain PyTorch
 loop's of the same seed): test perplexity, the plain loop 5.91 and 6.41; sync 6.08 and 6.39 (ratio of
 medians 1.01), fsdp the same as sync to 4 digits, local-sgd 6.50 and 6.95 (1.09), diloco 6.85 and 7.38
-(1.16), ps 10.83 and 12.06 (1.86). ssp with staleness 0 and backup with 0 backup workers end exactly
-where sync ends (100 steps of 2 x 16: 11.589 all three), so ps's gap is its asynchrony: with AdamW every
-worker's gradient is an update of its own, a step stale. The unigram model scores 22.97, a uniform
-guess 105. About 40 to 70 s a run. The compare above: sync reaches perplexity 8 at step 250 (28 s of
+(1.16), ps 10.83 and 12.06 (1.86). ps's gap is asynchrony, not phalanx: ssp with staleness 0 and backup
+with 0 backup workers (the same server) end exactly where sync ends (100 steps of 2 x 16: 11.589 all
+three), and the plain loop run as ps runs it (2 AdamW updates a step on 32 windows each, every gradient
+one update stale: ``--stale``) scores 11.41 and 11.79 (1.88). The unigram model scores 22.97, a uniform
+guess 105. About 40 to 70 s a run; ``python3 examples/gpt.py`` is the benchmark's sync run of seed 0 (6.08). The compare above: sync reaches perplexity 8 at step 250 (28 s of
 training), fsdp at 250 (32 s), ps not in 400 steps (best 10.5).
 """
 from __future__ import annotations
