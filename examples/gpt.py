@@ -21,6 +21,14 @@ tenth). The same through the CLI, from this folder:
         --lr-scheduler gpt:schedule --clip-grad-norm 1.0 --strategies sync,fsdp,ps --scenarios none \\
         --repeats 1 --target "perplexity<=8" --max-steps 400 --eval-every 50 --batch-size 32
 
+The API, as ``run`` below calls it (under ``if __name__ == "__main__":``; workers are spawned):
+
+    train, test = load()
+    phalanx.Trainer(phalanx.TrainConfig(strategy=phalanx.FSDP(), workers=2, steps=400, batch_size=32,
+                                        clip_grad_norm=1.0),
+                    model=make(105), train_data=train, test_data=test, training_step=step,
+                    optimizer=optimizer, lr_scheduler=schedule).fit()
+
 What to expect, measured on 2 CPU cores shared with other jobs (``benchmarks/gpt_quality.py --seeds 2``:
 400 steps of 64 windows, 2 workers of 32, seeds 0 and 1, the same initial model as the plain PyTorch
 loop's of the same seed): test perplexity, the plain loop 5.91 and 6.41; sync 6.08 and 6.39 (ratio of
