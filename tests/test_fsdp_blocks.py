@@ -9,9 +9,9 @@
 - A forward that builds state from ``next(self.parameters())`` outside a unit (pytorch/examples' word
   language model's ``init_hidden``) ends with one line naming the cause and the fix, exit 2, no traceback;
   the fix it names trains.
-- ``--activation-checkpointing``: the GPT example (``make()``) under sync and fsdp on 2 gloo workers ends k
-  steps with exactly the parameters it has without it (float32, torch.equal: the recomputed forward runs the
-  same operators on the same values), and keeps less for backward (measured, in the summary).
+- ``--activation-checkpointing``: the GPT example (``make()``) under sync, fsdp, local-sgd and diloco on 2 gloo
+  workers ends k steps with exactly the parameters it has without it (float32, torch.equal: the recomputed
+  forward runs the same operators on the same values), and keeps less for backward (measured, in the summary).
 """
 
 import copy
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from helpers import REPO, run_cli, run_in_process
-from phalanx import FSDP, Sync, TrainConfig, Trainer
+from phalanx import FSDP, DiLoCo, LocalSGD, Sync, TrainConfig, Trainer
 from phalanx.errors import PhalanxError
 from phalanx.models import build_model, describe_blocks, model_units
 from phalanx.precision import Precision
@@ -206,6 +206,21 @@ def test_measuring_changes_neither_the_buffers_nor_the_random_state():
         assert torch.equal(value, before[name]), name
 
 
+def test_a_plain_forward_that_does_not_fit_is_reported_as_such_and_checkpointing_goes_on():
+    model, idx = small_gpt(), torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
+    calls = []
+
+    def forward():
+        calls.append(1)
+        if len(calls) == 1:  # the plain forward, as a device too small for it ends it
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return gpt.step(model, (idx, idx))[0]
+
+    done = checkpoint_blocks(model, model_units(model), forward)
+    assert done.saved_without is None and done.saved_with > 0
+    assert "(without checkpointing the forward did not fit the device)" in done.line()
+
+
 K, PER_WORKER = 3, 4  #: 3 steps of 2 x 4 windows of the example's 64 bytes
 
 
@@ -221,7 +236,8 @@ def _gpt_run(tmp_path, strategy, checkpointing: bool) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [Sync(), FSDP()], ids=["sync", "fsdp"])
+@pytest.mark.parametrize("strategy", [Sync(), FSDP(), LocalSGD(sync_every=2), DiLoCo(sync_every=2)],
+                         ids=["sync", "fsdp", "local-sgd", "diloco"])
 def test_the_gpt_example_ends_k_steps_with_exactly_the_parameters_it_has_without(tmp_path, strategy):
     plain, recomputed = _gpt_run(tmp_path, strategy, False), _gpt_run(tmp_path, strategy, True)
     torch.manual_seed(0)

@@ -39,6 +39,9 @@ class Recomputed:
         if self.saved_without is not None and self.saved_with is not None:
             measured = (f"; kept for backward in one forward of this rank's batch: {_mb(self.saved_without)} -> "
                         f"{_mb(self.saved_with)} ({self.saved_with / max(self.saved_without, 1):.2f}x)")
+        elif self.saved_with is not None:  # the plain forward did not fit: what checkpointing is for
+            measured = (f"; kept for backward in one forward of this rank's batch: {_mb(self.saved_with)} (without "
+                        "checkpointing the forward did not fit the device)")
         return (f"activation checkpointing: {self.count} blocks ({self.blocks}) keep only their input and run "
                 f"their forward again in backward{measured}")
 
@@ -53,7 +56,12 @@ def checkpoint_blocks(model: nn.Module, units: list[tuple[str, nn.Module]],
     from torch.distributed._composable import checkpoint
 
     modules = [module for _, module in units]
-    without = saved_bytes(model, modules, measure) if measure is not None else None
+    without = None
+    if measure is not None:
+        try:
+            without = saved_bytes(model, modules, measure)
+        except torch.OutOfMemoryError:  # the run asked for checkpointing because this does not fit: go on with it
+            pass
     for module in modules:
         checkpoint(module)  # non-reentrant: hooks around the block's forward, the model's names unchanged
     with_ = saved_bytes(model, modules, measure) if measure is not None else None
