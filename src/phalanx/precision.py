@@ -74,8 +74,9 @@ class Precision:
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
-    """The units compiled one by one: the model's blocks as fsdp finds them by default (its
-    ``pipeline_blocks()``, else its top-level children), or the model itself if it has none."""
+    """The units compiled one by one: the model's ``pipeline_blocks()``, else its top-level children (which
+    cover the whole model, where fsdp's repeated blocks leave the embeddings and head out), or the model itself
+    if it has none."""
     return [m for _, m in model_blocks_by_default(model)] or [model]
 
 
