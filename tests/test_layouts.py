@@ -129,12 +129,13 @@ class Named(nn.Module):
         return self.head(self.act(self.encoder(x)))
 
 
-def test_fsdp_shards_each_block_the_sequential_children_a_user_model_s_children_or_the_named_ones():
+def test_fsdp_shards_each_block_the_sequential_children_a_user_model_s_repeated_blocks_or_the_named_ones():
     from phalanx.strategies.fsdp import shard_units
 
     names = lambda units: [n for n, _ in units]  # noqa: E731
     assert names(shard_units(lstm((1, 8, 8), 10))) == ["0", "1", "2", "3", "4"]
-    assert names(shard_units(Named())) == ["encoder", "head"]  # modules without parameters are no unit
+    assert names(shard_units(Named())) == ["encoder.0", "encoder.1"]  # repeated in a Sequential; head: the root's
+    assert names(shard_units(Named(), ("encoder", "act", "head"))) == ["encoder", "head"]  # act holds no parameter
     assert names(shard_units(Named(), ("encoder.0", "encoder.1", "head"))) == ["encoder.0", "encoder.1", "head"]
     assert FSDP(blocks="encoder, head").blocks == ("encoder", "head")
     assert FSDP().layout(Job(cpus(3), model=Named())).world_size == 3
@@ -144,7 +145,8 @@ def test_fsdp_shards_each_block_the_sequential_children_a_user_model_s_children_
     (FSDP(), NoBlocks(), "NoBlocks has no blocks to shard: .* make the model an nn.Sequential of blocks"),
     (FSDP(), nn.Sequential(nn.ReLU(), nn.Flatten()), "Sequential has no blocks to shard"),
     (FSDP(blocks=("encoder", "decoder")), Named(),
-     r"--blocks names 'decoder', which is not a submodule of Named \(its children: encoder, act, head\)"),
+     r"--blocks names 'decoder', neither a submodule nor a module class of Named \(its repeated blocks: Linear "
+     r"\(encoder.0, encoder.1\); its children: encoder, act, head\)"),
 ])
 def test_fsdp_layout_refuses_a_model_with_nothing_to_shard(options, model, message):
     with pytest.raises(PhalanxError, match=message):

@@ -22,6 +22,9 @@ for s in fsdp local-sgd diloco pipeline; do
 done
 step train-user-model 90 python3 -m phalanx train --devices cuda --model mymodel:Net --data mymodel:load --steps 200 --checkpoint-dir "$t/u" --progress none
 step train-bf16 90 python3 -m phalanx train --devices cuda --precision bf16 --steps 150 --checkpoint-dir "$t/bf" --progress none
+# UNTESTED (issue 32, written without a GPU): fsdp --precision bf16 gives fully_shard a MixedPrecisionPolicy
+step fsdp-bf16-policy 90 python3 benchmarks/gpu/fsdp_policy.py
+step train-fsdp-ac 90 python3 -m phalanx train --devices cuda --strategy fsdp --workers 1 --precision bf16 --activation-checkpointing --steps 50 --checkpoint-dir "$t/ac" --progress none
 step topology 60 python3 -m phalanx topology
 step topology-probe 60 python3 -m phalanx topology --probe
 step estimate 180 python3 -m phalanx estimate --devices cuda --workers 1,8,64

@@ -113,14 +113,80 @@ USER_RECIPE = Recipe("sgd", 0.05, 300)
 
 
 def model_blocks_by_default(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of the model's blocks when none are named: the modules of its
+    """(name, module) of the model's blocks as ``--compile`` compiles them: the modules of its
     ``pipeline_blocks()`` if it has one, else its top-level children; only those holding parameters."""
     if hasattr(model, "pipeline_blocks"):
         by_id = {id(m): n for n, m in model.named_modules() if n}
         units = [(by_id[id(b)], b) for b in model.pipeline_blocks() if id(b) in by_id]
     else:
         units = list(model.named_children())
-    return [(n, m) for n, m in units if any(True for _ in m.parameters())]
+    return [(n, m) for n, m in units if _holds_parameters(m)]
+
+
+def model_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the blocks fsdp shards and ``--activation-checkpointing`` recomputes, when none are
+    named: a ``pipeline_blocks()`` method's modules or an ``nn.Sequential``'s children (every built-in model);
+    else the model's repeated blocks (a transformer's layers, as Accelerate's and Lightning's auto-wrap find
+    them), the rest staying with the root; else its top-level children. Only modules holding parameters."""
+    if hasattr(model, "pipeline_blocks") or isinstance(model, nn.Sequential):
+        return model_blocks_by_default(model)
+    return repeated_blocks(model) or model_blocks_by_default(model)
+
+
+def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules of one class that an ``nn.ModuleList`` or ``nn.Sequential`` repeats (nanoGPT's
+    ``transformer.h``, Hugging Face's ``transformer.h`` and ``bert.encoder.layer``), outermost only: a
+    repeated block inside another (a Linear of a block's MLP) is part of it, and a module of the same
+    class elsewhere (a head) is not a block."""
+    units: list[tuple[str, nn.Module]] = []
+    taken: set[str] = set()
+    inside: tuple[str, ...] = ()  # (as prefixes: a block's own modules are not searched again)
+    for name, container in model.named_modules():
+        if name in taken or name.startswith(inside):
+            continue
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        repeated = _repeated_classes(container)
+        found = [(f"{name}.{n}" if name else n, m) for n, m in container.named_children() if type(m) in repeated]
+        units += found
+        taken |= {n for n, _ in found}
+        inside += tuple(f"{n}." for n, _ in found)
+    return units
+
+
+def _repeated_classes(container: nn.Module) -> set[type]:
+    """Classes of which ``container`` holds two children or more, each holding parameters."""
+    counts: dict[type, int] = {}
+    for child in container.children():
+        if _holds_parameters(child):
+            counts[type(child)] = counts.get(type(child), 0) + 1
+    return {cls for cls, n in counts.items() if n >= 2}
+
+
+def blocks_of_class(model: nn.Module, name: str) -> list[tuple[str, nn.Module]]:
+    """The outermost modules whose class is called ``name`` (``"Block"``, ``"GPT2Block"``), holding parameters."""
+    units: list[tuple[str, nn.Module]] = []
+    for path, module in model.named_modules():
+        if path and type(module).__name__ == name and _holds_parameters(module) \
+                and not any(path.startswith(f"{outer}.") for outer, _ in units):
+            units.append((path, module))
+    return units
+
+
+def describe_blocks(units: list[tuple[str, nn.Module]], most: int = 8) -> str:
+    """``0, 1, 2, 3``; past ``most`` blocks, the first and last and the classes: ``transformer.h.0 …
+    transformer.h.11: Block × 12``."""
+    names = [name for name, _ in units]
+    if len(names) <= most:
+        return ", ".join(names)
+    counts: dict[str, int] = {}
+    for _, module in units:
+        counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+    return f"{names[0]} … {names[-1]}: " + ", ".join(f"{cls} × {n}" for cls, n in counts.items())
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -36,6 +36,18 @@ class Precision:
         if self.name == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=_DTYPES[self.name])
+
+    def sharded_policy(self) -> Optional[Any]:
+        """fsdp's ``mp_policy`` for ``fully_shard`` (None: none). bf16 on a GPU: each unit's parameters are
+        gathered and computed with in bf16 (half the all-gather bytes), gradients reduce-scattered in fp32, the
+        sharded parameters and the optimizer stay fp32 (torch's ``MixedPrecisionPolicy``, as torchtitan sets
+        it). On a CPU nothing changes: autocast alone, as every strategy has it (a CPU without bf16
+        instructions computes bf16 slower)."""
+        if self.name != "bf16" or self.device_type != "cuda":
+            return None
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
     def scaler(self) -> Optional[torch.amp.GradScaler]:
         """fp16's gradient scaler (None for bf16 and fp32, which need none)."""
@@ -62,8 +74,9 @@ class Precision:
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
-    """The units compiled one by one: the model's blocks as fsdp finds them by default (its
-    ``pipeline_blocks()``, else its top-level children), or the model itself if it has none."""
+    """The units compiled one by one: the model's ``pipeline_blocks()``, else its top-level children (which
+    cover the whole model, where fsdp's repeated blocks leave the embeddings and head out), or the model itself
+    if it has none."""
     return [m for _, m in model_blocks_by_default(model)] or [model]
 
 

@@ -35,6 +35,7 @@ from ..data import batch as batches
 from ..errors import PhalanxError
 from ..launcher import WorkerContext
 from ..metrics import ACCURACY, Totals, add_up
+from ..models import model_units
 from ..precision import Precision
 from ..step import DefaultStep, StepResult
 
@@ -136,6 +137,9 @@ class Options:
     #: it runs batches (inputs, targets) through an engine's schedule of its own (a pipeline's), not the task's
     #: training step: other batches and --training-step are refused before anything starts
     pairs_only: ClassVar[bool] = False
+    #: --activation-checkpointing can wrap the model's blocks before its runtime does: its workers run the
+    #: model's forward and backward as written (no engine of its own traces or splits the model)
+    checkpoints_activations: ClassVar[bool] = False
 
     def layout(self, job: Job) -> Layout:
         """Pure: the processes of the job (raise PhalanxError for a job this strategy cannot run)."""
@@ -148,6 +152,10 @@ class Options:
     def describe(self) -> str:
         """How the run header names this strategy."""
         return self.name
+
+    def units(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The model's blocks as this strategy sees them (``--activation-checkpointing`` recomputes each)."""
+        return model_units(model)
 
     def _set(self, **values: Any) -> None:
         """Normalise a field in ``__post_init__`` (the dataclass is frozen)."""

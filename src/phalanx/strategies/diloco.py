@@ -53,6 +53,7 @@ WIRE_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
 @dataclasses.dataclass(frozen=True)
 class DiLoCo(Options):
     name: ClassVar[str] = "diloco"
+    checkpoints_activations: ClassVar[bool] = True
     summary: ClassVar[str] = ("H local steps, then the averaged pseudo-gradient applied by an outer Nesterov SGD; "
                               "streaming fragments")
 

@@ -17,8 +17,11 @@ test checks this in float64 for SGD and Adam on 2 and 3 ranks), while each rank 
 of the parameters, gradients and optimizer state, plus one gathered block at a time.
 
 Blocks are the model's own structure: an ``nn.Sequential``'s children (every built-in model), a
-``pipeline_blocks()`` method's modules, any other model's top-level children, or the submodules
-named in ``FSDP(blocks=...)`` / ``--blocks``. A model with no block holding parameters is refused.
+``pipeline_blocks()`` method's modules, any other model's repeated blocks (the modules of one class that
+a ``ModuleList`` or ``Sequential`` repeats: a transformer's layers; the rest stays with the root), else
+its top-level children; or the submodules or classes named in ``FSDP(blocks=...)`` / ``--blocks``. A
+model with no block holding parameters is refused. ``--precision bf16`` on a GPU gives every unit torch's
+``MixedPrecisionPolicy`` (bf16 parameters in compute, fp32 reduce-scatter).
 
 Checkpoints hold the full model and the full optimizer state, gathered to rank 0 by torch's
 distributed-checkpoint helpers (``get_state_dict`` / ``set_state_dict``, full state dicts), and
@@ -46,7 +49,7 @@ from torch import nn
 from ..costs import FSDPCost
 from ..simulate import LOCKSTEP
 from ..errors import PhalanxError
-from ..models import model_blocks_by_default
+from ..models import blocks_of_class, describe_blocks, model_units, repeated_blocks
 from ..options import option
 from ..data.batch import head
 from ..metrics import FORWARD_ONLY, Totals, add_up
@@ -56,11 +59,12 @@ from .replicas import broadcast_buffers, verify_replicas
 
 
 def parse_blocks(value: Union[str, Iterable[str]]) -> tuple[str, ...]:
-    """``"encoder,decoder"`` or ``["encoder", "decoder"]`` -> a tuple of submodule names."""
+    """``"encoder,decoder"`` or ``["Block"]`` -> a tuple of submodule or class names."""
     names = value.split(",") if isinstance(value, str) else list(value)
     names = tuple(str(n).strip() for n in names if str(n).strip())
     if not names:
-        raise PhalanxError("--blocks names no submodule: give names like 'encoder,decoder', or leave it out")
+        raise PhalanxError("--blocks names no submodule: give names like 'encoder,decoder' or a class like 'Block', "
+                           "or leave it out")
     return names
 
 
@@ -69,28 +73,44 @@ def shard_units(model: nn.Module, names: Optional[tuple[str, ...]] = None) -> li
 
     Only modules that hold parameters are units; parameters outside every unit stay with the root.
     """
-    if names is not None:
-        units = []
-        for name in names:
-            try:
-                units.append((name, model.get_submodule(name)))
-            except AttributeError:
-                children = ", ".join(n for n, _ in model.named_children()) or "none"
-                raise PhalanxError(f"--blocks names {name!r}, which is not a submodule of {type(model).__name__} "
-                                   f"(its children: {children}); name submodules as model.named_modules() "
-                                   "does") from None
-        units = [(n, m) for n, m in units if any(True for _ in m.parameters())]
-    else:
-        units = model_blocks_by_default(model)
-        if _tied(units):  # tied weights (a language model's input and output embeddings) must share one unit
-            units = repeated_blocks(model)
+    units = named_units(model, names) if names is not None else model_units(model)
     if not units:
         raise PhalanxError(
             f"{type(model).__name__} has no blocks to shard: fsdp shards each block (a submodule holding parameters) "
             "over the workers; make the model an nn.Sequential of blocks, give it submodules, or name them with "
             "FSDP(blocks=...) / --blocks"
         )
+    if names is None and _tied(units):  # fully_shard refuses a parameter in two groups
+        raise PhalanxError(f"{type(model).__name__}'s blocks ({describe_blocks(units)}) share a parameter (tied "
+                           "weights); name blocks that do not with --blocks, leaving the shared one to the root")
     return units
+
+
+def named_units(model: nn.Module, names: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """The units ``--blocks`` names: a submodule by its name in ``named_modules()``, or every (outermost) module
+    of a class by the class's name; holding parameters, each once."""
+    units: dict[str, nn.Module] = {}
+    for name in names:
+        try:
+            found = [(name, model.get_submodule(name))]
+        except AttributeError:
+            found = blocks_of_class(model, name)
+        if not found:
+            raise PhalanxError(f"--blocks names {name!r}, neither a submodule nor a module class of "
+                               f"{type(model).__name__} ({_what_it_has(model)}); name submodules as "
+                               "model.named_modules() does, or classes as type(module).__name__ does")
+        units.update((n, m) for n, m in found if any(True for _ in m.parameters()))
+    return list(units.items())
+
+
+def _what_it_has(model: nn.Module) -> str:
+    """``its repeated blocks: Block (transformer.h.0, transformer.h.1); its children: transformer, lm_head``."""
+    repeated = repeated_blocks(model)
+    classes = sorted({type(m).__name__ for _, m in repeated})
+    children = ", ".join(n for n, _ in model.named_children()) or "none"
+    blocks = f"its repeated blocks: {', '.join(classes)} ({describe_blocks(repeated, 3)})" if repeated else \
+        "no repeated blocks"
+    return f"{blocks}; its children: {children}"
 
 
 def _tied(units: list[tuple[str, nn.Module]]) -> bool:
@@ -104,30 +124,21 @@ def _tied(units: list[tuple[str, nn.Module]]) -> bool:
     return False
 
 
-def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The blocks of the model's largest ``nn.ModuleList`` (a transformer's layers, Hugging Face's
-    ``transformer.h``, ``encoder.layer``): torchtitan's units. What lies outside them (embeddings, a tied
-    head) stays with the root, in one group, so tied weights stay one parameter."""
-    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
-        return []
-    name, blocks = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
-    units = [(f"{name}.{i}", block) for i, block in enumerate(blocks)]
-    return [] if _tied(units) else [(n, m) for n, m in units if any(True for _ in m.parameters())]
-
-
 @dataclasses.dataclass(frozen=True)
 class FSDP(Options):
     """Shard parameters, gradients and optimizer state over the workers (FSDP2)."""
 
     name: ClassVar[str] = "fsdp"
+    checkpoints_activations: ClassVar[bool] = True
     summary: ClassVar[str] = ("sharded data parallelism: parameters, gradients and optimizer state split over the "
                               "workers, gathered block by block; torch's fully_shard (FSDP2)")
 
     reshard_after_forward: bool = option(True, "free each block's gathered parameters after its forward and gather "
                                                "them again for backward (less memory, one more all-gather per block)")
-    blocks: Optional[tuple[str, ...]] = option(None, "the submodules sharded as units, by name, e.g. 'encoder,head'",
-                                               parse=parse_blocks, show="the model's blocks")
+    blocks: Optional[tuple[str, ...]] = option(None, "the modules sharded as units: submodule names as "
+                                                     "named_modules() gives them (e.g. 'encoder,head') or class "
+                                                     "names, every module of that class (e.g. 'Block')",
+                                               parse=parse_blocks, show="the model's repeated blocks")
 
     def __post_init__(self) -> None:
         if not isinstance(self.reshard_after_forward, bool):
@@ -145,6 +156,9 @@ class FSDP(Options):
 
     def runtime(self, build: Build) -> Runtime:
         return FSDPRuntime(build, self)
+
+    def units(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        return shard_units(model, self.blocks)
 
 
 # Its cost model, for phalanx estimate (costs/fsdp.py); each step computes what sync computes: simulated as sync
@@ -168,15 +182,19 @@ class FSDPRuntime(Runtime):
         # replicas built differently would silently train a patchwork: check, as sync does.
         verify_replicas(model, ctx)
         self.mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("shard",))
+        policy = build.precision.sharded_policy()  # bf16 on a GPU: bf16 gathers and compute, fp32 reductions
+        mixed = {"mp_policy": policy} if policy is not None else {}
         # fully_shard goes bottom-up: a unit nested in another must be wrapped first.
         for _, block in sorted(self.units, key=lambda unit: -unit[0].count(".")):
-            fully_shard(block, mesh=self.mesh, reshard_after_forward=options.reshard_after_forward)
-        fully_shard(model, mesh=self.mesh)  # the root: whatever parameters no block holds; it stays gathered
-        blocks = ", ".join(name for name, _ in self.units)
+            fully_shard(block, mesh=self.mesh, reshard_after_forward=options.reshard_after_forward, **mixed)
+        fully_shard(model, mesh=self.mesh, **mixed)  # the root: whatever parameters no block holds; it stays gathered
         gathers = ("gathered for forward, freed, gathered again for backward" if options.reshard_after_forward
                    else "gathered once per step (kept from forward to backward)")
-        notes = [f"fsdp plan: {len(self.units)} blocks ({blocks}) each sharded over a 1-D mesh of {ctx.world_size} "
-                 f"ranks ({ctx.device.type}, {ctx.backend}); parameters {gathers}"]
+        notes = [f"fsdp plan: {len(self.units)} blocks ({describe_blocks(self.units)}) each sharded over a 1-D mesh "
+                 f"of {ctx.world_size} ranks ({ctx.device.type}, {ctx.backend}); parameters {gathers}"]
+        if policy is not None:
+            notes.append("fsdp mixed precision: MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32): "
+                         "blocks gathered and run in bf16, gradients reduce-scattered in fp32")
         super().__init__(build, model, description=options.describe(), notes=notes)
 
     @property

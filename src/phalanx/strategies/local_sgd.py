@@ -30,6 +30,7 @@ from .replicas import average_buffers, verify_replicas
 @dataclasses.dataclass(frozen=True)
 class LocalSGD(Options):
     name: ClassVar[str] = "local-sgd"
+    checkpoints_activations: ClassVar[bool] = True
     summary: ClassVar[str] = "local steps, parameters averaged every H steps; torch's PeriodicModelAverager"
 
     sync_every: int = option(8, "average the parameters every H optimizer steps")

@@ -38,6 +38,7 @@ class Sync(Options):
     """Synchronous data parallelism (DDP), and how its gradients are reduced."""
 
     name: ClassVar[str] = "sync"
+    checkpoints_activations: ClassVar[bool] = True
     summary: ClassVar[str] = "gradients averaged every step, one update (= one large batch); PyTorch DDP"
     reference: ClassVar[bool] = True
     fp16_scaler: ClassVar[bool] = True

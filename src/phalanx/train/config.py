@@ -55,7 +55,7 @@ ONLY_FOR: dict[str, tuple[str, tuple[str, ...], Any]] = {
 SECTIONS = {
     "parallelism": ("strategy", "devices", "strict_devices", "workers", "threads", "master_addr", "link"),
     "faults": ("timeout_s", "hang_timeout_s", "max_restarts"),
-    "speed": ("precision", "compile"),
+    "speed and memory": ("precision", "compile", "activation_checkpointing"),
     "model and data": ("model", "data", "loss", "training_step", "target_key", "metric", "validation_split", "loader_workers", "data_dir",
                        "synthetic_shape", "synthetic_size"),
     "optimisation (unset: the model's recipe)": (
@@ -143,6 +143,10 @@ class TrainConfig:
     precision: str = option("fp32", "autocast each forward pass to bf16 or fp16 (fp16: CUDA and sync only, with a "
                                     "gradient scaler); parameters and checkpoints stay fp32", choices=PRECISIONS)
     compile: bool = option(False, "torch.compile each block of the model (in place: checkpoints are unchanged)")
+    activation_checkpointing: bool = option(
+        False, "keep only each block's input for backward and run its forward again there (torch's non-reentrant "
+               "checkpoint, the blocks fsdp shards: the model's repeated blocks, or --blocks): less activation "
+               "memory for about one more forward per step; the run measures and prints what it saves")
     straggler: Optional[Union[str, tuple, Slowness]] = option(
         None, "slow a worker down, for studying stragglers: RANK:FACTOR (that rank's compute takes FACTOR times as "
               "long every step) or pauses:P:FACTOR (every step, each worker is FACTOR times as slow with "
@@ -213,8 +217,19 @@ class TrainConfig:
         elif not isinstance(self.strategy, Options):
             raise PhalanxError(f"strategy must be a name ({', '.join(STRATEGIES)}) or options such as "
                                f"phalanx.Sync(), got {type(self.strategy).__name__}")
+        self._check_recompute()
         if self.metrics is None:
             self.metrics = f"{self.checkpoint_dir}/metrics.jsonl"
+
+    def _check_recompute(self) -> None:
+        """--activation-checkpointing wraps the model's blocks before the strategy does: a strategy whose engine
+        traces or splits the model, or that has not been wired and tested for it, refuses it."""
+        if not isinstance(self.activation_checkpointing, bool):
+            raise PhalanxError(f"--activation-checkpointing is on or off, got {self.activation_checkpointing!r}")
+        if self.activation_checkpointing and not self.strategy.checkpoints_activations:
+            takes = ", ".join(name for name, cls in STRATEGIES.items() if cls.checkpoints_activations)
+            raise PhalanxError(f"--strategy {self.strategy.name} does not take --activation-checkpointing; use one of "
+                               f"{takes}, or drop the flag")
 
     def _check_paths(self) -> None:
         """An empty path would mean the current directory (or nothing): never what was meant."""

@@ -25,11 +25,14 @@ from ..metrics import Totals, said
 from ..shaped_link import loopback_bytes
 from ..wire import Meter, metering, summary_fields, summary_line
 from ..task import is_import_path, resolve
+from ..data.batch import split, to_device
 from ..precision import Precision, compile_blocks
+from ..recompute import Recomputed, checkpoint_blocks
 from ..startup import Marks
 from ..strategies import Build, nonfinite_values
 from . import checkpoint as ckpt
 from .losses import LossWindow, first_non_finite
+from .step_errors import explained
 from .report import Reporter, step_line
 from .resume import check_fits, data_position, restore_settings, resume_config, settings_line, settings_of
 from .schedules import Schedule
@@ -86,6 +89,8 @@ class WorkerRun:
         if resumed:  # before any strategy wraps it: the plain model's names are the checkpoint's
             check_fits(resumed, model, resumed["path"])
         self.init_line = self._init_from(model) if cfg.init_from and not resumed else None
+        # In place, before compiling and before any strategy wraps the model (torchtitan's order).
+        self.recomputed = self._checkpoint_activations(model, example) if cfg.activation_checkpointing else None
         self.compiled = compile_blocks(model) if cfg.compile else 0  # in place: before any strategy wraps it
         self.marks.mark("model")
         # Before the runtime: calibrating shares every rank's compute time (a collective).
@@ -137,6 +142,19 @@ class WorkerRun:
         model.load_state_dict(state["model"])
         return (f"starting from the weights of {state['path']} (step {state['step']}), with a fresh optimizer and "
                 "schedule from step 0")
+
+    def _checkpoint_activations(self, model: nn.Module, example: Any) -> Recomputed:
+        """--activation-checkpointing on the strategy's blocks; rank 0 measures what it saves on its first
+        micro-batch (two forwards, nothing changed: see recompute.py)."""
+        measure = None
+        if self.ctx.is_main and example is not None:
+            batch = to_device(split(example, self.cfg.accumulate)[0], self.ctx.device)
+            precision = Precision(self.cfg.precision, self.ctx.device.type)
+
+            def measure() -> Any:
+                with precision.autocast():
+                    return self.plan.task.step(model, batch).loss
+        return checkpoint_blocks(model, self.cfg.strategy.units(model), measure)
 
     def _make_optimizer(self, module: nn.Module) -> torch.optim.Optimizer:
         task = self.plan.task
@@ -194,7 +212,13 @@ class WorkerRun:
             progress.at(self.step + 1, "the training step")
             batch = next(inputs)
             self.lr = self.lr_group["lr"]  # (read before the scheduler moves it on: the one this step uses)
-            loss = self.runtime.train_step(batch)
+            try:
+                loss = self.runtime.train_step(batch)
+            except RuntimeError as e:  # (free in the hot path: a try costs nothing until it catches)
+                known = explained(e, self.runtime.module)
+                if known is None:
+                    raise
+                raise known from None
             self.marks.mark("first_step")  # (the first call counts; on a GPU: when the step was queued)
             self.straggle.after_step()
             if self.scheduler is not None:
@@ -477,6 +501,8 @@ class WorkerRun:
             scaler = ", with a gradient scaler" if self.cfg.precision == "fp16" else ""
             lines.append(f"precision: {self.cfg.precision} autocast in every forward pass{scaler}; parameters, "
                          "gradients, optimizer state and checkpoints in fp32")
+        if self.recomputed is not None:
+            lines.append(self.recomputed.line())
         if self.compiled:
             lines.append(f"compiled: {self.compiled} blocks, each with torch.compile (the first steps include "
                          "the compilation)")
@@ -506,6 +532,7 @@ class WorkerRun:
                    "metrics": self.cfg.metrics, "stopped_by": stopped,
                    "world_size": self.ctx.world_size, "strategy": self.cfg.strategy.name,
                    "precision": self.cfg.precision, "compiled_blocks": self.compiled,
+                   **({"activation_checkpointing": self.recomputed.fields()} if self.recomputed else {}),
                    "watch_cpu_seconds": round(self.ctx.progress.cpu_seconds, 4),
                    "memory_bytes": mine.as_dict(), **({"memory_bytes_max": most.as_dict()} if most else {}),
                    "startup_seconds": self.marks.seconds, **summary_fields(self.meter, wire, steps, self.link_at),
