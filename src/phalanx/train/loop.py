@@ -118,6 +118,10 @@ class WorkerRun:
         if resumed:
             self._restore(resumed)
         self.scheduler = self._scheduler(resumed)
+        # What each step steps: nothing under a constant schedule of phalanx's own (its multiplier is 1 at every
+        # step; the scheduler, built all the same, set the learning rate a resume starts from).
+        own_constant = self.plan.task.make_scheduler is None and self.schedule.constant
+        self.stepped_scheduler = None if own_constant else self.scheduler
         # The first param group, whose lr the metrics file logs: held, so that a step reads it in one lookup
         # (the optimizer's groups are replaced only by a load, done above).
         self.lr_group = self.runtime.optimizer.param_groups[0]
@@ -221,8 +225,8 @@ class WorkerRun:
                 raise known from None
             self.marks.mark("first_step")  # (the first call counts; on a GPU: when the step was queued)
             self.straggle.after_step()
-            if self.scheduler is not None:
-                self.scheduler.step()
+            if self.stepped_scheduler is not None:
+                self.stepped_scheduler.step()
             following = self.runtime.next_step(self.step)
             if following is None:  # an asynchronous worker told to stop
                 break
@@ -436,6 +440,8 @@ class WorkerRun:
         if self.scheduler is None:
             return {}
         key = "lr_scheduler" if self.plan.task.make_scheduler is not None else "scheduler"
+        if self.stepped_scheduler is None:  # a constant schedule, never stepped: its count as if it had been
+            self.scheduler.last_epoch = self.step
         return {key: self.scheduler.state_dict()}
 
     def _meta(self, state: dict[str, Any]) -> dict[str, Any]:

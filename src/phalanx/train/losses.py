@@ -2,7 +2,8 @@
 
 Reading a loss on the host waits for the device to finish the step, and agreeing on it across
 ranks is a collective: on every step, that is a stall the user's own loop would not have. So
-each step adds its loss to a small device tensor (a copy, no synchronisation), and the loop looks
+each step keeps its loss (a device tensor, no synchronisation: a list append, where copying it into a
+preallocated tensor cost some microseconds a step), and the loop looks
 only when it logs, checkpoints or the window is full: one host read and one small all-reduce for
 all the steps since it last looked. The NaN guard stays exact: every step's agreed loss is
 checked, and the first non-finite one is named with its own step.
@@ -21,16 +22,18 @@ MAX_WINDOW = 1000
 
 class LossWindow:
     def __init__(self, device: torch.device, capacity: int):
-        self.values = torch.zeros(max(1, min(capacity, MAX_WINDOW)), device=device, dtype=torch.float32)
+        self.device = device
+        self.capacity = max(1, min(capacity, MAX_WINDOW))
         self.steps: list[int] = []  #: the global step of each value held
+        self.values: list[torch.Tensor] = []  #: each step's loss, as the step left it on the device
 
     def add(self, step: int, loss: torch.Tensor) -> None:
-        self.values[len(self.steps)].copy_(loss.detach().reshape(()), non_blocking=True)
+        self.values.append(loss.detach())
         self.steps.append(step)
 
     @property
     def full(self) -> bool:
-        return len(self.steps) == len(self.values)
+        return len(self.steps) == self.capacity
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -38,8 +41,9 @@ class LossWindow:
     def take(self, agree: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[int], list[float]]:
         """Every held step and its loss as the ranks agree on it (``agree``: the runtime's
         ``global_losses``); the window is empty afterwards."""
-        steps, self.steps = self.steps, []
-        return steps, agree(self.values[: len(steps)]).tolist()
+        steps, values, self.steps, self.values = self.steps, self.values, [], []
+        losses = torch.stack([v.reshape(()).to(self.device, torch.float32) for v in values])
+        return steps, agree(losses).tolist()
 
 
 def first_non_finite(steps: list[int], losses: list[float]) -> Optional[tuple[int, float]]:

@@ -40,6 +40,11 @@ class Schedule:
         if self.total_steps < 1:
             raise PhalanxError(f"total steps must be at least 1, got {self.total_steps}")
 
+    @property
+    def constant(self) -> bool:
+        """Whether the multiplier is 1 at every step: nothing to step (a LambdaLR's step costs microseconds)."""
+        return self.kind == "constant" and not self.warmup_steps
+
     def __call__(self, step: int) -> float:
         warm = min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else 1.0
         if self.kind == "exponential":
