@@ -107,7 +107,7 @@ def test_import_paths_train_a_float64_scikit_learn_set_and_a_changed_model_is_re
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines() == [
         f"error: checkpoint {project}/sync/step-00000010.pt holds another model (fc1.weight is (32, 64) there and "
-        "(16, 64) here); resume with the model and data it was trained with"]
+        "(16, 64) here); resume with the model and data it was trained with (--model mymod:Net --data mymod:load)"]
     assert sorted(p.name for p in (project / "sync").iterdir()) == before
 
 

@@ -173,11 +173,20 @@ def check_fits(state: dict[str, Any], model: nn.Module, path: str, fix: str = "r
         else:
             continue
         raise PhalanxError(f"checkpoint {path} holds another model ({why}); {fix} with the model and data it was "
-                           "trained with")
+                           f"trained with{trained_with(state)}")
     extra = [name for name in saved if name not in here]
     if extra:
         raise PhalanxError(f"checkpoint {path} holds another model (its {extra[0]} is not in this one); {fix} with "
-                           "the model and data it was trained with")
+                           f"the model and data it was trained with{trained_with(state)}")
+
+
+def trained_with(state: dict[str, Any]) -> str:
+    """`` (--model gpt:make --data gpt:load --training-step gpt:step)``: the flags that name the checkpoint's
+    task, as its run recorded them (empty where an older checkpoint did not, or a model object had no name)."""
+    meta = state.get("meta", {})
+    flags = [f"--{flag.replace('_', '-')} {meta[flag]}" for flag in ("model", "data", "training_step", "target_key")
+             if meta.get(flag)]
+    return f" ({' '.join(flags)})" if flags else ""
 
 
 def restore_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> None:
