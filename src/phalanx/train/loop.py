@@ -423,14 +423,16 @@ class WorkerRun:
             rng = gathered
         path = str(ckpt.checkpoint_path(self.cfg.checkpoint_dir, self.step, sharded=shards))
         self.last_checkpoint, self.saved_step = path, self.step
+        if state is None:  # (a rank whose part rank 0 gathered, e.g. a pipeline's later stage: nothing to write)
+            return None
         small = {"format": ckpt.FORMAT, "step": self.step, "run_id": self.plan.run_id, **self._scheduler_state(),
                  "rng": rng, "meta": self._meta(state),
                  "data_position": {"epoch": position.epoch, "examples_in_epoch": position.offset}}
         if shards:  # every rank writes its own shards; rank 0 adds the small state and seals the directory
             self.shard_writer.save(state, small, self.cfg.checkpoint_dir, self.step, self.cfg.keep_checkpoints)
-        elif self.ctx.is_main and state is not None:
+        elif self.ctx.is_main:
             ckpt.save_checkpoint({**small, **state}, self.cfg.checkpoint_dir, self.step, self.cfg.keep_checkpoints)
-        return path if self.ctx.is_main and state is not None else None
+        return path if self.ctx.is_main else None
 
     def _scheduler_state(self) -> dict[str, Any]:
         """phalanx's own schedule under ``scheduler`` (as before); the user's under ``lr_scheduler``, which a
