@@ -164,7 +164,7 @@ def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
     """Delete half-written checkpoints that a killed run left behind (never a finished one): files, and
     the temporary directories of sharded ones."""
     root = Path(directory)
-    stale = [*root.glob(".step-*.pt.*.tmp"), *root.glob(f".{RUN_NAME}.tmp"), *root.glob(".step-*.dcp.tmp")] \
+    stale = [*root.glob(".step-*.pt.*.tmp"), *root.glob(f".{RUN_NAME}.tmp"), *root.glob(".step-*.dcp*.tmp")] \
         if root.is_dir() else []
     for p in stale:
         remove(p)
