@@ -252,10 +252,18 @@ class FSDPRuntime(Runtime):
 
     def shard_state_dict(self) -> dict[str, Any]:
         """This rank's shards (DTensors: nothing is gathered), keyed by parameter name, as torch's distributed
-        checkpoint saves them. A collective only where the optimizer has no state yet: torch then makes it."""
+        checkpoint saves them; buffers (not sharded) as rank 0 holds them. A collective on every rank."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        from torch.distributed.tensor import DTensor
 
         model, optimizer = get_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=False))
+        # A buffer is a whole tensor on every rank, each rank's moved by its own batches; DCP writes one rank's
+        # copy, not necessarily rank 0's. Copies of rank 0's, as a full checkpoint holds (the live ones stay).
+        plain = [name for name, value in model.items() if isinstance(value, torch.Tensor)
+                 and not isinstance(value, DTensor)]
+        copies = [model[name].detach().clone() for name in plain]
+        broadcast_buffers(copies)
+        model.update(zip(plain, copies))
         return {"model": model, "optimizer": optimizer}
 
     def _load_shards(self, path: str, keys: list[str]) -> None:
