@@ -31,9 +31,9 @@ from ..strategies import Build, nonfinite_values
 from . import checkpoint as ckpt
 from .losses import LossWindow, first_non_finite
 from .report import Reporter, step_line
-from .sharded import ShardWriter
 from .resume import check_fits, data_position, restore_settings, resume_config, settings_line, settings_of
 from .schedules import Schedule
+from .sharded import ShardWriter
 from .straggle import Straggle
 from .trainer import Plan
 
