@@ -31,6 +31,18 @@ per worker: it needs 2 GPUs, since NCCL cannot put two ranks on one device), ``a
 
     python3 benchmarks/sharded.py                                   # 5 repeats, both models
     python3 benchmarks/sharded.py --repeats 1 --steps 2 --warmup 1 --batch 8 --models cifar10   # smoke test
+
+``--checkpoint``: what a checkpoint costs each rank, instead of the throughput table. fsdp on 2 and
+on 3 CPU workers trains examples/gpt.py's GPT at a larger size (``--gpt-layers``, ``--gpt-width``:
+8 x 768 by default, 57 M parameters) with AdamW, then saves one checkpoint three ways, interleaved
+within every repeat: ``full`` (what fsdp did before: the whole model and optimizer state gathered to
+rank 0, ``get_state_dict`` with full state dicts, written as one file), ``sharded`` (torch's
+distributed checkpoint, each rank its own shard: ``train/sharded.py``) and ``async`` (the same in the
+background, ``--async-checkpoint``). Per rank: the peak resident set in training and while saving
+(VmHWM reset before each), against the model's bytes over W and its state's (parameters + AdamW's
+two moments) over W; and the seconds the save held the step up.
+
+    python3 benchmarks/sharded.py --checkpoint --repeats 2          # about 4 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -176,6 +188,136 @@ def report(model: str, runs: dict, devices: list) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- --checkpoint: what a save costs
+
+CHECKPOINT_VARIANTS = ("full", "sharded", "async")
+CHECKPOINT_WORKERS = (2, 3)
+
+
+def gpt_model(layers: int, width: int) -> nn.Module:
+    """examples/gpt.py's GPT, scaled up: ``layers`` blocks of width ``width`` (12 heads of width / 12)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import gpt
+
+    return gpt.GPT(gpt.GPTConfig(vocab_size=256, block_size=64, n_layer=layers, n_head=12, n_embd=width))
+
+
+def checkpoint_worker(ctx, variant: str, root: str, layers: int, width: int, steps: int) -> list:
+    """``steps`` fsdp steps, then a checkpoint the ``variant`` way, twice; every rank's (train peak, the second
+    save's peak, resident before it, seconds it blocked)."""
+    import gpt
+    from phalanx.train import checkpoint as ckpt
+    from phalanx.train.sharded import ShardWriter
+
+    torch.manual_seed(0)
+    model = gpt_model(layers, width)
+    g = torch.Generator().manual_seed(ctx.rank)
+    batch = (torch.randint(0, 256, (2, 64), generator=g), torch.randint(0, 256, (2, 64), generator=g))
+    runtime = runtime_for(FSDP(), ctx, model, lambda p: torch.optim.AdamW(p, lr=1e-4), example=batch,
+                          training_step=gpt.step)
+    writer = ShardWriter(ctx, asynchronous=variant == "async") if variant != "full" else None
+    _reset_peak_rss()
+    train_peak = 0
+    # Two rounds of steps and a save; the second save is the one measured (the first makes the background
+    # writer's gloo group and DCP's plans: once per run).
+    for save in (1, 2):
+        for _ in range(steps):
+            runtime.train_step(batch)
+        dist.barrier()
+        train_peak, before = max(train_peak, _peak_rss()), _rss()
+        _reset_peak_rss()
+        began = time.perf_counter()
+        small = {"format": ckpt.FORMAT, "step": save, "run_id": "benchmark", "meta": {"parameter_shapes": {}}}
+        if writer is None:  # the whole state gathered to rank 0 (cpu_offload), one file
+            state = runtime.state_dict()
+            if ctx.rank == 0:
+                ckpt.save_checkpoint({**small, **state}, root, save, keep=1)
+            del state
+        else:
+            writer.save(runtime.shard_state_dict(), small, root, save, keep=1)
+        blocked = time.perf_counter() - began
+        if writer is not None:
+            writer.wait()  # (the background write's memory is in the save's peak too)
+        dist.barrier()
+        saved_peak = _peak_rss()
+        _reset_peak_rss()
+    mine = (train_peak, saved_peak, before, blocked)
+    every: list = [None] * ctx.world_size
+    dist.all_gather_object(every, mine)
+    return every
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def checkpoint_run(variant: str, workers: int, args) -> dict:
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="phalanx-ckpt-bench-")
+    try:
+        ranks = launch(checkpoint_worker, [torch.device("cpu")] * workers,
+                       (variant, root, args.gpt_layers, args.gpt_width, args.steps), threads=args.threads)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"train_peak": [r[0] for r in ranks], "save_peak": [r[1] for r in ranks],
+            "before_save": [r[2] for r in ranks], "blocked_s": max(r[3] for r in ranks)}
+
+
+def checkpoint_report(runs: dict, model_bytes: int, params: int) -> dict:
+    """Per worker count and variant: medians over repeats of each rank's peaks, against the bytes over W."""
+    state_bytes = 3 * model_bytes  # parameters + AdamW's exp_avg and exp_avg_sq
+    print(f"\nGPT {params / 1e6:.1f} M parameters: model {size(model_bytes)}, with AdamW's state {size(state_bytes)}; "
+          "medians over repeats, per rank (rank 0 first)")
+    out: dict = {}
+    for workers, variants in runs.items():
+        print(f"  fsdp on {workers} workers: model / W = {size(model_bytes // workers)}, state / W = "
+              f"{size(state_bytes // workers)}")
+        out[workers] = {"model_bytes_over_w": model_bytes // workers, "state_bytes_over_w": state_bytes // workers}
+        for variant, results in variants.items():
+            per_rank = {key: [statistics.median(r[key][rank] for r in results) for rank in range(workers)]
+                        for key in ("train_peak", "save_peak", "before_save")}
+            added = [peak - before for peak, before in zip(per_rank["save_peak"], per_rank["before_save"])]
+            blocked = [r["blocked_s"] for r in results]
+            out[workers][variant] = {**per_rank, "save_added": added, "blocked_s": blocked,
+                                     "median_blocked_s": statistics.median(blocked),
+                                     "save_added_max_over_state_per_w": max(added) / (state_bytes / workers)}
+            print(f"    {variant:<8} peak in training {' / '.join(size(int(v)) for v in per_rank['train_peak'])}; "
+                  f"while saving {' / '.join(size(int(v)) for v in per_rank['save_peak'])} (the save adds "
+                  f"{' / '.join(size(int(max(0, v))) for v in added)}: at most "
+                  f"{out[workers][variant]['save_added_max_over_state_per_w']:.2f} x state / W); blocked "
+                  f"{statistics.median(blocked):.2f} s ({min(blocked):.2f}-{max(blocked):.2f})")
+    return out
+
+
+def checkpoint_main(args) -> None:
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")  # freed tensors go back to the system (docstring)
+    model = gpt_model(args.gpt_layers, args.gpt_width)
+    params = sum(p.numel() for p in model.parameters())
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    variants = [v for v in args.checkpoint_variants.split(",") if v]
+    runs = {w: {v: [] for v in variants} for w in CHECKPOINT_WORKERS}
+    for r in range(args.repeats):
+        for workers in CHECKPOINT_WORKERS:
+            for variant in variants:
+                result = checkpoint_run(variant, workers, args)
+                runs[workers][variant].append(result)
+                print(f"repeat {r + 1}/{args.repeats}  fsdp x{workers} {variant:<8} save peak "
+                      f"{' / '.join(size(v) for v in result['save_peak'])}  blocked {result['blocked_s']:.2f} s",
+                      flush=True)
+    saved = checkpoint_report(runs, model_bytes, params)
+    save_result("sharded-checkpoint", args, workers=list(CHECKPOINT_WORKERS), parameters=params,
+                model_bytes=model_bytes, results=saved, malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+                goal="a sharded save adds about (state / W) or less to each rank's resident set, where the full "
+                     "gather adds the whole state to rank 0's")
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--repeats", type=int, default=5)
@@ -188,7 +330,15 @@ def main() -> None:
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated: {', '.join(VARIANTS)} "
                                                                   "(sync is always run: the ratios are against it)")
+    p.add_argument("--checkpoint", action="store_true", help="measure a checkpoint's memory instead (see above)")
+    p.add_argument("--checkpoint-variants", default=",".join(CHECKPOINT_VARIANTS))
+    p.add_argument("--gpt-layers", type=int, default=8)
+    p.add_argument("--gpt-width", type=int, default=768)
     args = p.parse_args()
+    if args.checkpoint:
+        if "--steps" not in os.sys.argv:
+            args.steps = 1  # memory, not time: one step makes every buffer (AdamW's state included)
+        return checkpoint_main(args)
     models = [m for m in args.models.split(",") if m]
     variants = ["sync"] + [v for v in args.variants.split(",") if v and v != "sync"]
     unknown = [m for m in models if m not in MODELS] + [v for v in variants if v not in VARIANTS]

@@ -94,7 +94,7 @@ def _ctrl_c(cwd, args, after_line, timeout=300, signal_=signal.SIGINT):
 def _stopped_with_checkpoint(code, err, cwd, signame, after):
     """The job stopped together at one step, saved that step, and said so once; returns the step."""
     assert code == 128 + getattr(signal, signame), err
-    found = re.search(rf"^stopped at step (\d+) by {signame}; checkpoint (checkpoints/step-(\d+)\.pt); continue with: ",
+    found = re.search(rf"^stopped at step (\d+) by {signame}; checkpoint (checkpoints/step-(\d+)\.(?:pt|dcp)); continue with: ",
                       err, re.M)  # (a progress bar draws on stderr before it)
     assert found and found.group(1).lstrip("0") == found.group(3).lstrip("0"), err
     assert err.count("stopped at step") == 1

@@ -37,7 +37,7 @@ from phalanx.launcher import WorkerContext
 from phalanx.memory import held
 from phalanx.models import MODELS, build_model, cnn
 from phalanx.strategies import runtime_for
-from phalanx.train.checkpoint import latest_checkpoint
+from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, tensors
 
 K, SPLIT = 4, 2  # steps compared; the step the resumed runs start from
 BATCH = 12  # splits evenly over 2 and 3 workers
@@ -299,8 +299,9 @@ def test_cli_trains_the_default_digits_model_to_095_holding_half_a_replica_per_r
         assert set(figures) == {"parameters", "gradients", "optimizer"}
         assert all(abs(v - half) <= 0.10 * half for v in figures.values()), figures
     assert f"memory per rank: parameters {summary['memory_bytes']['parameters'] / 1e3:.1f} kB" in out.stdout
-    # The checkpoint is the unsplit model's: it loads, with its optimizer, and scores what the run reported.
-    state = torch.load(tmp_path / "checkpoints" / "step-00000300.pt", weights_only=True)
+    # The checkpoint (sharded, read whole) is the unsplit model's: it loads, with its optimizer, and scores what
+    # the run reported.
+    state = whole(tmp_path / "checkpoints" / "step-00000300.dcp")
     model = cnn((1, 8, 8), 10)
     model.load_state_dict(state["model"])
     torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9).load_state_dict(state["optimizer"])
@@ -312,7 +313,12 @@ def _train(tmp, name: str, **overrides) -> dict:
                log_every=100, progress="none", checkpoint_dir=str(tmp / name), checkpoint_every=4)
     cfg.update(overrides)
     summary = Trainer(TrainConfig(**cfg)).fit()
-    return {"summary": summary, "state": torch.load(latest_checkpoint(tmp / name), weights_only=True)}
+    return {"summary": summary, "state": whole(latest_checkpoint(tmp / name))}
+
+
+def whole(path) -> dict:
+    """A checkpoint's state with its tensors, a sharded one's read whole (as sync or evaluate reads it)."""
+    return tensors(load_checkpoint(path))
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ from phalanx.launcher import WorkerContext
 from phalanx.models import cnn
 from phalanx.strategies import runtime_for
 from phalanx.task import call_model_factory, call_optimizer_factory
-from phalanx.train.checkpoint import latest_checkpoint
+from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, tensors
 
 K, BATCH, MAX_NORM = 4, 12, 0.05  # the cnn's gradient norm on this data is 0.3-1.5: every step is clipped
 
@@ -288,7 +288,8 @@ def test_a_model_factory_and_a_scheduler_of_the_users_with_clipping(project, str
     want = _schedule(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5 ** (s // 4)), STEPS)
     assert [e["lr"] for e in steps] == pytest.approx(want)  # once per global step, the rate each step used
     assert all(e["grad_norm"] > 0 for e in steps)
-    state = torch.load(project / strategy / f"step-{STEPS:08d}.pt", weights_only=True)
+    state = tensors(load_checkpoint(latest_checkpoint(project / strategy)))  # (fsdp's: sharded, read whole)
+    assert state["step"] == STEPS
     assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [1e-3, 0.0]  # the user's groups
     assert state["meta"]["settings"]["lr_scheduler"] == "mymod:halve"
     assert state["meta"]["settings"]["clip_grad_norm"] == 0.5

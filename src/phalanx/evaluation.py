@@ -87,7 +87,7 @@ class Evaluation:
         torch.manual_seed(0)
         model = self.task.make_model(shape, classes)
         check_fits(self.state, model, self.state["path"], "evaluate it")
-        model.load_state_dict(self.state["model"])
+        model.load_state_dict(ckpt.tensors(self.state, optimizer=False)["model"])  # (a sharded one: read whole)
         return model
 
     def run(self) -> dict[str, Any]:

@@ -134,6 +134,9 @@ class Options:
     fp16_scaler: ClassVar[bool] = False
     #: its workers share one machine's CPU memory, so it runs on CPU devices only (compare leaves it out on GPUs)
     cpu_only: ClassVar[bool] = False
+    #: on 2+ workers each rank saves its own shard of a checkpoint (torch's distributed checkpoint), so
+    #: --async-checkpoint can write it in the background
+    sharded_checkpoints: ClassVar[bool] = False
     #: it runs batches (inputs, targets) through an engine's schedule of its own (a pipeline's), not the task's
     #: training step: other batches and --training-step are refused before anything starts
     pairs_only: ClassVar[bool] = False
@@ -337,6 +340,17 @@ class Runtime:
         """Model and optimizer state to save (called on every rank; rank 0's result is written)."""
         scaler = {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), **scaler}
+
+    @property
+    def writes_shards(self) -> bool:
+        """Whether each rank saves its own shard of a checkpoint (:meth:`shard_state_dict`, written with torch's
+        distributed checkpoint) instead of :meth:`state_dict`'s whole model from rank 0; such a runtime also
+        loads a sharded checkpoint's shards itself (``state["shards"]``), where any other is given it whole."""
+        return False
+
+    def shard_state_dict(self) -> dict[str, Any]:
+        """This rank's shards of the model and optimizer state (where :attr:`writes_shards`)."""
+        raise NotImplementedError
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned by any strategy (on every rank). Without an

@@ -23,11 +23,13 @@ its top-level children; or the submodules or classes named in ``FSDP(blocks=...)
 model with no block holding parameters is refused. ``--precision bf16`` on a GPU gives every unit torch's
 ``MixedPrecisionPolicy`` (bf16 parameters in compute, fp32 reduce-scatter).
 
-Checkpoints hold the full model and the full optimizer state, gathered to rank 0 by torch's
-distributed-checkpoint helpers (``get_state_dict`` / ``set_state_dict``, full state dicts), and
-renumbered the way a plain optimizer numbers its parameters: the file is exactly what an
-unsplit model and its optimizer would save, so it loads into the plain model, into ``sync``, or
-into ``fsdp`` on another number of workers.
+Checkpoints are sharded: every rank saves its own shards of the parameters and the optimizer state
+with torch's distributed checkpoint (``get_state_dict`` with sharded state dicts, ``dcp.save``; see
+``train/sharded.py``), and no rank gathers the whole model. Loading reads each rank's part of every
+tensor, whatever worker count wrote it (DCP reshards); ``sync``, one process and ``phalanx
+evaluate`` read the whole. A single-file checkpoint (sync's, a pipeline's, a plain model's) loads
+too: every rank takes its shard of the full state dict. :meth:`FSDPRuntime.state_dict` still gives
+the full model and optimizer state, gathered to rank 0 in a plain optimizer's numbering.
 
 Buffers (BatchNorm's running statistics) are not sharded and never synced by ``fully_shard``: each
 rank's move with its own batches. An evaluation first gives every rank rank 0's (DDP's rule, and what
@@ -132,6 +134,7 @@ class FSDP(Options):
     checkpoints_activations: ClassVar[bool] = True
     summary: ClassVar[str] = ("sharded data parallelism: parameters, gradients and optimizer state split over the "
                               "workers, gathered block by block; torch's fully_shard (FSDP2)")
+    sharded_checkpoints: ClassVar[bool] = True
 
     reshard_after_forward: bool = option(True, "free each block's gathered parameters after its forward and gather "
                                                "them again for backward (less memory, one more all-gather per block)")
@@ -261,10 +264,47 @@ class FSDPRuntime(Runtime):
             return None
         return {"model": model, "optimizer": by_index(optimizer, self._names())}
 
+    @property
+    def writes_shards(self) -> bool:
+        return self.sharded
+
+    def shard_state_dict(self) -> dict[str, Any]:
+        """This rank's shards (DTensors: nothing is gathered), keyed by parameter name, as torch's distributed
+        checkpoint saves them; buffers (not sharded) as rank 0 holds them. A collective on every rank."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        from torch.distributed.tensor import DTensor
+
+        model, optimizer = get_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=False))
+        # A buffer is a whole tensor on every rank, each rank's moved by its own batches; DCP writes one rank's
+        # copy, not necessarily rank 0's. Copies of rank 0's, as a full checkpoint holds (the live ones stay).
+        plain = [name for name, value in model.items() if isinstance(value, torch.Tensor)
+                 and not isinstance(value, DTensor)]
+        copies = [model[name].detach().clone() for name in plain]
+        broadcast_buffers(copies)
+        model.update(zip(plain, copies))
+        return {"model": model, "optimizer": optimizer}
+
+    def _load_shards(self, path: str, keys: list[str]) -> None:
+        """Every rank reads its part of each tensor of a sharded checkpoint, whatever worker count wrote it."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        # The state dicts to fill in place: this rank's shards, with an optimizer state (torch makes one).
+        target = {key: value for key, value in self.shard_state_dict().items() if key in keys}
+        dcp.load(target, checkpoint_id=path)
+        if "optimizer" in target:
+            set_state_dict(self.model, self.optimizer, model_state_dict=target["model"],
+                           optim_state_dict=target["optimizer"])
+        else:  # the run changed optimizers: this one starts fresh
+            set_model_state_dict(self.model, target["model"])
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Every rank takes its shard of a full checkpoint (written by fsdp, sync, a pipeline or a plain model)."""
+        """Every rank takes its shard of a checkpoint: a sharded one's shards (``state["shards"]``), or a full
+        one's tensors (written by sync, a pipeline, a plain model or fsdp in one process)."""
         if not self.sharded:
             return super().load_state_dict(state)
+        if "shards" in state:
+            return self._load_shards(state["shards"], state["shard_keys"])
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
         options = StateDictOptions(full_state_dict=True, strict=True)

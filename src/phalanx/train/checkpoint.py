@@ -3,6 +3,8 @@
 - **Atomic.** Written to a temporary file, fsynced, renamed: ``os.replace`` within one directory
   is atomic, so a kill at any moment leaves the previous checkpoint or the new one, never a torn
   file. Files are named ``step-00000120.pt`` so the newest is found by name.
+- **Sharded** (``step-00000120.dcp/``, a directory): each rank writes its own shard with torch's
+  distributed checkpoint, the same guarantees kept; see ``sharded.py``. Everything here takes both.
 - **Checksummed.** Every checkpoint holds the SHA-256 of its payload (every tensor's bytes,
   dtype and shape, every other value, by key), recomputed and compared on load: a byte flipped
   on disk is found before it is trained on. torch's own zip reader does not check.
@@ -24,6 +26,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -32,15 +35,29 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ..errors import PhalanxError, StorageError
+from . import sharded
 
 FORMAT = "phalanx-checkpoint-1"
 LOCK_NAME = ".phalanx.lock"
 RUN_NAME = ".phalanx-run.json"
-_NAME = re.compile(r"^step-(\d+)\.pt$")
+_NAME = re.compile(r"^step-(\d+)\.(pt|dcp)$")
 
 
-def checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
-    return Path(directory) / f"step-{step:08d}.pt"
+def checkpoint_path(directory: str | os.PathLike, step: int, sharded: bool = False) -> Path:
+    return Path(directory) / f"step-{step:08d}.{'dcp' if sharded else 'pt'}"
+
+
+def is_checkpoint(p: Path) -> bool:
+    """A finished checkpoint: a file, or a sharded one's directory (it has its state file only once renamed)."""
+    return p.is_file() or (p.suffix == ".dcp" and (p / sharded.STATE).is_file())
+
+
+def remove(p: Path) -> None:
+    """Delete a checkpoint, a file or a sharded one's directory."""
+    if p.is_dir():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
 
 
 class RunRecord(NamedTuple):
@@ -86,8 +103,8 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     root = Path(directory)
     record = read_run(root) if root.is_dir() else None
     if record is None:
-        return [p for p in step_entries(root) if p.is_file()]
-    return [root / name for name in record.checkpoints if (root / name).is_file()]
+        return [p for p in step_entries(root) if is_checkpoint(p)]
+    return [root / name for name in record.checkpoints if is_checkpoint(root / name)]
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -144,11 +161,13 @@ def payload_digest(state: dict[str, Any]) -> str:
 
 
 def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
-    """Delete half-written checkpoints that a killed run left behind (never a finished one)."""
+    """Delete half-written checkpoints that a killed run left behind (never a finished one): files, and
+    the temporary directories of sharded ones."""
     root = Path(directory)
-    stale = [*root.glob(".step-*.pt.*.tmp"), *root.glob(f".{RUN_NAME}.tmp")] if root.is_dir() else []
+    stale = [*root.glob(".step-*.pt.*.tmp"), *root.glob(f".{RUN_NAME}.tmp"), *root.glob(".step-*.dcp*.tmp")] \
+        if root.is_dir() else []
     for p in stale:
-        p.unlink(missing_ok=True)
+        remove(p)
     return stale
 
 
@@ -156,33 +175,54 @@ def save_checkpoint(state: dict[str, Any], directory: str | os.PathLike, step: i
     """Write ``state`` (plus its checksum) atomically as the checkpoint of ``step``; keep the ``keep``
     written last. The run record names the file before it exists (a name without a file is skipped
     by every reader), so a kill between the two never leaves a checkpoint the record does not know."""
-    root = Path(directory)
-    final = checkpoint_path(root, step)
-    previous = latest_checkpoint(root)
     payload = to_cpu(state)
     payload["checksum"] = payload_digest(payload)
+    return commit(directory, checkpoint_path(directory, step), str(state.get("run_id") or ""), keep,
+                  lambda final: write_file(payload, final))
+
+
+def write_file(payload: dict[str, Any], final: Path) -> None:
+    """``payload`` as ``final``, atomically: a temporary file beside it, fsynced, renamed (removed on failure)."""
     tmp = None
-    record = read_run(root)
     try:
-        order = [p.name for p in list_checkpoints(root) if p.name != final.name] + [final.name]
-        mine = record or RunRecord(str(state.get("run_id") or ""), "", ())
-        write_run(root, mine._replace(checkpoints=tuple(order)))
-        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=root)
+        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-    except BaseException as e:
+    except BaseException:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-        _restore_record(root, record)  # an overwritten step did not become the newest
-        cause = _os_error(e)
-        if cause is not None:
-            raise _storage_error(cause, final, previous) from None
         raise
+
+
+def commit(directory: str | os.PathLike, final: Path, run_id: str, keep: int, write: Any) -> Path:
+    """Make ``final`` the run's newest checkpoint: ``write(final)`` puts it there atomically, then all but the
+    ``keep`` written last are removed. The run record names it before it exists (a name without a checkpoint
+    is skipped by every reader), so a kill between the two never leaves a checkpoint the record does not know."""
+    root = Path(directory)
+    previous = latest_checkpoint(root)
+    record = read_run(root)
+    try:
+        order = [p.name for p in list_checkpoints(root) if p.name != final.name] + [final.name]
+        mine = record or RunRecord(run_id, "", ())
+        write_run(root, mine._replace(checkpoints=tuple(order)))
+        write(final)
+    except BaseException as e:
+        _restore_record(root, record)  # an overwritten step did not become the newest
+        error = storage_error(e, final, previous)
+        if error is e:
+            raise
+        raise error from None
     _keep_newest(root, keep)
     return final
+
+
+def storage_error(e: BaseException, target: Path, previous: Optional[Path]) -> BaseException:
+    """The one-line StorageError for ``e`` where a storage error caused it (else ``e`` itself)."""
+    cause = _os_error(e)
+    return e if cause is None else _storage_error(cause, target, previous)
 
 
 def _restore_record(root: Path, record: Optional[RunRecord]) -> None:
@@ -202,7 +242,7 @@ def _keep_newest(root: Path, keep: int) -> None:
     if record is not None:
         write_run(root, record._replace(checkpoints=tuple(p.name for p in written[-keep:])))
     for old in written[:-keep]:
-        old.unlink(missing_ok=True)
+        remove(old)
 
 
 def _os_error(e: BaseException) -> Optional[OSError]:
@@ -255,13 +295,18 @@ def _read(p: Path, use: str = "--resume") -> dict[str, Any]:
     return state
 
 
-def load_checkpoint(path: str | os.PathLike, use: str = "--resume") -> dict[str, Any]:
-    """Load a verified checkpoint: a file, or the newest one in a directory that verifies.
+def load_checkpoint(path: str | os.PathLike, use: str = "--resume", verify: bool = True) -> dict[str, Any]:
+    """Load a verified checkpoint: a file, a sharded one's directory, or the newest one in a directory
+    that verifies.
 
     From a directory, ``state["skipped"]`` lists (path, why) of every newer checkpoint that did not.
-    ``use``: the flag or command the path was given to, named in the messages.
+    ``use``: the flag or command the path was given to, named in the messages. A sharded checkpoint
+    comes without its tensors (``state["shards"]`` names its directory; :func:`tensors` reads them);
+    ``verify=False`` skips hashing its shards, for a worker whose plan verified them already.
     """
     p = Path(path)
+    if p.is_dir() and _NAME.match(p.name) and p.suffix == ".dcp":
+        return sharded.read(p, use, verify)
     if p.is_dir():
         found = list_checkpoints(p)
         if not found:
@@ -269,7 +314,7 @@ def load_checkpoint(path: str | os.PathLike, use: str = "--resume") -> dict[str,
         skipped: list[tuple[str, str]] = []
         for candidate in reversed(found):
             try:
-                state = _read(candidate, use)
+                state = sharded.read(candidate, use, verify) if candidate.is_dir() else _read(candidate, use)
             except PhalanxError as e:
                 skipped.append((str(candidate), str(e)))
                 continue
@@ -280,6 +325,26 @@ def load_checkpoint(path: str | os.PathLike, use: str = "--resume") -> dict[str,
     if not p.is_file():
         raise PhalanxError(f"checkpoint {p} does not exist; pass an existing file or directory to {use}")
     return _read(p, use)
+
+
+def tensors(state: dict[str, Any], optimizer: bool = True) -> dict[str, Any]:
+    """``state`` with its model (and optimizer) state in this process: a sharded checkpoint's shards read
+    and joined (the whole model in one process: for one that runs it whole), a file's as it is."""
+    return sharded.joined(state, optimizer) if "shards" in state else state
+
+
+def without_optimizer(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` as a run that changed optimizers loads it: the parameters only."""
+    if "shards" in state:
+        return {**state, "shard_keys": ["model"]}
+    return {k: v for k, v in state.items() if k != "optimizer"}
+
+
+def shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every saved tensor of the model, by name, and its shape (a sharded checkpoint records them)."""
+    if "model" in state:
+        return {name: tuple(t.shape) for name, t in state["model"].items()}
+    return {name: tuple(shape) for name, shape in state["meta"]["parameter_shapes"].items()}
 
 
 class DirectoryLock:

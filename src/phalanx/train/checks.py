@@ -100,6 +100,20 @@ def check_precision(cfg: TrainConfig, layout: Layout) -> None:
                            f"must skip it on every replica alike); use --precision bf16 with {cfg.strategy.name}")
 
 
+def check_async_checkpoint(cfg: TrainConfig, layout: Layout) -> None:
+    """--async-checkpoint writes sharded checkpoints in the background: a run that writes one file is refused."""
+    if not cfg.async_checkpoint:
+        return
+    if not cfg.strategy.sharded_checkpoints:
+        able = " or ".join(name for name, cls in STRATEGIES.items() if cls.sharded_checkpoints)
+        raise PhalanxError(f"--async-checkpoint writes sharded checkpoints, which --strategy {able} saves; "
+                           f"{cfg.strategy.name} saves one file from rank 0: leave --async-checkpoint out")
+    if layout.world_size < 2:
+        raise PhalanxError(f"--async-checkpoint writes sharded checkpoints, and {cfg.strategy.name} on one worker "
+                           "shards nothing (it saves one file): leave --async-checkpoint out, or use --workers 2 "
+                           "or more")
+
+
 def check_straggler(cfg: TrainConfig, layout: Layout) -> None:
     """``--straggler RANK:FACTOR`` must name a rank of this run that computes (reads data)."""
     slow = cfg.straggler
@@ -331,7 +345,7 @@ def check_checkpoint_dir(cfg: TrainConfig) -> None:
     if not os.access(probe, os.W_OK):
         raise PhalanxError(f"cannot write checkpoints to {root}: permission denied; choose another --checkpoint-dir")
     for entry in ckpt.step_entries(root):
-        if not entry.is_file():  # phalanx writes (and reads) checkpoints by these names
+        if not ckpt.is_checkpoint(entry):  # phalanx writes (and reads) checkpoints by these names
             what = "a directory" if entry.is_dir() else "not a regular file"
             raise PhalanxError(f"{entry} is {what}, not a checkpoint, but phalanx names its checkpoints so; move it "
                                "out of --checkpoint-dir, or choose another --checkpoint-dir")

@@ -63,8 +63,8 @@ SECTIONS = {
         "lr_decay_every", "lr_decay_factor", "staircase", "warmup_steps", "lr_base_batch", "lr_scheduler",
         "clip_grad_norm", "seed", "straggler"),
     "observation and checkpoints": ("log_every", "eval_every", "stop_at", "stop_at_accuracy", "metrics", "tensorboard",
-                                    "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "init_from",
-                                    "overwrite", "keep_global_batch", "progress", "profile_startup", "prefetch"),
+                                    "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "async_checkpoint",
+                                    "resume", "init_from", "overwrite", "keep_global_batch", "progress", "profile_startup", "prefetch"),
 }
 
 
@@ -172,6 +172,8 @@ class TrainConfig:
     init_from: Optional[str] = option(None, "start from a checkpoint's model weights (a file, or the newest in a "
                                             "directory) with a fresh optimizer, step 0 and a fresh schedule: "
                                             "fine-tuning", argparse_extra={"metavar": "PATH"})
+    async_checkpoint: bool = option(False, "write sharded checkpoints (fsdp on 2+ workers) in the background: the "
+                                           "step waits only while each rank copies its shards to CPU memory")
     overwrite: bool = option(False, "start a new run in a --checkpoint-dir that holds another run: remove its "
                                     "checkpoints and metrics file first (phalanx's own files only)")
     progress: str = option("auto", "auto draws a bar on a terminal; none shows no header or progress, only the "

@@ -36,6 +36,7 @@ from .step_errors import explained
 from .report import Reporter, step_line
 from .resume import check_fits, data_position, restore_settings, resume_config, settings_line, settings_of
 from .schedules import Schedule
+from .sharded import ShardWriter
 from .straggle import Straggle
 from .trainer import Plan
 
@@ -71,7 +72,8 @@ class WorkerRun:
         self.link_at: list[int] = []
         self.me = plan.layout.ranks[ctx.rank]
         # A checkpoint's settings fill in what no flag gave, before anything is built from the config.
-        resumed = ckpt.load_checkpoint(plan.resume_path) if plan.resume_path else None
+        # (verify=False: the plan verified every shard of a sharded checkpoint; a file is verified as it loads)
+        resumed = ckpt.load_checkpoint(plan.resume_path, verify=False) if plan.resume_path else None
         self.resumed = resume_config(self.cfg, resumed, plan.layout.shards) if resumed else None
         cfg = self.cfg = self.resumed.config if self.resumed else self.cfg
         self.data = plan.data or load_data(cfg.data, cfg.data_dir, tuple(cfg.synthetic_shape), cfg.synthetic_size,
@@ -101,6 +103,9 @@ class WorkerRun:
                       cfg.hang_timeout_s, Precision(cfg.precision, ctx.device.type), cfg.clip_grad_norm,
                       plan.task.step)
         self.runtime = cfg.strategy.runtime(build)
+        # Each rank writes its own shard of a checkpoint where the runtime holds one (else rank 0 one file).
+        self.shard_writer = ShardWriter(ctx, cfg.async_checkpoint) if self.runtime.writes_shards else None
+        self.checkpoint_blocked_s = 0.0  #: the seconds checkpoints held the training up (on this rank)
         self.marks.mark("strategy")
         self.schedule = Schedule(cfg.lr_schedule, cfg.lr_decay_every, cfg.lr_decay_factor, cfg.staircase,
                                  cfg.warmup_steps, cfg.steps)
@@ -115,6 +120,7 @@ class WorkerRun:
         self.check_every, self.check_from, self.paced = STOP_CHECK_EVERY, 0, False
         self.loop_began = 0.0
         self.last_checkpoint: Optional[str] = None
+        self.saved_step: Optional[int] = None  #: the step of the last checkpoint (written or resumed from)
         if resumed:
             self._restore(resumed)
         self.scheduler = self._scheduler(resumed)
@@ -142,7 +148,8 @@ class WorkerRun:
     def _init_from(self, model: nn.Module) -> str:
         """Fine-tuning (--init-from): the checkpoint's weights, loaded into the plain model on every rank (so the
         replicas start equal) before a strategy wraps it; its optimizer, step and data position are not taken."""
-        state = ckpt.load_checkpoint(self.cfg.init_from, "--init-from")  # (the plan checked that it fits)
+        # (the plan verified it and checked that it fits; a sharded checkpoint's shards are read whole here)
+        state = ckpt.tensors(ckpt.load_checkpoint(self.cfg.init_from, "--init-from", verify=False), optimizer=False)
         model.load_state_dict(state["model"])
         return (f"starting from the weights of {state['path']} (step {state['step']}), with a fresh optimizer and "
                 "schedule from step 0")
@@ -259,8 +266,9 @@ class WorkerRun:
             values = None
         elif changed or not reached:  # (a target reached by this step's evaluation of this model: not twice)
             values = self._evaluate(start, final=True)
-        if changed or self.last_checkpoint is None or not self.last_checkpoint.endswith(f"{self.step:08d}.pt"):
+        if changed or self.saved_step != self.step:
             self._save()
+        self._settle()  # (the run's last checkpoint is written before its summary names it)
         return self._summary(values, self.step - first_step, elapsed, reached, stopped)
 
     def _count_wire(self, start: bool) -> None:
@@ -349,6 +357,7 @@ class WorkerRun:
             # A rank the job can lose (a parameter server's worker) holds the server's parameters and
             # writes no checkpoint: the server sees every loss and stops the job at the first bad one.
             return
+        self._settle()  # the checkpoint in flight, if any, is the last good one: finished before it is named
         last = self.last_checkpoint or "none (no checkpoint was written before this step)"
         inputs = self.runtime.nonfinite_inputs(step) or self._nonfinite_inputs(step)
         self.reporter.record("diverged", step=step, loss=str(loss), **({"inputs": inputs} if inputs else {}))
@@ -408,31 +417,50 @@ class WorkerRun:
 
     # ---- checkpoints ----
     def _save(self) -> None:
+        began = time.perf_counter()
         with self.meter.aside():  # gathering a checkpoint is not a training step's traffic
-            self._write_checkpoint()
+            path = self._write_checkpoint()
+        # What the step waited for: the whole save (a file; every rank's shards), or under --async-checkpoint
+        # the save before it still in flight and the copy of this rank's shards to CPU memory.
+        blocked = time.perf_counter() - began
+        self.checkpoint_blocked_s += blocked
+        if path is not None:
+            self.reporter.record("checkpoint", step=self.step, path=path, checkpoint_blocked_s=round(blocked, 6),
+                                 **({"in_background": True} if self.cfg.async_checkpoint else {}))
 
-    def _write_checkpoint(self) -> None:
+    def _settle(self) -> None:
+        """Until the checkpoint in flight (--async-checkpoint) is written; its time counts as blocked."""
+        if self.shard_writer is not None and self.shard_writer.pending is not None:
+            began = time.perf_counter()
+            self.shard_writer.wait()
+            self.checkpoint_blocked_s += time.perf_counter() - began
+
+    def _write_checkpoint(self) -> Optional[str]:
+        """Every rank: this step's checkpoint; the path rank 0 wrote (None on the others)."""
         # The loss of this step was finite, but its update may not be: never save such weights.
         self.ctx.progress.at(self.step, "checkpointing")
         if not all(torch.isfinite(p).all() for p in self.runtime.module.parameters()):
             self._diverged(float("nan"), self.step)
-        state = self.runtime.state_dict()
+        shards = self.shard_writer is not None
+        state = self.runtime.shard_state_dict() if shards else self.runtime.state_dict()
         position = self._position()
         rng = [torch.get_rng_state()]
         if self.ctx.distributed and self.plan.layout.lockstep:
             gathered: list = [None] * self.ctx.world_size
             dist.all_gather_object(gathered, rng[0])
             rng = gathered
-        path = str(ckpt.checkpoint_path(self.cfg.checkpoint_dir, self.step))
-        if self.ctx.is_main and state is not None:
-            ckpt.save_checkpoint(
-                {"format": ckpt.FORMAT, "step": self.step, "run_id": self.plan.run_id, **state,
-                 **self._scheduler_state(), "rng": rng, "meta": self._meta(state),
-                 "data_position": {"epoch": position.epoch, "examples_in_epoch": position.offset}},
-                self.cfg.checkpoint_dir, self.step, self.cfg.keep_checkpoints,
-            )
-            self.reporter.record("checkpoint", step=self.step, path=path)
-        self.last_checkpoint = path
+        path = str(ckpt.checkpoint_path(self.cfg.checkpoint_dir, self.step, sharded=shards))
+        self.last_checkpoint, self.saved_step = path, self.step
+        if state is None:  # (a rank whose part rank 0 gathered, e.g. a pipeline's later stage: nothing to write)
+            return None
+        small = {"format": ckpt.FORMAT, "step": self.step, "run_id": self.plan.run_id, **self._scheduler_state(),
+                 "rng": rng, "meta": self._meta(state),
+                 "data_position": {"epoch": position.epoch, "examples_in_epoch": position.offset}}
+        if shards:  # every rank writes its own shards; rank 0 adds the small state and seals the directory
+            self.shard_writer.save(state, small, self.cfg.checkpoint_dir, self.step, self.cfg.keep_checkpoints)
+        elif self.ctx.is_main:
+            ckpt.save_checkpoint({**small, **state}, self.cfg.checkpoint_dir, self.step, self.cfg.keep_checkpoints)
+        return path if self.ctx.is_main else None
 
     def _scheduler_state(self) -> dict[str, Any]:
         """phalanx's own schedule under ``scheduler`` (as before); the user's under ``lr_scheduler``, which a
@@ -466,7 +494,9 @@ class WorkerRun:
             group.setdefault("initial_lr", group["lr"])  # (fsdp's loader wants the same keys in both)
         settings = [{k: v for k, v in group.items() if k != "params"} for group in self.runtime.optimizer.param_groups]
         if self.resumed.fresh_optimizer:
-            state = {k: v for k, v in state.items() if k != "optimizer"}
+            state = ckpt.without_optimizer(state)
+        if not self.runtime.writes_shards:  # a sharded checkpoint, read whole into this runtime's whole model
+            state = ckpt.tensors(state)
         self.runtime.load_state_dict(state)
         restore_settings(self.runtime.optimizer, settings)
         self.step = self.start_step = int(state["step"])
@@ -474,7 +504,7 @@ class WorkerRun:
         rng = state.get("rng") or []
         if self.ctx.rank < len(rng):
             torch.set_rng_state(rng[self.ctx.rank])
-        self.last_checkpoint = state["path"]
+        self.last_checkpoint, self.saved_step = state["path"], self.step
 
     # ---- what rank 0 prints ----
     def _header(self) -> None:
@@ -533,6 +563,7 @@ class WorkerRun:
         summary = {"steps": self.step, "test_accuracy": (values or {}).get("accuracy"), "test_metrics": values,
                    "held_out": self.data.held_out, "examples_per_sec": rate,
                    "train_seconds": seconds, "eval_seconds": self.eval_seconds,
+                   "checkpoint_blocked_s": round(self.checkpoint_blocked_s, 6),
                    "target": None if self.target is None else str(self.target),
                    "stopped_at_target": reached, "stopped_at_accuracy": reached, "checkpoint": self.last_checkpoint,
                    "metrics": self.cfg.metrics, "stopped_by": stopped,
@@ -582,6 +613,8 @@ class WorkerRun:
         return mine, largest([m for m, _ in every]), sum(sent for _, sent in every)
 
     def close(self) -> None:
+        if self.shard_writer is not None:
+            self.shard_writer.close()
         if self.prefetcher is not None:
             self.prefetcher.close()
         self.runtime.close()

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..data.loader import Position, advance
 from ..errors import PhalanxError
+from .checkpoint import shapes
 from .config import OWN_SCHEDULE, SETTINGS, TrainConfig, _flag
 from .schedules import scaled_lr
 
@@ -164,12 +165,12 @@ def _show(value: Any) -> str:
 def check_fits(state: dict[str, Any], model: nn.Module, path: str, fix: str = "resume") -> None:
     """The checkpoint holds this model's parameters, or one line naming the first that differs; ``fix``:
     what to do with it (resume, start from it, evaluate it) with the model it was trained with."""
-    saved, here = state["model"], model.state_dict()
+    saved, here = shapes(state), model.state_dict()
     for name, tensor in here.items():
         if name not in saved:
             why = f"this model's {name} is not in it"
-        elif tuple(saved[name].shape) != tuple(tensor.shape):
-            why = f"{name} is {tuple(saved[name].shape)} there and {tuple(tensor.shape)} here"
+        elif saved[name] != tuple(tensor.shape):
+            why = f"{name} is {saved[name]} there and {tuple(tensor.shape)} here"
         else:
             continue
         raise PhalanxError(f"checkpoint {path} holds another model ({why}); {fix} with the model and data it was "

@@ -6,7 +6,7 @@ in every checkpoint (``run_id``), in the directory's record (``.phalanx-run.json
 
 - **A new run** (no ``--resume``) is refused in a directory that holds another run's checkpoints,
   or next to another run's metrics file; ``--overwrite`` removes them first (phalanx's own files
-  only: ``step-*.pt``, the record, a metrics file phalanx wrote).
+  only: ``step-*.pt``, sharded ``step-*.dcp/``, the record, a metrics file phalanx wrote).
 - **--resume** continues the run of the checkpoint it names; the directory must hold that run, or
   no checkpoints at all.
 - **A restarted attempt** continues the current run only. phalanx's own ``--max-restarts`` knows
@@ -106,7 +106,7 @@ def claim(cfg: TrainConfig) -> Claim:
 
 def _new_run(cfg: TrainConfig, root: Path, record: Optional[ckpt.RunRecord]) -> tuple[Path, ...]:
     """A new run needs a directory without checkpoints; --overwrite names the ones to remove."""
-    found = [p for p in ckpt.step_entries(root) if p.is_file()]
+    found = [p for p in ckpt.step_entries(root) if ckpt.is_checkpoint(p)]
     if not found:
         return ()
     if not cfg.overwrite:
@@ -126,7 +126,7 @@ def resumed_run(cfg: TrainConfig, state: dict) -> str:
     here = Path(state["path"]).resolve().parent == root.resolve()
     theirs = record.run_id if record is not None and record.run_id else None
     run_id = state.get("run_id") or (theirs if here else None) or new_run_id(launcher_identity())
-    held = [p for p in ckpt.step_entries(root) if p.is_file()]
+    held = [p for p in ckpt.step_entries(root) if ckpt.is_checkpoint(p)]
     other = theirs != run_id if theirs is not None else not here
     if held and other and launcher_rank() == 0:
         newest = (ckpt.list_checkpoints(root) or held)[-1]
@@ -181,7 +181,7 @@ def take(directory: str, run_id: str, remove: tuple[Path, ...]) -> None:
     """Remove what --overwrite named, then write the record: this directory now holds run ``run_id``
     (a directory of an older phalanx is adopted with its checkpoints in step order)."""
     for path in remove:
-        path.unlink(missing_ok=True)
+        ckpt.remove(path)
     root = Path(directory)
     record = ckpt.read_run(root)
     launcher = launcher_identity()

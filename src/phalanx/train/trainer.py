@@ -119,6 +119,7 @@ class Trainer:
         checks.check_global_batch(cfg, layout, facts)
         checks.check_straggler(cfg, layout)
         checks.check_precision(cfg, layout)
+        checks.check_async_checkpoint(cfg, layout)
         if cfg.link is not None:
             shaped_link.check(cfg.link, devices=list(layout.devices), world_size=layout.world_size,
                               addr=cfg.master_addr, joined=in_torchrun())

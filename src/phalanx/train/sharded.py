@@ -1,0 +1,228 @@
+"""Sharded checkpoints: every rank writes its own shard with torch's distributed checkpoint (DCP).
+
+A strategy whose ranks each hold a part of the model (fsdp on 2+ workers) saves a directory,
+``step-00000120.dcp/``, and no rank ever gathers the whole model:
+
+- ``__<rank>_<n>.distcp``: that rank's shards of the parameters and of the optimizer state, written
+  by the rank itself (DCP's files);
+- ``.metadata``: DCP's index, which slice of which tensor lies where: it is what lets any worker
+  count read the checkpoint back (DCP reshards on load), or one process read it whole;
+- ``phalanx.pt``: the loop's own small state (step, data position, RNG, scheduler, run id,
+  settings and the parameters' shapes), the SHA-256 of every other file, and its own checksum.
+
+The guarantees of the single-file checkpoints hold:
+
+- **Atomic.** Everything is written into ``.step-00000120.dcp.tmp/``; rank 0 renames that directory
+  once DCP's save has returned on it. DCP's coordinator (rank 0) gathers every rank's write result
+  before it writes ``.metadata``, so by then every rank's files are written and fsynced. A kill at any
+  moment leaves the previous checkpoint and a temporary directory, which the next run removes.
+- **Checksummed.** DCP's metadata records where each tensor lies, not what its bytes are, and its
+  reader checks nothing: a flipped byte would load silently. So rank 0 hashes every file before the
+  rename, and every load verifies them (streamed: no file is held in memory).
+- **Retention and the run id** are the single-file ones (``checkpoint.commit``): the run record names
+  the directory before the rename; the oldest beyond ``--keep-checkpoints`` are removed.
+
+``--async-checkpoint``: ``dcp.async_save`` copies this rank's shards to CPU memory (the only time
+the step waits), then writes them in a thread over a gloo process group of its own (collectives of
+a background thread must not interleave with the training's own on the default group). The loop
+waits for a save before it starts the next one and before it exits; rank 0 seals the checkpoint
+(checksums, rename) in that thread once the write is done.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import PhalanxError, StorageError
+from . import checkpoint as ckpt
+
+STATE = "phalanx.pt"
+#: what a sharded checkpoint's tensors are saved under (as the runtime's ``shard_state_dict`` keys them)
+KEYS = ("model", "optimizer")
+
+
+def temporary(final: Path) -> Path:
+    """Where the checkpoint ``final`` is written before it is renamed (the same directory: rename is atomic)."""
+    return final.parent / f".{final.name}.tmp"
+
+
+class ShardWriter:
+    """This rank's part of every sharded checkpoint of a run; one save in flight at a time."""
+
+    def __init__(self, ctx: Any, asynchronous: bool):
+        self.ctx, self.asynchronous = ctx, asynchronous
+        self.group: Optional[Any] = None  #: the gloo group the background writes use (made at the first)
+        self.pending: Optional[concurrent.futures.Future] = None
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, "phalanx-checkpoint") if asynchronous else None
+
+    def save(self, shards: dict[str, Any], state: dict[str, Any], directory: str, step: int, keep: int) -> Path:
+        """On every rank (collectives): its ``shards`` into the checkpoint of ``step``; rank 0 adds ``state``
+        (the loop's small state) and seals it. Returns the checkpoint's path (once :meth:`wait` returned,
+        under --async-checkpoint)."""
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        final = ckpt.checkpoint_path(directory, step, sharded=True)
+        tmp, previous = temporary(final), ckpt.latest_checkpoint(directory)
+        if self.ctx.rank == 0:
+            try:
+                ckpt.remove(tmp)  # a save of this step that an earlier attempt left unfinished
+                tmp.mkdir()
+            except OSError as e:
+                raise ckpt.storage_error(e, final, previous) from None
+        dist.barrier()  # every rank writes into the directory rank 0 made, empty
+        if not self.asynchronous:
+            try:
+                dcp.save(shards, checkpoint_id=str(tmp))
+            except _errors() as e:
+                raise _failed(e, final, previous) from None
+            self._seal(tmp, final, state, keep, previous)
+            return final
+        if self.group is None:
+            self.group = dist.new_group(backend="gloo")
+        upload = dcp.async_save(shards, checkpoint_id=str(tmp), process_group=self.group)
+        upload = getattr(upload, "upload_completion", upload)  # (a response object where staging is async too)
+        self.pending = self.thread.submit(self._finish, upload, tmp, final, state, keep, previous)
+        return final
+
+    def _finish(self, upload: concurrent.futures.Future, tmp: Path, final: Path, state: dict[str, Any], keep: int,
+                previous: Optional[Path]) -> None:
+        try:
+            upload.result()
+        except _errors() as e:
+            raise _failed(e, final, previous) from None
+        self._seal(tmp, final, state, keep, previous)
+
+    def _seal(self, tmp: Path, final: Path, state: dict[str, Any], keep: int, previous: Optional[Path]) -> None:
+        if self.ctx.rank == 0:
+            ckpt.commit(final.parent, final, str(state.get("run_id") or ""), keep, lambda f: seal(tmp, f, state))
+
+    def wait(self) -> None:
+        """Until the save in flight (if any) is written and sealed; its error, if it failed."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.thread.shutdown(wait=False)
+
+
+def _errors() -> tuple[type, ...]:
+    """What a failed DCP save raises: its CheckpointException is a BaseException (not an Exception)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return Exception, CheckpointException
+
+
+def _failed(e: BaseException, final: Path, previous: Optional[Path]) -> BaseException:
+    """One line for a failed DCP save: DCP wraps every rank's error in a CheckpointException."""
+    failures = getattr(e, "failures", None) or {}
+    inner = next((failure[0] for failure in failures.values()), e)
+    error = ckpt.storage_error(inner, final, previous)
+    if isinstance(error, StorageError):
+        return error
+    first = (str(inner).strip().splitlines() or [type(inner).__name__])[0][:160]
+    kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+    return PhalanxError(f"cannot write checkpoint {final}: {first}; {kept}")
+
+
+def seal(tmp: Path, final: Path, state: dict[str, Any]) -> None:
+    """Rank 0, once every rank's shards are in ``tmp``: their checksums and ``state`` into its state file,
+    then ``tmp`` renamed to ``final`` (an older ``final`` of the same step is replaced)."""
+    payload = ckpt.to_cpu(state)
+    payload["files"] = {p.name: file_digest(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+    payload["checksum"] = ckpt.payload_digest(payload)
+    ckpt.write_file(payload, tmp / STATE)
+    _fsync_directory(tmp)
+    if final.exists():  # rename(2) does not replace a directory that has files: move it aside first
+        old = final.parent / f".{final.name}.old.tmp"
+        ckpt.remove(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        ckpt.remove(old)
+    else:
+        os.replace(tmp, final)
+    _fsync_directory(final.parent)
+
+
+def _fsync_directory(path: Path) -> None:
+    """The directory's entries (a new file, a rename) on disk, not only the files' bytes."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read(p: Path, use: str = "--resume", verify: bool = True) -> dict[str, Any]:
+    """A sharded checkpoint's small state, every file verified against its checksum (``verify``); its
+    tensors stay on disk (``state["shards"]``: the directory; :func:`joined` or the runtime reads them)."""
+    earlier = f"{'resume from' if use == '--resume' else f'give {use}'} an earlier checkpoint of the same directory"
+    try:
+        state = torch.load(p / STATE, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for a bad file
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise PhalanxError(f"checkpoint {p} is corrupt: its {STATE} is unreadable ({first}); {earlier}") from None
+    if not isinstance(state, dict) or state.get("format") != ckpt.FORMAT or "files" not in state:
+        raise PhalanxError(f"{p} is not a phalanx checkpoint; pass a step-* checkpoint written by phalanx train")
+    if ckpt.payload_digest(state) != state.get("checksum"):
+        raise PhalanxError(f"checkpoint {p} is corrupt (its {STATE} does not match its checksum); {earlier}")
+    for name, expected in state["files"].items() if verify else ():
+        if not (p / name).is_file():
+            raise PhalanxError(f"checkpoint {p} is incomplete: its shard {name} is missing; {earlier}")
+        if file_digest(p / name) != expected:
+            raise PhalanxError(f"checkpoint {p} is corrupt: its shard {name} does not match its checksum (the file "
+                               f"changed after it was written); {earlier}")
+    state.update(path=str(p), shards=str(p), shard_keys=list(KEYS))
+    return state
+
+
+def joined(state: dict[str, Any], optimizer: bool = True) -> dict[str, Any]:
+    """``state`` with the whole model (and optimizer state, in a plain optimizer's numbering) read into this
+    process from its shards: what a single-file checkpoint holds, for whatever runs the model whole
+    (sync, one process, ``phalanx evaluate``, ``--init-from``). No process group is needed or used."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    keys = {key for key in state["shard_keys"] if optimizer or key == "model"}
+    found: dict[str, Any] = {}
+    # What torch's dcp_to_torch_save does, in memory: the "empty" planner builds the state dict from the
+    # checkpoint's own metadata (dcp.load would fill only keys given); no_dist: this process reads every shard.
+    _load_state_dict(found, storage_reader=FileSystemReader(state["shards"]),
+                     planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    plain = {k: v for k, v in state.items() if k not in ("shards", "shard_keys", "files")}
+    plain["model"] = found["model"]
+    if "optimizer" in found:
+        plain["optimizer"] = plain_numbering(found["optimizer"])
+    return plain
+
+
+def plain_numbering(state: dict[str, Any]) -> dict[str, Any]:
+    """DCP's optimizer state (keyed by parameter name) numbered as ``optimizer.state_dict()`` numbers it:
+    a plain optimizer's parameter i is the i-th name across the param groups (the same factory lists
+    the same parameters in the same order, sharded or not)."""
+    index = {name: i for i, name in enumerate(n for group in state["param_groups"] for n in group["params"])}
+    ordered = sorted(state["state"].items(), key=lambda item: index[item[0]])
+    return {"state": {index[name]: value for name, value in ordered},
+            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                             for group in state["param_groups"]]}
