@@ -101,7 +101,8 @@ class _Stepped(nn.Module):
         self.key = f"{id(self)}"
 
     def forward(self, *tensors: torch.Tensor) -> tuple:
-        batch = self.rebuild(t.clone() for t in tensors)  # made by stage 0, so any stage may read them
+        # made by stage 0, so any stage may read them
+        batch = self.rebuild(t.clone(memory_format=torch.contiguous_format) for t in tensors)
         made = self.step(self.model, batch)
         flat, _OUT_SPECS[self.key] = pytree.tree_flatten((made.loss, made.outputs, made.targets))
         # The loss first, as is; the rest cloned after the step, so they come out of the last stage.
@@ -129,14 +130,15 @@ class Traced:
     """One trace of the step, split at ``points``: its ``Pipe`` and how to read the last stage's output."""
 
     def __init__(self, model: nn.Module, step: Callable, micro_batch: Any, points: Sequence[str], stages: int):
-        from torch.distributed.pipelining import SplitPoint, pipeline
+        from torch.distributed.pipelining import SplitPoint
+        from torch.distributed.pipelining._IR import Pipe, annotate_split_points
 
         tensors, spec, marked = flat_tensors(micro_batch)
         wrapper = _Stepped(model, step, _rebuilder(spec, marked))
         with _restored_forwards(model, points), torch.random.fork_rng():
-            try:
-                self.pipe = pipeline(wrapper, tuple(tensors),
-                                     split_spec={f"model.{p}": SplitPoint.BEGINNING for p in points})
+            try:  # torch's pipeline(module, split_spec=...), with a pass of ours before the split (see there)
+                annotate_split_points(wrapper, {f"model.{p}": SplitPoint.BEGINNING for p in points})
+                self.pipe = Pipe.from_tracing(wrapper, tuple(tensors), split_policy=contiguous_crossings)
             except Exception as e:  # torch.export cannot follow the model: one line, and the way out
                 cause = e.__cause__ or e
                 first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
@@ -159,6 +161,38 @@ class Traced:
         """The step's (loss, outputs, targets) from what the last stage returned."""
         outs = output if isinstance(output, (tuple, list)) else (output,)
         return pytree.tree_unflatten([outs[i] for i in self.positions], self.out_spec)
+
+
+def contiguous_crossings(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Every value that a later stage reads, made contiguous where it is made (in the traced graph, before
+    the split). Why: the engine sizes a stage's receive buffer with the value's strides, and gloo refuses
+    a buffer that is not contiguous (an ``expand``ed attention mask of Hugging Face's GPT-2 is one); the
+    cut front end does the same with ``.contiguous()`` on a stage's output."""
+    from torch.distributed.pipelining._IR import aten_pipe_split_alias
+
+    part, where = 0, {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is aten_pipe_split_alias:
+            part += 1
+        where[node] = part
+    for node in list(gm.graph.nodes):
+        val = node.meta.get("val")
+        if node.op in ("placeholder", "get_attr", "output") or not isinstance(val, torch.Tensor):
+            continue
+        later = [user for user in node.users if user.op != "output" and where.get(user, part) > where[node]]
+        if not later or val.is_contiguous():
+            continue
+        with gm.graph.inserting_after(node):
+            made = gm.graph.call_function(torch.ops.aten.clone.default, (node,),
+                                          {"memory_format": torch.contiguous_format})
+        made.meta.update(node.meta)  # (where it sits in the model's modules: the split outlines by it)
+        with val.fake_mode:
+            made.meta["val"] = val.clone(memory_format=torch.contiguous_format)
+        where[made] = where[node]
+        for user in later:
+            user.replace_input_with(node, made)
+    gm.recompile()
+    return gm
 
 
 def _last_stage_positions(pipe: Any) -> list[int]:

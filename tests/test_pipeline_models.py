@@ -1,0 +1,246 @@
+"""Pipelines of models as written (issue 32, item 1): the training step traced by torch.export and split at
+named points or between repeated blocks, tied weights kept on every stage that uses them.
+
+Each model is pipelined on 2 gloo workers (2 stages) for K steps and compared with one process on the same
+global batches (DESIGN.md test tier 3): parameters, buffers and losses. The GPT example keeps its tied
+embedding and output layer (AdamW in its own decay groups, clipped to 1.0): float64, so only the order of a
+sum differs. The torchvision-style ResNet is written as torchvision writes it (a class with conv1, bn1,
+ReLU(inplace=True), layer1.., avgpool, fc and ``torch.flatten`` in its forward); BatchNorm normalises each
+micro-batch by its own statistics, so its reference runs the same micro-batches in the same order. Hugging
+Face's GPT2LMHeadModel is called as its authors call it (``model(**batch)``, its own loss on ``labels``).
+"""
+
+import copy
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helpers import REPO, gather, run_cli, run_workers
+from phalanx.errors import PhalanxError
+from phalanx.metrics import add_up
+from phalanx.pipeline.trace import candidate_points, check_points, segment_params
+from phalanx.step import DefaultStep, UserStep
+from phalanx.task import call_optimizer_factory
+from phalanx.strategies import Pipeline, runtime_for
+from phalanx.strategies.base import COUNT_CORRECT, Job
+
+sys.path.insert(0, str(REPO / "examples"))
+import gpt  # noqa: E402  (the example, importable here and in the spawned workers)
+
+K = 3  #: steps compared
+CHUNKS = 2
+VOCAB = 40
+
+
+# --------------------------------------------------------------------------- the models, as their authors write them
+
+
+def small_gpt() -> gpt.GPT:
+    torch.manual_seed(0)
+    return gpt.GPT(gpt.GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=16)).double()
+
+
+def gpt_batches(n: int = K) -> list:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, VOCAB, (8, 16), generator=g), torch.randint(0, VOCAB, (8, 16), generator=g))
+            for _ in range(n)]
+
+
+class BasicBlock(nn.Module):
+    """torchvision's BasicBlock, as written there: in-place ReLUs and ``out += identity``."""
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = None
+        if stride != 1 or inplanes != planes:
+            self.downsample = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride=stride, bias=False),
+                                            nn.BatchNorm2d(planes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class ResNet(nn.Module):
+    """torchvision's ResNet, as written there (no nn.Sequential around it, no pipeline_blocks()), narrow and
+    with a 3x3 stem for 8x8 images."""
+
+    def __init__(self, num_classes: int = 10, widths: tuple = (8, 16)):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, widths[0], 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(widths[0])
+        self.relu = nn.ReLU(inplace=True)
+        self.layer1 = nn.Sequential(BasicBlock(widths[0], widths[0]), BasicBlock(widths[0], widths[0]))
+        self.layer2 = nn.Sequential(BasicBlock(widths[0], widths[1], 2), BasicBlock(widths[1], widths[1]))
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(widths[1], num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer2(self.layer1(x))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def resnet(input_shape: tuple = (1, 8, 8), num_classes: int = 10) -> ResNet:
+    torch.manual_seed(0)
+    return ResNet(num_classes)
+
+
+def image_batches(n: int = K) -> list:
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(8, 1, 8, 8, generator=g) * 2 + 1, torch.randint(0, 10, (8,), generator=g)) for _ in range(n)]
+
+
+def hf_gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config).double()
+
+
+def token_dicts(n: int = K) -> list:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (8, 16), generator=g)
+        out.append({"input_ids": ids, "labels": ids})
+    return out
+
+
+# --------------------------------------------------------------------------- where a model may be split (pure)
+
+
+def test_default_points_are_the_repeated_blocks_and_a_wrong_name_is_one_line_listing_them():
+    assert candidate_points(small_gpt()) == ["transformer.h.0", "transformer.h.1"]
+    assert candidate_points(resnet()) == ["layer1.0", "layer1.1", "layer2.0", "layer2.1"]
+    with pytest.raises(PhalanxError, match=r"^--split-points transformer\.h\.7: no such submodule in GPT; "
+                                           r"candidates \(its repeated blocks\): transformer\.h\.0, transformer\.h\.1$"):
+        check_points(small_gpt(), ["transformer.h.1", "transformer.h.7"])
+    model = resnet()
+    counts = segment_params(model, candidate_points(model))
+    assert sum(counts) == sum(p.numel() for p in model.parameters()) and len(counts) == 5
+    assert counts[0] == sum(p.numel() for m in (model.conv1, model.bn1) for p in m.parameters())
+
+
+def test_bad_split_points_are_refused_by_the_layout_before_any_worker_starts():
+    job = Job(("cpu",) * 2, 8, 1, processes=2, model=small_gpt())
+    with pytest.raises(PhalanxError, match="no such submodule in GPT"):
+        Pipeline(split_points=("transformer.h.9",)).layout(job)
+    with pytest.raises(PhalanxError, match=r"makes 3 stages but the pipeline has 2"):
+        Pipeline(split_points=("transformer.h.0", "transformer.h.1")).layout(job)
+    with pytest.raises(PhalanxError, match="4 stages but GPT has 2 repeated blocks"):
+        Pipeline(stages=4).layout(Job(("cpu",) * 4, 8, 1, processes=4, model=small_gpt()))
+
+
+# --------------------------------------------------------------------------- 2 stages == one process
+
+
+def _pipeline_run(ctx, make, data, step, optimizer, clip, **options) -> dict:
+    runtime = runtime_for(Pipeline(chunks=CHUNKS, **options), ctx, make(), optimizer, example=data[0],
+                          training_step=step, clip_grad_norm=clip)
+    losses = [float(runtime.global_losses(runtime.train_step(batch))) for batch in data]
+    counted = runtime.evaluate(data[:2])
+    return {"losses": losses, "state": runtime.state_dict(), "eval": gather(ctx, counted), "notes": runtime.notes}
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _workers(ctx) -> dict:
+    return {
+        "gpt": _pipeline_run(ctx, small_gpt, gpt_batches(), gpt.step, gpt.optimizer, 1.0),
+        "gpt-explicit": _pipeline_run(ctx, small_gpt, gpt_batches(), gpt.step, gpt.optimizer, 1.0,
+                                      split_points=("transformer.h.0",)),
+        "resnet": _pipeline_run(ctx, resnet, image_batches(), None, _sgd, None),
+        "hf-gpt2": _pipeline_run(ctx, hf_gpt2, token_dicts(), None, _sgd, None),
+    }
+
+
+@pytest.fixture(scope="module")
+def pipelined() -> dict:
+    return run_workers(_workers, 2)
+
+
+def reference(model: nn.Module, data: list, step, optimizer, clip, micro: int = 1) -> dict:
+    """One process: each batch's micro-batches in order, each loss divided by their number (the engine's
+    scaling), clipped and stepped once per batch."""
+    opt = call_optimizer_factory(optimizer, model)  # (as phalanx calls it: params, or a model named model)
+    losses = []
+    for batch in data:
+        parts = []
+        for piece in _split(batch, micro):
+            loss = step(model, piece).loss
+            (loss / micro).backward()
+            parts.append(loss.item())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(sum(parts) / len(parts))
+    counted = add_up(model, data[:2], torch.device("cpu"), COUNT_CORRECT, step)
+    model.train()
+    return {"losses": losses, "state": model.state_dict(), "eval": tuple(counted.tolist())}
+
+
+def _split(batch, parts: int) -> list:
+    from phalanx.data.batch import split
+
+    return split(batch, parts)
+
+
+def assert_same(got: dict, want: dict, rtol: float, atol: float, label: str) -> None:
+    assert list(got["state"]["model"]) == list(want["state"]), label  # the unsplit model's keys, in order
+    for name, value in want["state"].items():
+        if value.is_floating_point():
+            torch.testing.assert_close(got["state"]["model"][name], value, rtol=rtol, atol=atol,
+                                       msg=lambda m: f"{label} {name}: {m}")
+        else:
+            assert torch.equal(got["state"]["model"][name], value), f"{label} {name}"
+    assert got["losses"] == pytest.approx(want["losses"], rel=max(rtol, 1e-6)), label  # (reported in float32)
+    assert got["eval"] == [want["eval"]] * 2, label  # both ranks hear the last stage's counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["gpt", "gpt-explicit"])
+def test_the_gpt_example_with_tied_embeddings_kept_equals_one_process(pipelined, run):
+    got = pipelined[run]
+    want = reference(small_gpt(), gpt_batches(), UserStep(gpt.step), gpt.optimizer, 1.0)
+    assert_same(got, want, 1e-9, 1e-12, run)
+    state = got["state"]["model"]
+    assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])  # one tensor's value, saved twice
+    assert not torch.equal(state["lm_head.weight"], small_gpt().state_dict()["lm_head.weight"])  # it trained
+    assert any("transformer.wte.weight on stages 0, 1" in line for line in got["notes"]), got["notes"]
+    # The optimizer state is the unsplit model's: the tied matrix once, configure_optimizers' two groups.
+    groups = got["state"]["optimizer"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    assert sorted(i for g in groups for i in g["params"]) == list(range(len(list(small_gpt().parameters()))))
+
+
+@pytest.mark.slow
+def test_a_torchvision_style_resnet_with_batchnorm_and_inplace_relus_equals_one_process(pipelined):
+    want = reference(resnet(), image_batches(), DefaultStep(F.cross_entropy), _sgd, None, micro=CHUNKS)
+    assert_same(pipelined["resnet"], want, 1e-4, 1e-5, "resnet")
+    state = pipelined["resnet"]["state"]["model"]
+    assert int(state["bn1.num_batches_tracked"]) == K * CHUNKS  # every micro-batch counted once, no extra pass
+    assert "split at layer2.1 into 2 stages (by parameter count" in pipelined["resnet"]["notes"][0], pipelined["resnet"]["notes"][0]
+
+
+@pytest.mark.slow
+def test_hugging_face_gpt2_as_its_authors_call_it_equals_one_process(pipelined):
+    want = reference(hf_gpt2(), token_dicts(), DefaultStep(F.cross_entropy), _sgd, None)
+    assert_same(pipelined["hf-gpt2"], want, 1e-9, 1e-12, "hf-gpt2")
+    state = pipelined["hf-gpt2"]["state"]["model"]
+    assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
