@@ -10,7 +10,7 @@ micro-batch by its own statistics, so its reference runs the same micro-batches 
 Face's GPT2LMHeadModel is called as its authors call it (``model(**batch)``, its own loss on ``labels``).
 """
 
-import copy
+import json
 import sys
 
 import pytest
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import REPO, gather, run_cli, run_workers
+from helpers import REPO, gather, run_cli, run_in_process, run_workers
 from phalanx.errors import PhalanxError
 from phalanx.metrics import add_up
 from phalanx.pipeline.trace import candidate_points, check_points, segment_params
@@ -140,7 +140,7 @@ def test_bad_split_points_are_refused_by_the_layout_before_any_worker_starts():
         Pipeline(split_points=("transformer.h.9",)).layout(job)
     with pytest.raises(PhalanxError, match=r"makes 3 stages but the pipeline has 2"):
         Pipeline(split_points=("transformer.h.0", "transformer.h.1")).layout(job)
-    with pytest.raises(PhalanxError, match="4 stages but GPT has 2 repeated blocks"):
+    with pytest.raises(PhalanxError, match="4 stages but GPT has only 2 repeated blocks to begin a stage at"):
         Pipeline(stages=4).layout(Job(("cpu",) * 4, 8, 1, processes=4, model=small_gpt()))
 
 
@@ -244,3 +244,48 @@ def test_hugging_face_gpt2_as_its_authors_call_it_equals_one_process(pipelined):
     assert_same(pipelined["hf-gpt2"], want, 1e-9, 1e-12, "hf-gpt2")
     state = pipelined["hf-gpt2"]["state"]["model"]
     assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
+
+
+# --------------------------------------------------------------------------- through the CLI
+
+GPT_CLI = ("--model", "gpt:make", "--data", "gpt:load", "--training-step", "gpt:step", "--optimizer", "gpt:optimizer",
+           "--lr-scheduler", "gpt:schedule", "--clip-grad-norm", "1.0", "--devices", "cpu", "--workers", "2",
+           "--log-every", "5", "--progress", "none", "--checkpoint-every", "0")
+
+
+def test_bad_split_points_through_the_cli_are_one_line_and_exit_2(tmp_path):
+    out = run_in_process("train", *GPT_CLI, "--strategy", "pipeline", "--split-points", "transformer.h.5",
+                         "--steps", "2", "--batch-size", "8", "--checkpoint-dir", str(tmp_path), cwd=REPO / "examples")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "error: --split-points transformer.h.5: no such submodule in GPT; candidates (its repeated blocks): "
+        "transformer.h.0, transformer.h.1"]
+
+
+@pytest.mark.slow
+def test_the_gpt_example_under_pipeline_ends_with_syncs_parameters_and_evaluate_finds_the_printed_numbers(tmp_path):
+    """The issue's measure: 2 stages, tied embeddings kept, 20 steps of the example's own recipe (AdamW groups,
+    warmup, clipping) through the installed CLI; sync on 2 workers of 16 reads the same global batches of 32."""
+    steps = ("--steps", "20")
+    pipe = run_cli("train", *GPT_CLI, *steps, "--strategy", "pipeline", "--batch-size", "32", "--progress", "lines",
+                   "--checkpoint-dir", str(tmp_path / "pipe"), cwd=REPO / "examples")
+    assert pipe.returncode == 0, pipe.stderr
+    assert "tied across stages (each keeps a copy, their gradients summed before the step): transformer.wte.weight " \
+           "on stages 0, 1" in pipe.stdout
+    sync = run_cli("train", *GPT_CLI, *steps, "--strategy", "sync", "--batch-size", "16", "--checkpoint-dir",
+                   str(tmp_path / "sync"), cwd=REPO / "examples")
+    assert sync.returncode == 0, sync.stderr
+    got, want = (torch.load(tmp_path / run / "step-00000020.pt", weights_only=False) for run in ("pipe", "sync"))
+    assert list(got["model"]) == list(want["model"])
+    for name, value in want["model"].items():
+        torch.testing.assert_close(got["model"][name], value, rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert torch.equal(got["model"]["lm_head.weight"], got["model"]["transformer.wte.weight"])
+    printed = summary_of(tmp_path / "pipe")["test_metrics"]
+    out = run_cli("evaluate", "--checkpoint", str(tmp_path / "pipe"), "--json", cwd=REPO / "examples")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["metrics"] == pytest.approx(printed, rel=1e-6)
+
+
+def summary_of(run_dir) -> dict:
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return next(e for e in events if e["event"] == "summary")

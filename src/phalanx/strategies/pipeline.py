@@ -146,8 +146,11 @@ class Pipeline(Options):
         check_points(model, self.split_points)
         pieces = len(self.split_points) + 1 if self.split_points else len(candidate_points(model)) + 1
         if stages > pieces:
-            raise PhalanxError(f"{stages} stages but {type(model).__name__} has {pieces - 1} repeated blocks to begin "
-                               "a stage at: name the submodules where stages begin with --split-points a,b")
+            name = type(model).__name__
+            found = f"only {pieces - 1} repeated blocks" if pieces > 1 else "no repeated blocks (a ModuleList or " \
+                "Sequential of one class)"
+            raise PhalanxError(f"{stages} stages but {name} has {found} to begin a stage at: name the submodules "
+                               "where stages begin with --split-points a,b, or make it an nn.Sequential of blocks")
         return pieces
 
     def traces(self, model: nn.Module, build: Optional[Build] = None) -> bool:
@@ -198,8 +201,9 @@ class PipelineRuntime(Runtime):
             self.plan, points = self._traced_plan(model, build)
             if self.pipelined:
                 self.traced = self._traced_stage(model, build, points)
+                # The user's factory sees the user's model (its own groups), then keeps this stage's parameters.
                 optimizer = stage_optimizer(build.make_optimizer(model), self.traced.module)
-            stage = model  # the loop and the optimizer factory see the user's model; the stage runs its part
+            stage = self.traced.module if self.traced is not None else model
         else:
             named = model_blocks(model)
             self.plan = self._make_plan(named, build)
@@ -208,7 +212,7 @@ class PipelineRuntime(Runtime):
                 spans = bounds(self.plan.counts)
                 self._upstream = [self._stage_module(named[lo:hi], build) for lo, hi in spans[:self.stage_index]]
                 stage = self._stage_module(named[slice(*spans[self.stage_index])], build)
-        self.stage_module = self.traced.module if self.traced is not None else stage
+        self.stage_module = stage
         super().__init__(build, stage, optimizer=optimizer, description=options.describe(self.stages, self.replicas),
                          notes=self.plan.lines() + self._tied_lines())
         index = {id(p): i for i, p in enumerate(model.parameters())}
