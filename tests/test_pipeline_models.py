@@ -289,3 +289,37 @@ def test_the_gpt_example_under_pipeline_ends_with_syncs_parameters_and_evaluate_
 def summary_of(run_dir) -> dict:
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return next(e for e in events if e["event"] == "summary")
+
+
+# --------------------------------------------------------------------------- estimate and compare
+
+PRICED = ("--model", "test_pipeline_models:resnet", "--workers", "2", "--link-bandwidth", "10GB/s", "--link-latency",
+          "10us")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--split-points", "layer2.0"], "error: --split-points layer2.0: estimate prices a pipeline by the model's blocks "
+     "(an nn.Sequential or pipeline_blocks()), and a model split by tracing is not priced yet; leave --split-points "
+     "out, or run phalanx compare (real runs)"),
+    (["--stages", "2"], "error: --stages 2: estimate prices a pipeline by the model's blocks (an nn.Sequential or "
+     "pipeline_blocks()), and this model has none of its own (training splits it by tracing, which estimate does not "
+     "price yet); run phalanx compare (real runs)"),
+], ids=["split points", "no blocks"])
+def test_estimate_refuses_a_pipeline_split_by_tracing_in_one_line(tmp_path, flags, message):
+    out = run_in_process("estimate", *PRICED, "--strategy", "pipeline", *flags, cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.strip().splitlines() == [message]
+
+
+def test_compare_and_its_simulation_refuse_split_points_in_one_line(tmp_path):
+    """compare runs each strategy with its defaults (a traced model split between its repeated blocks); it has
+    no flag for split points, and --simulate has no simulated rule for a pipeline at all."""
+    for simulate in ([], ["--simulate"]):
+        out = run_in_process("compare", "--model", "test_pipeline_models:resnet", "--strategies", "sync,pipeline",
+                             "--split-points", "layer2.0", *simulate, cwd=tmp_path)
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert "--split-points" in out.stderr
+    out = run_in_process("compare", "--model", "test_pipeline_models:resnet", "--strategies", "sync,pipeline",
+                         "--simulate", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[0].startswith(
+        "error: pipeline has no simulated rule yet"), out.stderr
