@@ -134,6 +134,31 @@ def test_default_points_are_the_repeated_blocks_and_a_wrong_name_is_one_line_lis
     assert counts[0] == sum(p.numel() for m in (model.conv1, model.bn1) for p in m.parameters())
 
 
+class Branchy(nn.Module):
+    """A forward whose path depends on the data: torch.export cannot follow it."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x) if x.sum() > 0 else -block(x)
+        return x
+
+
+def test_a_model_torch_export_cannot_follow_is_one_line_naming_the_way_out():
+    from phalanx.pipeline.trace import Traced
+
+    batch, model = (torch.randn(4, 4), torch.randint(0, 4, (4,))), Branchy()
+    with pytest.raises(PhalanxError, match=r"^--strategy pipeline cannot trace Branchy with torch.export \(\w+: .*\); "
+                                           r"make it an nn.Sequential of blocks or give it a pipeline_blocks\(\) "
+                                           r"method, and phalanx cuts it at its blocks instead$") as info:
+        Traced(model, DefaultStep(F.cross_entropy), batch, ("blocks.1",), 2)
+    assert "\n" not in str(info.value)
+    assert "forward" not in vars(model.blocks[1]) and "_orig_forward" not in vars(model.blocks[1])  # given back as it was
+
+
 def test_bad_split_points_are_refused_by_the_layout_before_any_worker_starts():
     job = Job(("cpu",) * 2, 8, 1, processes=2, model=small_gpt())
     with pytest.raises(PhalanxError, match="no such submodule in GPT"):

@@ -18,7 +18,9 @@ step, the step of the unsplit model on the R shards together, and holds the same
 is one pipeline, rank r = stage r, exactly as without replicas.
 
 What phalanx adds to the engine (helpers in ``phalanx/pipeline/``): the split (any
-``nn.Sequential`` or ``pipeline_blocks()``), the exact balancing by parameters or measured time,
+``nn.Sequential`` or ``pipeline_blocks()`` cut at its blocks; any other model, a step of the user's or
+``--split-points``: the training step traced by torch.export and split at named points, tied weights
+kept on every stage that uses them with their gradients summed over those stages), the exact balancing by parameters or measured time,
 the printed plan, each stage's input and output worked out ahead on meta tensors (torch's static
 mode: no extra pass through a stage, see ``pipeline/stage.py``), contiguous activations and
 gradients (gloo needs them), one consistent checkpoint, and the checks that name the fix.
