@@ -11,6 +11,7 @@ Face's GPT2LMHeadModel is called as its authors call it (``model(**batch)``, its
 """
 
 import json
+import re
 import sys
 
 import pytest
@@ -189,7 +190,9 @@ def _workers(ctx) -> dict:
         "gpt": _pipeline_run(ctx, small_gpt, gpt_batches(), gpt.step, gpt.optimizer, 1.0),
         "gpt-explicit": _pipeline_run(ctx, small_gpt, gpt_batches(), gpt.step, gpt.optimizer, 1.0,
                                       split_points=("transformer.h.0",)),
-        "resnet": _pipeline_run(ctx, resnet, image_batches(), None, _sgd, None),
+        "resnet": _pipeline_run(ctx, resnet, image_batches(), None, _sgd, None, balance="time"),
+        "resnet-params": _pipeline_run(ctx, resnet, image_batches(), None, _sgd, None, balance="params",
+                                       schedule="1f1b"),
         "hf-gpt2": _pipeline_run(ctx, hf_gpt2, token_dicts(), None, _sgd, None),
     }
 
@@ -255,12 +258,22 @@ def test_the_gpt_example_with_tied_embeddings_kept_equals_one_process(pipelined,
 
 
 @pytest.mark.slow
-def test_a_torchvision_style_resnet_with_batchnorm_and_inplace_relus_equals_one_process(pipelined):
+@pytest.mark.parametrize("run", ["resnet", "resnet-params"])
+def test_a_torchvision_style_resnet_with_batchnorm_and_inplace_relus_equals_one_process(pipelined, run):
+    """Balanced by the time profiler (its pieces run on a copy: the model's statistics count no extra pass),
+    and by parameter count under 1f1b."""
     want = reference(resnet(), image_batches(), DefaultStep(F.cross_entropy), _sgd, None, micro=CHUNKS)
-    assert_same(pipelined["resnet"], want, 1e-4, 1e-5, "resnet")
-    state = pipelined["resnet"]["state"]["model"]
+    assert_same(pipelined[run], want, 1e-4, 1e-5, run)
+    state = pipelined[run]["state"]["model"]
     assert int(state["bn1.num_batches_tracked"]) == K * CHUNKS  # every micro-batch counted once, no extra pass
-    assert "split at layer2.1 into 2 stages (by parameter count" in pipelined["resnet"]["notes"][0], pipelined["resnet"]["notes"][0]
+    notes = pipelined[run]["notes"]
+    if run == "resnet-params":
+        assert "split at layer2.1 into 2 stages (by parameter count, among 4 repeated blocks)" in notes[0], notes
+    else:
+        assert "into 2 stages (by measured time, among 4 repeated blocks)" in notes[0], notes
+        assert all(re.search(r"ms per micro-batch \(fwd\+bwd\)$", line) for line in notes[1:3]), notes
+        assert notes[4].startswith("  measured in every worker at once: 1 torch thread each on cpu, 2 micro-batches "
+                                   "of 4 per pass in gpipe order"), notes
 
 
 @pytest.mark.slow

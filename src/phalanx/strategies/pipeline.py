@@ -222,26 +222,52 @@ class PipelineRuntime(Runtime):
         self.local_to_global = [index[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
 
     def _traced_plan(self, model: nn.Module, build: Build) -> tuple[StagePlan, tuple[str, ...]]:
-        """Where the stages begin: the points given, or the repeated blocks balanced by parameter count."""
+        """Where the stages begin: the points given, or the repeated blocks balanced by measured time (where a
+        batch is at hand) or parameter count."""
         options = self.options
-        if options.balance == "time":
-            raise PhalanxError("--balance time measures a model's blocks one by one, and this one is split by "
-                               "tracing: use --balance params or auto, or --split-points")
         options._check_model(model, self.stages)
         points = options.split_points or tuple(candidate_points(model))
         params = segment_params(model, points)
-        how = "explicit" if options.split_points or isinstance(options.balance, tuple) else "params"
+        how = "explicit" if options.split_points or isinstance(options.balance, tuple) else options.balance
+        if how == "auto":
+            how = "time" if build.example is not None and self.pipelined else "params"
+        if how == "time" and build.example is None:
+            raise PhalanxError("--balance time needs a batch to profile the pieces on: give Build(example=...), "
+                               "or use --balance params")
+        plan = StagePlan((), ["(start)", *points], params, None, how, options.chunks, options.schedule,
+                         self.replicas)
+        if how == "time":
+            self._measure_pieces(model, build, points, plan)
         if options.split_points:
             counts = (1,) * len(params)
         elif isinstance(options.balance, tuple):
             check_counts(options.balance, len(params), self.stages)
             counts = options.balance
         else:
-            counts = partition(params, self.stages)
-        chosen = tuple(points[lo - 1] for lo, _ in bounds(counts)[1:])
-        plan = StagePlan(tuple(counts), ["(start)", *points], params, None, how, options.chunks, options.schedule,
-                         self.replicas, traced=chosen)
-        return plan, chosen
+            counts = partition(plan.seconds if how == "time" else params, self.stages)
+        plan.counts = tuple(counts)
+        plan.traced = tuple(points[lo - 1] for lo, _ in bounds(counts)[1:])
+        return plan, plan.traced
+
+    def _measure_pieces(self, model: nn.Module, build: Build, points: tuple[str, ...], plan: StagePlan) -> None:
+        """Every piece's time, measured in every worker at once on one step's micro-batches, agreed by all ranks
+        (the median per piece), as :meth:`_measure` does for blocks; messages are not timed here."""
+        from ..pipeline.trace_profile import time_pieces
+
+        micro = self.options.chunks * build.accumulate
+        example = tree.to_device(build.example, self.ctx.device)
+        parts = tree.split(example, micro)
+        barrier = dist.barrier if self.ctx.distributed else None
+        mine = time_pieces(model, build.step, parts, points, self.ctx.device, self.options.profile_repeats,
+                           schedule=profile_order(self.options.schedule, self.ctx.device), barrier=barrier)
+        rows = [mine.seconds]
+        if self.ctx.distributed:
+            rows = [None] * self.ctx.world_size
+            dist.all_gather_object(rows, mine.seconds)
+        plan.seconds, plan.output_bytes = agree(rows), mine.output_bytes
+        firsts = [flat_tensors(part)[0][0] for part in parts]  # (what describe counts a micro-batch's examples in)
+        plan.conditions = describe(self.ctx.device, firsts, self.options.schedule, self.options.profile_repeats,
+                                   len(rows), self.ctx.distributed)
 
     def _traced_stage(self, model: nn.Module, build: Build, points: tuple[str, ...]) -> TracedStage:
         if build.example is None:
