@@ -173,12 +173,24 @@ def test_bad_split_points_are_refused_by_the_layout_before_any_worker_starts():
 # --------------------------------------------------------------------------- 2 stages == one process
 
 
-def _pipeline_run(ctx, make, data, step, optimizer, clip, **options) -> dict:
-    runtime = runtime_for(Pipeline(chunks=CHUNKS, **options), ctx, make(), optimizer, example=data[0],
-                          training_step=step, clip_grad_norm=clip)
+def _pipeline_run(ctx, make, data, step, optimizer, clip, reload: bool = False, **options) -> dict:
+    def build():
+        return runtime_for(Pipeline(chunks=CHUNKS, **options), ctx, make(), optimizer, example=data[0],
+                           training_step=step, clip_grad_norm=clip)
+
+    runtime = build()
     losses = [float(runtime.global_losses(runtime.train_step(batch))) for batch in data]
     counted = runtime.evaluate(data[:2])
-    return {"losses": losses, "state": runtime.state_dict(), "eval": gather(ctx, counted), "notes": runtime.notes}
+    out = {"losses": losses, "state": runtime.state_dict(), "eval": gather(ctx, counted), "notes": runtime.notes}
+    if reload:  # the checkpoint, loaded by every stage of a fresh pipeline, gathers back to itself
+        import torch.distributed as dist
+
+        shared = [out["state"]]
+        dist.broadcast_object_list(shared, src=0)
+        fresh = build()
+        fresh.load_state_dict(shared[0])
+        out["reloaded"] = fresh.state_dict()
+    return out
 
 
 def _sgd(params):
@@ -187,7 +199,7 @@ def _sgd(params):
 
 def _workers(ctx) -> dict:
     return {
-        "gpt": _pipeline_run(ctx, small_gpt, gpt_batches(), gpt.step, gpt.optimizer, 1.0),
+        "gpt": _pipeline_run(ctx, small_gpt, gpt_batches(), gpt.step, gpt.optimizer, 1.0, reload=True),
         "gpt-explicit": _pipeline_run(ctx, small_gpt, gpt_batches(), gpt.step, gpt.optimizer, 1.0,
                                       split_points=("transformer.h.0",)),
         "resnet": _pipeline_run(ctx, resnet, image_batches(), None, _sgd, None, balance="time"),
@@ -255,6 +267,13 @@ def test_the_gpt_example_with_tied_embeddings_kept_equals_one_process(pipelined,
     groups = got["state"]["optimizer"]["param_groups"]
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
     assert sorted(i for g in groups for i in g["params"]) == list(range(len(list(small_gpt().parameters()))))
+    if run == "gpt":  # loaded into a fresh pipeline's stages (both copies of the tied matrix), saved again: the same
+        again = got["reloaded"]
+        assert all(torch.equal(again["model"][k], v) for k, v in state.items())
+        before, after = got["state"]["optimizer"], again["optimizer"]
+        assert before["param_groups"] == after["param_groups"] and before["state"].keys() == after["state"].keys()
+        assert all(torch.equal(after["state"][i][k], v) for i, s in before["state"].items() for k, v in s.items()
+                   if isinstance(v, torch.Tensor))
 
 
 @pytest.mark.slow

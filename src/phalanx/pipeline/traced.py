@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..data import batch as batches
+from ..step import StepResult
 from .trace import Traced, flat_tensors, stage_tensors, tied
 
 
@@ -32,6 +33,8 @@ class TracedStage:
         self.model, self.step, self.points = model, step, points
         self.stages, self.index, self.device, self.group, self.wrap = stages, index, device, group, wrap
         self._traces: dict[Any, Traced] = {}
+        self.schedules: dict[Any, Any] = {}  #: the engine's schedules, by (class, mode, micro-batches, shapes)
+        self._outputs: list = []  #: the last stage's results of the batch being evaluated
         first = self.trace(True, micro_batch)
         self.module = first.stage_module(index)  #: the training stage (its tensors are the model's own)
         self.tied = tied(first, model, stages)  #: whole-model parameter index -> the stages holding it
@@ -53,10 +56,64 @@ class TracedStage:
             self._traces[key] = traced
         return self._traces[key]
 
-    def build(self, training: bool, micro_batch: Any):
-        """(torch's stage for this rank, its trace) for micro-batches like ``micro_batch``."""
-        traced = self.trace(training, micro_batch)
-        return traced.pipe.build_stage(self.index, self.device, self.group), traced
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.stages - 1
+
+    def train(self, schedule_class: type, batch: Any, micro: int, losses: list) -> None:
+        """One training step's schedule: every input enters the first stage; the last stage's output holds
+        the step's loss, appended to ``losses`` per micro-batch."""
+        tensors = flat_tensors(batch)[0]
+        schedule = self.schedule(schedule_class, True, batch, micro)
+        if self.is_first:
+            schedule.step(*tensors, return_outputs=False)
+        elif self.is_last:  # the targets travelled inside the pipeline; the engine only wants something to split
+            schedule.step(target=tensors[0], losses=losses, return_outputs=False)
+        else:
+            schedule.step(return_outputs=False)
+
+    def evaluate(self, schedule_class: type, batch: Any, chunks: int, totals: Any) -> torch.Tensor:
+        """The step traced in eval mode over one batch, in the most equal micro-batches up to ``chunks``; the
+        last stage scores each micro-batch's result with ``totals`` (the other stages return zeros)."""
+        n = batches.length(batch)
+        micro = max(m for m in range(1, min(chunks, n) + 1) if n % m == 0)
+        tensors = flat_tensors(batch)[0]
+        schedule = self.schedule(schedule_class, False, batch, micro)
+        self._outputs: list = []
+        if self.is_first:
+            schedule.eval(*tensors, return_outputs=False)
+        elif self.is_last:
+            schedule.eval(target=tensors[0], losses=[], return_outputs=False)
+        else:
+            schedule.eval(return_outputs=False)
+        sums = totals.zeros()
+        for made, part in zip(self._outputs, batches.split(batch, micro)):
+            sums += totals.add(StepResult(*made), part)
+        return sums
+
+    def schedule(self, schedule_class: type, training: bool, batch: Any, micro: int):
+        """The engine's schedule for ``micro`` micro-batches like this batch's, in this mode (one per shape: a
+        trace and a stage's buffers hold for one). Its loss is the step's, read off the last stage's output;
+        in evaluation every micro-batch's (loss, outputs, targets) is kept for scoring."""
+        tensors = flat_tensors(batch)[0]
+        key = (schedule_class, training, micro, tuple((tuple(t.shape), t.dtype) for t in tensors))
+        if key not in self.schedules:
+            traced = self.trace(training, batches.split(batch, micro)[0])
+            stage = traced.pipe.build_stage(self.index, self.device, self.group)
+
+            def loss_fn(output: Any, target: Any) -> torch.Tensor:
+                made = traced.result(output)
+                if not training:
+                    self._outputs.append(made)
+                return made[0]
+
+            # scale_grads: the summed micro-batch gradients divided by M, as the cut front end's schedules do
+            self.schedules[key] = schedule_class(stage, micro, loss_fn=loss_fn, scale_grads=True)
+        return self.schedules[key]
 
     def owned(self) -> set[int]:
         """Ids of this stage's parameters that its share of the gradient norm counts: a tied one only on the
@@ -86,13 +143,6 @@ class TracedStage:
         mine = stage_tensors(self.module)
         return {key: value.detach().cpu() for key, value in self.model.state_dict(keep_vars=True).items()
                 if id(value) in mine}
-
-    def results(self, outputs: list, batch: Any, micro: int) -> list[tuple[Any, Any]]:
-        """(StepResult, micro-batch) pairs from the last stage's outputs of one batch (evaluation)."""
-        from ..step import StepResult
-
-        parts = batches.split(batch, micro)
-        return [(StepResult(*made), part) for made, part in zip(outputs, parts)]
 
 
 def _tie_groups(tied_params: dict[int, tuple[int, ...]], replicas: int, replica: int) -> dict[tuple, Optional[Any]]:

@@ -381,7 +381,7 @@ class PipelineRuntime(Runtime):
             return loss
         losses: list[torch.Tensor] = []
         if self.traced is not None:
-            self._traced_step(batch, micro, losses)
+            self.traced.train(_schedule_class(self.options.schedule), batch, micro, losses)
         else:
             self._cut_step(batch, micro, losses)
         self._average_over_replicas()
@@ -405,35 +405,6 @@ class PipelineRuntime(Runtime):
             schedule.step(target=y, losses=losses, return_outputs=False)
         else:
             schedule.step(return_outputs=False)
-
-    def _traced_step(self, batch: Any, micro: int, losses: list) -> None:
-        """The step traced: every input enters the first stage; the last stage's output holds the step's loss."""
-        tensors = flat_tensors(batch)[0]
-        schedule = self._traced_schedule(True, batch, micro)
-        if self.is_first:
-            schedule.step(*tensors, return_outputs=False)
-        elif self.is_last:  # the targets travelled inside the pipeline; the engine only wants something to split
-            schedule.step(target=tensors[0], losses=losses, return_outputs=False)
-        else:
-            schedule.step(return_outputs=False)
-
-    def _traced_schedule(self, training: bool, batch: Any, micro: int):
-        """The schedule for ``micro`` micro-batches like this batch's, in this mode; its loss is the step's,
-        read off the last stage's output (evaluation also keeps every micro-batch's result)."""
-        tensors = flat_tensors(batch)[0]
-        key = ("traced", training, micro, tuple((tuple(t.shape), t.dtype) for t in tensors))
-        if key not in self._schedules:
-            stage, traced = self.traced.build(training, tree.split(batch, micro)[0])
-
-            def loss_fn(output: Any, target: Any) -> torch.Tensor:
-                made = traced.result(output)
-                if not training:
-                    self._outputs.append(made)
-                return made[0]
-
-            cls = _schedule_class(self.options.schedule) if training else _schedule_class("gpipe")
-            self._schedules[key] = cls(stage, micro, loss_fn=loss_fn, scale_grads=True)
-        return self._schedules[key]
 
     def clip_gradients(self) -> None:
         """As the base class's, with each tied parameter's gradient counted once in the norm (on the first
@@ -524,7 +495,8 @@ class PipelineRuntime(Runtime):
         sums = totals.zeros()
         for batch in batches:
             batch = tree.to_device(batch, self.ctx.device)
-            sums += self._traced_eval(batch, totals) if self.traced is not None else self._cut_eval(batch, totals)
+            sums += self._cut_eval(batch, totals) if self.traced is None else \
+                self.traced.evaluate(_schedule_class("gpipe"), batch, self.options.chunks, totals)
         self.model.train(was_training)
         sums = sums.to(self.ctx.device)
         dist.all_reduce(sums)  # the last stage of every replica added its part; the others hold zeros
@@ -540,24 +512,6 @@ class PipelineRuntime(Runtime):
         else:
             schedule.eval()
         return totals.zeros()
-
-    def _traced_eval(self, batch: Any, totals: Totals) -> torch.Tensor:
-        """The step traced in eval mode, in equal micro-batches; the last stage scores each one's result."""
-        n = tree.length(batch)
-        micro = max(m for m in range(1, min(self.options.chunks, n) + 1) if n % m == 0)
-        tensors = flat_tensors(batch)[0]
-        schedule = self._traced_schedule(False, batch, micro)
-        self._outputs: list = []
-        if self.is_first:
-            schedule.eval(*tensors, return_outputs=False)
-        elif self.is_last:
-            schedule.eval(target=tensors[0], losses=[], return_outputs=False)
-        else:
-            schedule.eval(return_outputs=False)
-        sums = totals.zeros()
-        for result, part in self.traced.results(self._outputs, batch, micro):
-            sums += totals.add(result, part)
-        return sums
 
     def _eval_schedule(self, x: torch.Tensor):
         """A forward-only schedule for batches of this shape (a stage's buffers are sized for one shape:
@@ -616,6 +570,8 @@ class PipelineRuntime(Runtime):
 
     def close(self) -> None:
         self._schedules.clear()
+        if self.traced is not None:
+            self.traced.schedules.clear()
 
 
 def check_mesh(stages: int, processes: int) -> int:
