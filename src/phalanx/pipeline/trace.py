@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import io
+import logging
 import operator
+import sys
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -138,7 +141,8 @@ class Traced:
         with _restored_forwards(model, points), torch.random.fork_rng():
             try:  # torch's pipeline(module, split_spec=...), with a pass of ours before the split (see there)
                 annotate_split_points(wrapper, {f"model.{p}": SplitPoint.BEGINNING for p in points})
-                self.pipe = Pipe.from_tracing(wrapper, tuple(tensors), split_policy=contiguous_crossings)
+                with _quiet_unless_it_works():
+                    self.pipe = Pipe.from_tracing(wrapper, tuple(tensors), split_policy=contiguous_crossings)
             except Exception as e:  # torch.export cannot follow the model: one line, and the way out
                 cause = e.__cause__ or e
                 first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
@@ -153,6 +157,7 @@ class Traced:
         self.positions = _last_stage_positions(self.pipe)
         for i in range(stages):
             adopt(self.pipe.get_stage_module(i), model)
+            compiled_code(self.pipe.get_stage_module(i))
 
     def stage_module(self, index: int) -> nn.Module:
         return self.pipe.get_stage_module(index)
@@ -213,6 +218,16 @@ def _last_stage_positions(pipe: Any) -> list[int]:
     return positions
 
 
+def compiled_code(stage: nn.Module) -> None:
+    """Run the stage's outlined modules by their generated Python code, not torch.fx's Interpreter: the
+    interpreter walks the graph node by node on every call and makes a (disabled) tqdm bar each time, whose
+    first one allocates a multiprocessing lock that a worker never frees ("leaked semaphore objects" at
+    exit). The code is the same graph; ``_run_with_interpreter`` is the switch torch itself reads."""
+    for module in stage.modules():
+        if hasattr(module, "_run_with_interpreter"):
+            module._run_with_interpreter = False
+
+
 def adopt(stage: nn.Module, model: nn.Module) -> None:
     """Point the stage's parameters and buffers at the model's own tensors of the same name (the trace names
     them ``model.<key>``); tensors the trace made itself (lifted constants) stay the stage's."""
@@ -224,6 +239,20 @@ def adopt(stage: nn.Module, model: nn.Module) -> None:
             if key in own:
                 parent, _, attr = name.rpartition(".")
                 getattr(stage.get_submodule(parent), kind)[attr] = own[key]
+
+
+@contextlib.contextmanager
+def _quiet_unless_it_works() -> Iterator[None]:
+    """What export writes while it traces, held back: on a failure it prints the partial graph (dozens of
+    lines per rank) and warnings before raising, and the one line raised above says it all."""
+    held, before = io.StringIO(), logging.root.manager.disable
+    logging.disable(max(before, logging.WARNING))
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    finally:
+        logging.disable(before)
+    sys.stderr.write(held.getvalue())  # (reached only when the trace worked: whatever it said, said)
 
 
 @contextlib.contextmanager
