@@ -32,6 +32,7 @@ import io
 import logging
 import operator
 import sys
+import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -248,7 +249,9 @@ def _quiet_unless_it_works() -> Iterator[None]:
     held, before = io.StringIO(), logging.root.manager.disable
     logging.disable(max(before, logging.WARNING))
     try:
-        with contextlib.redirect_stderr(held):
+        with contextlib.redirect_stderr(held), warnings.catch_warnings():
+            # torch's own deep copy of its input tree spec (Pipe.from_tracing) trips its own deprecation
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
             yield
     finally:
         logging.disable(before)
