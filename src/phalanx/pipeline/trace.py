@@ -20,7 +20,8 @@ Three details make the engine's traced stages carry any model and any batch:
   kept equal by the runtime (their gradients summed between those stages before the step).
 
 Split points name submodules where a stage begins (``SplitPoint.BEGINNING``). By default they are
-chosen among the model's repeated blocks (:func:`candidate_points`), balanced by parameter count.
+chosen among the model's repeated blocks (:func:`candidate_points`), balanced by measured time
+(``trace_profile.py``) or parameter count.
 Tracing specialises on shapes and on train/eval mode, so the runtime traces once per (mode, shape).
 """
 
