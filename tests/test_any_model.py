@@ -461,21 +461,27 @@ def test_a_training_step_of_the_users_trains_a_two_input_model_with_an_auxiliary
         assert got == pytest.approx(summary["test_metrics"], rel=1e-6)
 
 
-@pytest.mark.parametrize("step,message", [
-    (["--training-step", "mine:step"], "runs batches (inputs, targets) through its own schedule, so it takes no "
-     "--training-step; use one of {} for a step of your own"),
-    ([], "feeds its first stage the inputs and its last the targets, so it takes batches (inputs, targets), and "
-     "this data's are {{'image': (2, 4, 4) float32, 'feats': (2, 3) float32, 'y': (2,) int64}}; use one of {} "
-     "for batches of other shapes")], ids=["training step", "dict batch"])
-def test_a_pipeline_refuses_a_training_step_and_a_dict_batch_in_one_line(project, step, message):
-    from phalanx.strategies import STRATEGIES
-
-    others = ", ".join(name for name, cls in STRATEGIES.items() if not cls.pairs_only)
-    assert {"sync", "fsdp", "local-sgd", "diloco", "hogwild", "ps"} <= set(others.split(", "))
+def test_a_pipeline_of_a_model_with_no_repeated_blocks_is_told_to_name_its_split_points_in_one_line(project):
+    """The pipeline traces the user's step on any batch (issue 32); this model has no blocks to split between."""
     out = run_in_process("train", "--model", "mine:TwoInputs", "--data", "mine:two_inputs", "--strategy", "pipeline",
-                         "--target-key", "y", *step, *SMALL, "--checkpoint-dir", "pipe", cwd=project)
+                         "--training-step", "mine:step", "--target-key", "y", *SMALL, "--checkpoint-dir", "pipe",
+                         cwd=project)
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == [f"error: --strategy pipeline {message.format(others)}"]
+    assert out.stderr.strip().splitlines() == [
+        "error: 2 stages but TwoInputs has no repeated blocks (a ModuleList or Sequential of one class) to begin a "
+        "stage at: name the submodules where stages begin with --split-points a,b, or make it an nn.Sequential of "
+        "blocks"]
+
+
+@pytest.mark.slow
+def test_a_pipeline_traces_the_users_step_on_dict_batches_at_the_split_point_given(project):
+    out = run_in_process("train", "--model", "mine:TwoInputs", "--data", "mine:two_inputs", "--strategy", "pipeline",
+                         "--split-points", "head", "--training-step", "mine:step", "--target-key", "y", "--steps", "60",
+                         "--lr", "0.1", *SMALL, "--checkpoint-dir", "pipe", cwd=project)
+    assert out.returncode == 0, out.stderr
+    assert "split at head into 2 stages (as given)" in out.stdout, out.stdout
+    summary = _summary(project, "pipe")
+    assert summary["test_metrics"]["accuracy"] > 0.4, summary  # as sync's bar above
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from phalanx import Pipeline, TrainConfig, Trainer
 from phalanx.errors import PhalanxError
 from phalanx.strategies import Job
 from phalanx.models import lstm
+from phalanx.pipeline import model_blocks
 
 
 def run(*args: str, cwd) -> subprocess.CompletedProcess:
@@ -109,9 +110,12 @@ def _setup(model, **options):
 
 
 def test_model_errors_name_the_fix():
-    with pytest.raises(PhalanxError, match="NotSequential has no sequential structure to split into stages: make it "
-                                           "an nn.Sequential of blocks, or give it a pipeline_blocks"):
+    # A model with no blocks of its own is traced; with no repeated blocks either, it is told where to split.
+    with pytest.raises(PhalanxError, match=r"2 stages but NotSequential has no repeated blocks \(a ModuleList or "
+                                           r"Sequential of one class\) to begin a stage at: name the submodules where "
+                                           r"stages begin with --split-points a,b"):
         _setup(NotSequential())
+    _setup(NotSequential(), split_points=("b",))
     with pytest.raises(PhalanxError, match="2 stages but the model has only 1 blocks.*--stages 1 or fewer"):
         _setup(nn.Sequential(nn.Linear(4, 2)))
     with pytest.raises(PhalanxError, match="returned modules that are not submodules"):
@@ -124,15 +128,17 @@ def test_model_errors_name_the_fix():
     a = nn.Linear(4, 4)
     with pytest.raises(PhalanxError, match="lists one block twice"):
         _setup(nn.Sequential(a, nn.ReLU(), a))
-    with pytest.raises(PhalanxError, match="shares parameters between blocks"):
-        _setup(nn.Sequential(a, nn.Sequential(nn.ReLU(), a)))
+    with pytest.raises(PhalanxError, match="shares parameters between blocks.*give --split-points to split it by "
+                                           "tracing, which keeps tied weights tied"):
+        model_blocks(nn.Sequential(a, nn.Sequential(nn.ReLU(), a)))
+    _setup(nn.Sequential(a, nn.Sequential(nn.ReLU(), a)), split_points=("1",))  # traced: the tie is kept
 
 
 def test_model_with_no_sequential_structure_fails_before_the_workers_start_with_one_line(tmp_path):
     x, y = torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,))
     config = TrainConfig(strategy=Pipeline(), devices="cpu", workers=2, steps=2, checkpoint_dir=str(tmp_path / "c"),
                          progress="none")
-    with pytest.raises(PhalanxError, match="NotSequential has no sequential structure"):
+    with pytest.raises(PhalanxError, match="NotSequential has no repeated blocks"):
         Trainer(config, model=NotSequential(), train_data=(x, y)).fit()
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..errors import PhalanxError
 from ..pipeline.balance import check_stages, partition, predicted_bubble, stage_costs
 from .inputs import Compute, ModelFacts, Network, allreduce, cpu_bound
 from .model import Alternative, CostModel
@@ -124,14 +125,26 @@ class PipelineCost(CostModel):
     """P stages x R replicas, M micro-batches (:func:`predict_pipeline`)."""
 
     title = "pipeline"
-    fields = ("stages", "chunks", "schedule")
+    fields = ("stages", "chunks", "schedule", "split_points")  # (split points: refused in one line, see plans)
     bubble = True
     #: its compute is measured per micro-batch at this batch: twice the batch would need measuring again
     scales_with_batch = False
 
     def plans(self, options, workers: int, blocks: int, per_node: int) -> list:
         """``--stages`` as given; otherwise every stage count that divides the workers, from the most (one
-        stage per worker) down, none above one per block: 8 workers on 5 blocks make 4 stages x 2 replicas."""
+        stage per worker) down, none above one per block: 8 workers on 5 blocks make 4 stages x 2 replicas.
+
+        A model split by tracing (``--split-points``, or one with no blocks of its own) is refused in one
+        line: the prices are per block, measured by running the blocks one after another."""
+        if getattr(options, "split_points", ()):
+            raise PhalanxError(f"--split-points {','.join(options.split_points)}: estimate prices a pipeline by the "
+                               "model's blocks (an nn.Sequential or pipeline_blocks()), and a model split by tracing "
+                               "is not priced yet; leave --split-points out, or run phalanx compare (real runs)")
+        if blocks == 1 and (options.stages or 1) > 1:
+            raise PhalanxError(f"--stages {options.stages}: estimate prices a pipeline by the model's blocks (an "
+                               "nn.Sequential or pipeline_blocks()), and this model has none of its own (training "
+                               "splits it by tracing, which estimate does not price yet); run phalanx compare (real "
+                               "runs)")
         if options.stages is not None:
             check_stages(blocks, options.stages)  # (the layout's own check) no worker count could run it
             return [options]

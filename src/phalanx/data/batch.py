@@ -30,9 +30,10 @@ TARGET_KEYS = ("labels", "label")
 
 
 def is_pair(batch: Any) -> bool:
-    """``(inputs, targets)``, two tensors: phalanx's own form, and the fast path."""
-    return type(batch) is tuple and len(batch) == 2 and type(batch[0]) is torch.Tensor \
-        and type(batch[1]) is torch.Tensor
+    """``(inputs, targets)``, two tensors: phalanx's own form, and the fast path. Tensors of a subclass count:
+    torch.export traces a step on its own tensor types (the pipeline's traced front end)."""
+    return type(batch) is tuple and len(batch) == 2 and isinstance(batch[0], torch.Tensor) \
+        and isinstance(batch[1], torch.Tensor)
 
 
 def tensors(batch: Any) -> list[torch.Tensor]:

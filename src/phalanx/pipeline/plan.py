@@ -29,6 +29,8 @@ class StagePlan:
     message: Optional[list[float]] = None
     output_bytes: Optional[list[int]] = None  #: bytes of each block's output per micro-batch
     conditions: str = ""  #: how the times were measured, as printed
+    #: the model split by tracing: the submodules where stages 1.. begin (empty: cut at its blocks)
+    traced: tuple = ()
 
     @property
     def stages(self) -> int:
@@ -75,6 +77,10 @@ class StagePlan:
         how = {"time": "by measured time", "params": "by parameter count", "explicit": "as given"}[self.how]
         out = [f"pipeline plan: {len(self.names)} blocks in {p} stages, balanced {how}; {m} micro-batches per step, "
                f"{self.schedule} schedule"]
+        if self.traced:
+            among = "as given" if self.how == "explicit" else f"{how}, among {len(self.names) - 1} repeated blocks"
+            out[0] = (f"pipeline plan: the training step traced (torch.export) and split at {', '.join(self.traced)} "
+                      f"into {p} stages ({among}); {m} micro-batches per step, {self.schedule} schedule")
         per_stage = self.stage_seconds()
         r = self.replicas
         if r > 1:

@@ -47,6 +47,16 @@ def model_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return named
 
 
+def has_blocks(model: nn.Module) -> bool:
+    """Whether the model says what its blocks are (an nn.Sequential, or ``pipeline_blocks()``) and no two
+    blocks share a parameter: then a pipeline cuts it at its blocks; otherwise it traces it (``trace.py``)."""
+    if not (hasattr(model, "pipeline_blocks") or isinstance(model, nn.Sequential)):
+        return False
+    blocks = list(model.pipeline_blocks()) if hasattr(model, "pipeline_blocks") else list(model.children())
+    params = [id(p) for block in blocks for p in block.parameters()]
+    return len(set(params)) == len(params)
+
+
 def blocks_or_whole(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """:func:`model_blocks` where the model has a sequential structure; else the whole model as one
     block (what a cost needs of any model: a data-parallel strategy never splits it)."""
@@ -60,8 +70,9 @@ def _check_covered(model: nn.Module, named: list[tuple[str, nn.Module]]) -> None
         raise PhalanxError(f"{type(model).__name__} lists one block twice: each block must appear once")
     params = [id(p) for _, block in named for p in block.parameters()]
     if len(set(params)) != len(params):
-        raise PhalanxError(f"{type(model).__name__} shares parameters between blocks (tied weights): stages cannot "
-                           "share a tensor; untie them, or keep the sharing blocks together in one block")
+        raise PhalanxError(f"{type(model).__name__} shares parameters between blocks (tied weights): a cut at its "
+                           "blocks cannot share a tensor; give --split-points to split it by tracing, which keeps "
+                           "tied weights tied")
     covered = {f"{name}.{key}" for name, block in named for key in block.state_dict()}
     outside = [key for key in model.state_dict() if key not in covered]
     if outside:

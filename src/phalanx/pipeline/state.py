@@ -51,7 +51,8 @@ def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         state.update(part["state"])
     groups = []
     for g, first in enumerate(parts[0]["param_groups"]):
-        params = sorted(i for part in parts for i in part["param_groups"][g]["params"])
+        # (a set: a tied parameter is on two stages, saved once)
+        params = sorted({i for part in parts for i in part["param_groups"][g]["params"]})
         groups.append({**{k: v for k, v in first.items() if k != "params"}, "params": params})
     return {"state": dict(sorted(state.items())), "param_groups": groups}
 

@@ -18,7 +18,9 @@ step, the step of the unsplit model on the R shards together, and holds the same
 is one pipeline, rank r = stage r, exactly as without replicas.
 
 What phalanx adds to the engine (helpers in ``phalanx/pipeline/``): the split (any
-``nn.Sequential`` or ``pipeline_blocks()``), the exact balancing by parameters or measured time,
+``nn.Sequential`` or ``pipeline_blocks()`` cut at its blocks; any other model, a step of the user's or
+``--split-points``: the training step traced by torch.export and split at named points, tied weights
+kept on every stage that uses them with their gradients summed over those stages), the exact balancing by parameters or measured time,
 the printed plan, each stage's input and output worked out ahead on meta tensors (torch's static
 mode: no extra pass through a stage, see ``pipeline/stage.py``), contiguous activations and
 gradients (gloo needs them), one consistent checkpoint, and the checks that name the fix.
@@ -47,9 +49,14 @@ from ..pipeline.balance import Balance, bounds, check_counts, check_stages, pars
 from ..pipeline.plan import StagePlan
 from ..pipeline.messages import interpolate, time_messages
 from ..pipeline.profile import agree, describe, profile_order, time_blocks
-from ..pipeline.split import StageModule, model_blocks, parameter_counts
+from ..pipeline.split import StageModule, has_blocks, model_blocks, parameter_counts
+from ..pipeline.trace import candidate_points, check_points, flat_tensors, parse_points, segment_params
+from ..pipeline.traced import TracedStage, stage_optimizer
+from ..data import batch as tree
+from ..step import DefaultStep
 from ..metrics import Totals
-from .base import COUNT_CORRECT, Batch, Build, Job, Layout, Options, RankPlan, Report, Runtime, require_positive
+from .base import (COUNT_CORRECT, Batch, Build, Job, Layout, Options, RankPlan, Report, Runtime, as_batch,
+                   load_model_state, require_positive)
 from .registry import register
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -70,7 +77,6 @@ class Pipeline(Options):
     name: ClassVar[str] = "pipeline"
     summary: ClassVar[str] = ("model parallelism: the network split into contiguous stages, one per worker, "
                               "micro-batches pipelined; torch.distributed.pipelining")
-    pairs_only: ClassVar[bool] = True
 
     stages: Optional[int] = option(None, "pipeline stages, one worker each", show="the number of workers")
     chunks: int = option(4, "micro-batches per step (M); the batch must split into M equal parts")
@@ -80,6 +86,9 @@ class Pipeline(Options):
                                       "parameter count, by time, or blocks per stage like 3,2",
                               parse=parse_balance, show="auto")
     profile_repeats: int = option(5, "timed passes, each over one step's micro-batches, when balancing by time")
+    split_points: tuple = option((), "submodules where a stage begins, like transformer.h.1 (the model traced by "
+                                     "torch.export and split there); default: between its repeated blocks",
+                                 parse=parse_points, show="between repeated blocks")
 
     def __post_init__(self) -> None:
         self._set(schedule=str(self.schedule).lower())
@@ -89,11 +98,17 @@ class Pipeline(Options):
         require_positive("--profile-repeats", self.profile_repeats)
         if self.stages is not None:
             require_positive("--stages", self.stages)
-        self._set(balance=parse_balance(self.balance))
+        self._set(balance=parse_balance(self.balance), split_points=parse_points(self.split_points))
+        if self.split_points and isinstance(self.balance, tuple):
+            raise PhalanxError("--split-points and --balance 3,2 both say where stages begin: give one of them")
         if self.stages is not None:
             self._check_stages(self.stages)
 
     def _check_stages(self, stages: int) -> None:
+        if self.split_points and len(self.split_points) + 1 != stages:
+            raise PhalanxError(f"--split-points {','.join(self.split_points)} makes {len(self.split_points) + 1} stages "
+                               f"but the pipeline has {stages}; name {stages - 1} point(s), one where each stage after "
+                               "the first begins")
         if isinstance(self.balance, tuple) and len(self.balance) != stages:
             shown = ",".join(map(str, self.balance))
             raise PhalanxError(f"--balance {shown} names {len(self.balance)} stages but the pipeline has {stages}; "
@@ -115,8 +130,7 @@ class Pipeline(Options):
                 f"{job.batch_size / micro:g}; use a --batch-size divisible by {micro}"
             )
         if job.model is not None:
-            blocks = len(model_blocks(job.model))
-            check_stages(blocks, stages)
+            blocks = self._check_model(job.model, stages)
             if isinstance(self.balance, tuple):
                 check_counts(self.balance, blocks, stages)
         # Every stage of one replica reads the same batch (inputs for the first, labels for the
@@ -124,6 +138,33 @@ class Pipeline(Options):
         ranks = tuple(RankPlan("stage", mesh_label(rank, replicas), rank % replicas, (rank % replicas, replicas))
                       for rank in range(processes))
         return Layout(ranks, tuple(job.devices), shards=replicas, lockstep=True)
+
+    def _check_model(self, model: nn.Module, stages: int) -> int:
+        """Where the model can be split, checked before any worker starts; how many pieces it has."""
+        if not self.traces(model):
+            blocks = len(model_blocks(model))
+            check_stages(blocks, stages)
+            return blocks
+        check_points(model, self.split_points)
+        pieces = len(self.split_points) + 1 if self.split_points else len(candidate_points(model)) + 1
+        if stages > pieces:
+            name = type(model).__name__
+            found = f"only {pieces - 1} repeated blocks" if pieces > 1 else "no repeated blocks (a ModuleList or " \
+                "Sequential of one class)"
+            raise PhalanxError(f"{stages} stages but {name} has {found} to begin a stage at: name the submodules "
+                               "where stages begin with --split-points a,b, or make it an nn.Sequential of blocks")
+        return pieces
+
+    def traces(self, model: nn.Module, build: Optional[Build] = None) -> bool:
+        """Whether the model is split by tracing (torch.export) rather than cut at its blocks: it names no
+        blocks (an nn.Sequential or pipeline_blocks()), split points are given, or its batches or step
+        are not (inputs, targets) through the model and the loss."""
+        if self.split_points or not has_blocks(model):
+            return True
+        if build is None:
+            return False
+        return not isinstance(build.step, DefaultStep) or (build.example is not None
+                                                           and not tree.is_pair(build.example))
 
     def describe(self, stages: Any = "one per worker", replicas: int = 1) -> str:
         copies = f" x {replicas} data-parallel replicas" if replicas > 1 else ""
@@ -150,23 +191,100 @@ class PipelineRuntime(Runtime):
         #: this replica's pipeline (point-to-point) and this stage's replicas (gradient all-reduce);
         #: None: the default group (one pipeline) or no group at all
         self.pipe_group, self.replica_group = self._mesh_groups()
-        named = model_blocks(model)
-        self.plan = self._make_plan(named, build)
-        index = {id(p): i for i, p in enumerate(model.parameters())}
         #: False: one stage, the whole model micro-batched in-process, no engine
         self.pipelined = self.stages > 1
         self._schedules: dict[Any, Any] = {}
         #: the stages before this one, as they run on their ranks: what sizes this stage's input
         self._upstream: list[StageModule] = []
-        if self.pipelined:
-            spans = bounds(self.plan.counts)
-            self._upstream = [self._stage_module(named[lo:hi], build) for lo, hi in spans[:self.stage_index]]
-            model = self._stage_module(named[slice(*spans[self.stage_index])], build)
-        self.stage_module = model
-        #: the whole model's parameter index of each of this stage's parameters
-        self.local_to_global = [index[id(p)] for p in model.parameters()]
-        super().__init__(build, model, description=options.describe(self.stages, self.replicas),
-                         notes=self.plan.lines())
+        #: the model split by tracing (None: cut at its blocks)
+        self.traced: Optional[TracedStage] = None
+        optimizer = None
+        if options.traces(model, build):
+            self.plan, points = self._traced_plan(model, build)
+            if self.pipelined:
+                self.traced = self._traced_stage(model, build, points)
+                # The user's factory sees the user's model (its own groups), then keeps this stage's parameters.
+                optimizer = stage_optimizer(build.make_optimizer(model), self.traced.module)
+            stage = self.traced.module if self.traced is not None else model
+        else:
+            named = model_blocks(model)
+            self.plan = self._make_plan(named, build)
+            stage = model
+            if self.pipelined:
+                spans = bounds(self.plan.counts)
+                self._upstream = [self._stage_module(named[lo:hi], build) for lo, hi in spans[:self.stage_index]]
+                stage = self._stage_module(named[slice(*spans[self.stage_index])], build)
+        self.stage_module = stage
+        super().__init__(build, stage, optimizer=optimizer, description=options.describe(self.stages, self.replicas),
+                         notes=self.plan.lines() + self._tied_lines())
+        index = {id(p): i for i, p in enumerate(model.parameters())}
+        #: the whole model's parameter index of each parameter of this stage's optimizer, in its order
+        self.local_to_global = [index[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _traced_plan(self, model: nn.Module, build: Build) -> tuple[StagePlan, tuple[str, ...]]:
+        """Where the stages begin: the points given, or the repeated blocks balanced by measured time (where a
+        batch is at hand) or parameter count."""
+        options = self.options
+        options._check_model(model, self.stages)
+        points = options.split_points or tuple(candidate_points(model))
+        params = segment_params(model, points)
+        how = "explicit" if options.split_points or isinstance(options.balance, tuple) else options.balance
+        if how == "auto":
+            how = "time" if build.example is not None and self.pipelined else "params"
+        if how == "time" and build.example is None:
+            raise PhalanxError("--balance time needs a batch to profile the pieces on: give Build(example=...), "
+                               "or use --balance params")
+        plan = StagePlan((), ["(start)", *points], params, None, how, options.chunks, options.schedule,
+                         self.replicas)
+        if how == "time":
+            self._measure_pieces(model, build, points, plan)
+        if options.split_points:
+            counts = (1,) * len(params)
+        elif isinstance(options.balance, tuple):
+            check_counts(options.balance, len(params), self.stages)
+            counts = options.balance
+        else:
+            counts = partition(plan.seconds if how == "time" else params, self.stages)
+        plan.counts = tuple(counts)
+        plan.traced = tuple(points[lo - 1] for lo, _ in bounds(counts)[1:])
+        return plan, plan.traced
+
+    def _measure_pieces(self, model: nn.Module, build: Build, points: tuple[str, ...], plan: StagePlan) -> None:
+        """Every piece's time, measured in every worker at once on one step's micro-batches, agreed by all ranks
+        (the median per piece), as :meth:`_measure` does for blocks; messages are not timed here."""
+        from ..pipeline.trace_profile import time_pieces
+
+        micro = self.options.chunks * build.accumulate
+        example = tree.to_device(build.example, self.ctx.device)
+        parts = tree.split(example, micro)
+        barrier = dist.barrier if self.ctx.distributed else None
+        mine = time_pieces(model, build.step, parts, points, self.ctx.device, self.options.profile_repeats,
+                           schedule=profile_order(self.options.schedule, self.ctx.device), barrier=barrier)
+        rows = [mine.seconds]
+        if self.ctx.distributed:
+            rows = [None] * self.ctx.world_size
+            dist.all_gather_object(rows, mine.seconds)
+        plan.seconds, plan.output_bytes = agree(rows), mine.output_bytes
+        firsts = [flat_tensors(part)[0][0] for part in parts]  # (what describe counts a micro-batch's examples in)
+        plan.conditions = describe(self.ctx.device, firsts, self.options.schedule, self.options.profile_repeats,
+                                   len(rows), self.ctx.distributed)
+
+    def _traced_stage(self, model: nn.Module, build: Build, points: tuple[str, ...]) -> TracedStage:
+        if build.example is None:
+            raise PhalanxError("a pipeline split by tracing needs an example batch to trace the step on: give "
+                               "example=... (phalanx train passes one)")
+        micro = self.options.chunks * build.accumulate
+        example = tree.to_device(build.example, self.ctx.device)
+        return TracedStage(model, build.step, points, self.stages, self.stage_index, self.replicas, self.replica,
+                           self.ctx.device, self.pipe_group, build.precision.around_forward,
+                           tree.split(example, micro)[0])
+
+    def _tied_lines(self) -> list[str]:
+        if self.traced is None or not self.traced.tied:
+            return []
+        names = {i: n for i, (n, _) in enumerate(self.build.model.named_parameters())}
+        shown = "; ".join(f"{names[i]} on stages {', '.join(map(str, s))}" for i, s in self.traced.tied.items())
+        return [f"  tied across stages (each keeps a copy, their gradients summed before the step): {shown}"]
 
     @staticmethod
     def _stage_module(named: list[tuple[str, nn.Module]], build: Build) -> StageModule:
@@ -251,38 +369,56 @@ class PipelineRuntime(Runtime):
         return self.stage_index == self.stages - 1
 
     # ---- a training step ----
-    def train_step(self, x: Any, y: Optional[torch.Tensor] = None, parts: Optional[int] = None) -> torch.Tensor:
-        if y is None:  # a batch given whole: the engine's schedule takes (inputs, targets) only
-            if not (isinstance(x, (tuple, list)) and len(x) == 2):
-                raise PhalanxError("--strategy pipeline takes batches (inputs, targets): its schedule feeds the "
-                                   "first stage the inputs and the last the targets; use another strategy for "
-                                   "batches of other shapes")
-            x, y = x
+    def train_step(self, batch: Any, y: Optional[torch.Tensor] = None, parts: Optional[int] = None) -> torch.Tensor:
+        batch = as_batch(batch, y)
         micro = self.options.chunks * self.build.accumulate
-        if len(x) % micro:
-            raise PhalanxError(f"batch {len(x)} does not split into {micro} equal micro-batches")
+        if tree.length(batch) % micro:
+            raise PhalanxError(f"batch {tree.length(batch)} does not split into {micro} equal micro-batches")
         if not self.pipelined:  # one stage: the whole model, micro-batched in-process as the engine would
-            loss = self.forward_backward(x, y, parts=micro)
+            loss = self.forward_backward(batch, parts=micro)
             self._average_over_replicas()
             self.update()
             return loss
-        schedule = self._training_schedule(x, micro)
         losses: list[torch.Tensor] = []
+        if self.traced is not None:
+            self.traced.train(_schedule_class(self.options.schedule), batch, micro, losses)
+        else:
+            self._cut_step(batch, micro, losses)
+        self._average_over_replicas()
+        if self.traced is not None:
+            self.traced.sum_tied()
+        self.update()
+        if self.is_last:
+            return torch.stack([loss.detach() for loss in losses]).mean()
+        return torch.zeros((), device=self.ctx.device)  # only the last stage knows it: see global_losses
+
+    def _cut_step(self, batch: Any, micro: int, losses: list) -> None:
+        if not tree.is_pair(batch):
+            raise PhalanxError("a pipeline cut at the model's blocks takes batches (inputs, targets): its schedule "
+                               "feeds the first stage the inputs and the last the targets; give --split-points to "
+                               "trace the model's step instead")
+        x, y = batch
+        schedule = self._training_schedule(x, micro)
         if self.is_first:
             schedule.step(x, return_outputs=False)
         elif self.is_last:
             schedule.step(target=y, losses=losses, return_outputs=False)
         else:
             schedule.step(return_outputs=False)
-        self._average_over_replicas()
-        self.update()
-        if self.is_last:
-            return torch.stack([loss.detach() for loss in losses]).mean()
-        return torch.zeros((), device=self.ctx.device)  # only the last stage knows it: see global_losses
+
+    def clip_gradients(self) -> None:
+        """As the base class's, with each tied parameter's gradient counted once in the norm (on the first
+        stage holding it); every copy is scaled alike, so the copies stay equal."""
+        if self.traced is None:
+            return super().clip_gradients()
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        owned = self.traced.owned()
+        self.grad_norm = self.gradient_norm([p.grad for p in params if id(p) in owned])
+        torch.nn.utils.clip_grads_with_norm_(params, self.build.clip_grad_norm, self.grad_norm)
 
     def gradient_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The whole model's gradient norm: every stage holds a part of it (no weight is on two stages: tied
-        weights are refused), so the squared norms add up over this replica's pipeline (one small all-reduce;
+        """The whole model's gradient norm: every stage holds a part of it (a tied weight counted on one stage
+        only: :meth:`clip_gradients`), so the squared norms add up over this replica's pipeline (one small all-reduce;
         the replicas of a stage hold the same averaged gradient, so every rank gets the same norm)."""
         mine = super().gradient_norm(grads).to(self.ctx.device)
         if not self.pipelined:
@@ -357,18 +493,25 @@ class PipelineRuntime(Runtime):
         was_training = self.model.training
         self.model.eval()
         sums = totals.zeros()
-        for x, y in batches:
-            schedule = self._eval_schedule(x)
-            if self.is_first:
-                schedule.eval(x.to(self.ctx.device))
-            elif self.is_last:
-                sums += totals(schedule.eval(), y)
-            else:
-                schedule.eval()
+        for batch in batches:
+            batch = tree.to_device(batch, self.ctx.device)
+            sums += self._cut_eval(batch, totals) if self.traced is None else \
+                self.traced.evaluate(_schedule_class("gpipe"), batch, self.options.chunks, totals)
         self.model.train(was_training)
         sums = sums.to(self.ctx.device)
         dist.all_reduce(sums)  # the last stage of every replica added its part; the others hold zeros
         return tuple(sums.tolist())
+
+    def _cut_eval(self, batch: Any, totals: Totals) -> torch.Tensor:
+        x, y = batch
+        schedule = self._eval_schedule(x)
+        if self.is_first:
+            schedule.eval(x)
+        elif self.is_last:
+            return totals(schedule.eval(), y)
+        else:
+            schedule.eval()
+        return totals.zeros()
 
     def _eval_schedule(self, x: torch.Tensor):
         """A forward-only schedule for batches of this shape (a stage's buffers are sized for one shape:
@@ -393,13 +536,14 @@ class PipelineRuntime(Runtime):
             return super().state_dict()
         if self.replica != 0:
             return None  # every replica holds the same weights and optimizer state: replica 0's are saved
-        part = (self.stage_module.full_state_dict(),
-                opt_state.to_global(self.optimizer.state_dict(), self.local_to_global))
+        weights = self.traced.state() if self.traced is not None else self.stage_module.full_state_dict()
+        part = (weights, opt_state.to_global(self.optimizer.state_dict(), self.local_to_global))
         parts: Optional[list] = [None] * self.stages if self.ctx.rank == 0 else None
         dist.gather_object(part, parts, dst=0, group=self.pipe_group)  # replica 0's pipeline; rank 0 is stage 0
         if parts is None:
             return None
-        model: dict[str, torch.Tensor] = {}
+        # Traced: the whole model's keys in its order, a parameter no stage uses as it started (nothing moved it).
+        model = {k: v.detach().cpu() for k, v in self.build.model.state_dict().items()} if self.traced else {}
         for weights, _ in parts:
             model.update(weights)
         return {"model": model, "optimizer": opt_state.merge([o for _, o in parts])}
@@ -408,7 +552,10 @@ class PipelineRuntime(Runtime):
         """Every stage takes its blocks' weights and its parameters' optimizer state."""
         if not self.pipelined:
             return super().load_state_dict(state)
-        self.stage_module.load_full_state_dict(state["model"])
+        if self.traced is not None:  # the stage's tensors are the model's own
+            load_model_state(self.build.model, state["model"])
+        else:
+            self.stage_module.load_full_state_dict(state["model"])
         if "optimizer" in state:  # absent: the run changed optimizers and starts this one fresh
             self.optimizer.load_state_dict(opt_state.split(state["optimizer"], self.local_to_global))
 
@@ -423,6 +570,8 @@ class PipelineRuntime(Runtime):
 
     def close(self) -> None:
         self._schedules.clear()
+        if self.traced is not None:
+            self.traced.schedules.clear()
 
 
 def check_mesh(stages: int, processes: int) -> int:
