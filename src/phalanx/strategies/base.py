@@ -149,6 +149,11 @@ class Options:
         """How the run header names this strategy."""
         return self.name
 
+    def builds_on_meta(self) -> bool:
+        """Whether every worker builds the model on the meta device (nothing allocated) and the runtime
+        materialises it (only its own shards: ``--init-device meta``); else it is built on the worker's device."""
+        return False
+
     def _set(self, **values: Any) -> None:
         """Normalise a field in ``__post_init__`` (the dataclass is frozen)."""
         for key, value in values.items():

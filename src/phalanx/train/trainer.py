@@ -26,7 +26,7 @@ from ..errors import JobHung, PhalanxError, Stopped, WorkerFailed
 from ..launcher import in_torchrun, launch, launcher_rank, launcher_world_size
 from ..data.user import cast_to_model
 from ..task import Task, named_optimizer, user_task
-from ..strategies import Job, Layout
+from ..strategies import Job, Layout, meta_init
 from . import checkpoint as ckpt
 from . import checks, rundir, step_checks, tensorboard
 from .config import TrainConfig
@@ -118,6 +118,8 @@ class Trainer:
         layout = cfg.strategy.layout(job)
         checks.check_global_batch(cfg, layout, facts)
         checks.check_straggler(cfg, layout)
+        if cfg.strategy.builds_on_meta():
+            meta_init.check_run(cfg.init_from, cfg.straggler)
         checks.check_precision(cfg, layout)
         if cfg.link is not None:
             shaped_link.check(cfg.link, devices=list(layout.devices), world_size=layout.world_size,
