@@ -43,7 +43,7 @@ def test_a_sequential_materialised_from_meta_equals_the_eagerly_built_model():
     torch.manual_seed(3)
     model = on_meta(mlp)
     assert meta_init.on_meta(model) and not any(p.is_meta for p in eager.parameters())
-    made = meta_init.materialise(model, torch.device("cpu"), None, {})
+    made = meta_init.materialise(model, torch.device("cpu"))
     assert made == sum(p.numel() * 4 for p in eager.parameters())
     for (name, want), got in zip(eager.state_dict().items(), model.state_dict().values()):
         assert torch.equal(got, want), name
@@ -52,7 +52,7 @@ def test_a_sequential_materialised_from_meta_equals_the_eagerly_built_model():
 def test_tied_weights_stay_one_tensor_and_the_example_init_draws_gpt2s_distributions():
     torch.manual_seed(0)
     model = on_meta(gpt.GPT, gpt.GPTConfig(**GPT))
-    meta_init.materialise(model, torch.device("cpu"), gpt.init_weights, {})
+    meta_init.materialise(model, torch.device("cpu"), gpt.init_weights)
     assert model.lm_head.weight is model.transformer.wte.weight
     assert not any(t.isnan().any() for t in model.state_dict().values())
     assert abs(model.transformer.h[0].mlp.c_fc.weight.std().item() - 0.02) < 0.004  # N(0, 0.02), not kaiming
@@ -92,9 +92,9 @@ def test_a_module_without_reset_parameters_is_refused_naming_it_and_the_fix():
 def test_a_buffer_no_initialisation_writes_is_named_not_trained_from_garbage():
     model = on_meta(WithTable)
     with pytest.raises(PhalanxError, match=r"'rotary.table' \(Rotary\) was not initialised \(still NaN"):
-        meta_init.materialise(model, torch.device("cpu"), lambda module: None, {})
+        meta_init.materialise(model, torch.device("cpu"), lambda module: None)
     model = on_meta(WithTable)
-    meta_init.materialise(model, torch.device("cpu"), recompute_table, {})
+    meta_init.materialise(model, torch.device("cpu"), recompute_table)
     assert torch.equal(model.rotary.table, torch.arange(8.0))
 
 

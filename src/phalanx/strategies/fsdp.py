@@ -218,19 +218,19 @@ class FSDPRuntime(Runtime):
         the root. Returns the bytes materialised (0: the model was built whole)."""
         from torch.distributed.fsdp import fully_shard
 
-        init, memo, made = options.init_fn() if on_meta else None, {}, 0
+        init, made = options.init_fn() if on_meta else None, 0
         if on_meta:
             meta_init.reseed()
         # fully_shard goes bottom-up: a unit nested in another must be wrapped first.
         for name, block in sorted(self.units, key=lambda unit: -unit[0].count(".")):
             if on_meta:  # this unit whole, then at once only this rank's shard of it: one unit at a time
-                made += meta_init.materialise(block, device, init, memo)
+                made += meta_init.materialise(block, device, init, name)
             if self.tp_mesh is not None:
                 tensor_parallel.apply(block, self.tp_plan[name], self.tp_mesh)
             if self.shard_mesh is not None:
                 fully_shard(block, mesh=self.shard_mesh, reshard_after_forward=options.reshard_after_forward)
         if on_meta:
-            made += meta_init.materialise(model, device, init, memo)
+            made += meta_init.materialise(model, device, init)
         if self.shard_mesh is not None:
             fully_shard(model, mesh=self.shard_mesh)  # the root: whatever parameters no block holds; stays gathered
         return made

@@ -89,17 +89,19 @@ def check_run(init_from: Optional[str], straggler: object) -> None:
                            "builds none there: drop one")
 
 
-def materialise(root: nn.Module, device: torch.device, init: Optional[InitFn],
-                memo: dict[int, torch.Tensor]) -> int:
-    """Allocate and initialise every meta tensor under ``root`` on ``device``; returns the bytes allocated.
+def materialise(root: nn.Module, device: torch.device, init: Optional[InitFn] = None, where: str = "") -> int:
+    """Allocate and initialise every meta tensor under ``root`` (named ``where`` in the model) on ``device``;
+    returns the bytes allocated.
 
-    ``memo`` maps a meta tensor to what replaced it, across calls: a tensor two modules share (tied
-    embeddings) stays one tensor. Modules are initialised children first: ``reset_parameters()`` on each that
+    A tensor two modules share (tied embeddings) stays one tensor: the memo maps it, within this call only
+    (across calls it would keep every unit's whole tensors alive after fully_shard kept only a slice; fsdp's
+    units never split a tied pair). Modules are initialised children first: ``reset_parameters()`` on each that
     held meta tensors, the user's ``init`` on those and on every module above them (a parent may set its
     children's tensors); a unit already materialised and sharded is never touched again.
     """
     allocated, fresh, touched = 0, [], set()
-    for name, module in _post_order(root):
+    memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the meta tensor, kept so no id is reused; its own)
+    for name, module in _post_order(root, where):
         own = [(n, t) for n, t in _own(module) if t.is_meta]
         if any(id(child) in touched for child in module.children()):
             touched.add(id(module))  # a parent's init may set its children's tensors (GPT-2's scaled projections)
@@ -107,9 +109,9 @@ def materialise(root: nn.Module, device: torch.device, init: Optional[InitFn],
             continue
         for attr, tensor in own:
             if id(tensor) not in memo:
-                memo[id(tensor)] = _allocate(tensor, device)
+                memo[id(tensor)] = (tensor, _allocate(tensor, device))
                 allocated += tensor.numel() * tensor.element_size()
-            replacement = memo[id(tensor)]
+            replacement = memo[id(tensor)][1]
             if attr in module._parameters:
                 module._parameters[attr] = replacement
             else:
