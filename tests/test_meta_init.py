@@ -182,6 +182,32 @@ def test_on_two_ranks_a_sequential_built_on_meta_starts_as_the_eagerly_built_mod
         assert torch.equal(got[name], want), name
 
 
+def whole_tensors_alive(ctx) -> tuple:
+    """(tensors materialised whole, how many still alive once the runtime is built) on this rank."""
+    import gc
+    import weakref
+
+    made, allocate = [], meta_init._allocate
+
+    def watched(tensor, device):
+        whole = allocate(tensor, device)
+        made.append(weakref.ref(whole))
+        return whole
+
+    meta_init._allocate = watched  # (this worker's module only)
+    torch.manual_seed(0)
+    model = on_meta(gpt.GPT, gpt.GPTConfig(**GPT))
+    runtime = runtime_for(FSDP(init_device="meta", init_weights=gpt.init_weights), ctx, model, adamw)
+    gc.collect()
+    return len(made), sum(ref() is not None for ref in made), runtime.module is not None
+
+
+def test_no_whole_tensor_outlives_its_unit_once_sharded():
+    made, alive, _ = run_workers(whole_tensors_alive, 2)
+    assert made == len(on_meta(gpt.GPT, gpt.GPTConfig(**GPT)).state_dict()) - 1  # (lm_head's is wte's)
+    assert alive == 0  # each rank keeps only its slices: a memo across units once kept them all
+
+
 # --------------------------------------------------------------------------- the installed command
 
 GPT_FLAGS = ("--model", "gpt:make", "--data", "gpt:load", "--training-step", "gpt:step", "--optimizer",
