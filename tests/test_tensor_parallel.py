@@ -4,6 +4,7 @@ dim fsdp shards over. The plan is found by structure in the parent and refused i
 the GPT example trained k steps this way equals one process on the whole batch (what sync computes), pure (2 ranks)
 and 2-D (2 x 2), in float64 with AdamW and gradient clipping."""
 
+import copy
 import re
 import sys
 
@@ -131,6 +132,48 @@ def test_two_d_fsdp_by_tensor_parallel_on_four_ranks_equals_one_process_on_the_w
     got = run_workers(train, 4, FSDP(tensor_parallel=2), 2)
     assert got["notes"][0].startswith("fsdp plan: 2 blocks") and "mesh (2 shard x 2 tp)" in got["notes"][1]
     assert_same(got["model"], reference, small().state_dict())
+
+
+def built_on_meta(ctx, options) -> dict:
+    """The GPT example built on meta, materialised (and split, and sharded) by fsdp; k steps; a checkpoint
+    loaded back (every rank takes its slices of the full state) gives the same full state again."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = gpt.GPT(gpt.GPTConfig(**GPT))
+        runtime = runtime_for(options, ctx, model, adamw, clip_grad_norm=0.5, training_step=gpt.step,
+                              example=batch(0, 1))
+        for _ in range(K):
+            runtime.train_step(batch(0, 1))
+        saved = runtime.state_dict()  # (one process: the live tensors, copied before they move)
+        saved = None if saved is None else {"model": {k: v.clone() for k, v in saved["model"].items()},
+                                            "optimizer": copy.deepcopy(saved["optimizer"])}
+        runtime.train_step(batch(0, 1))  # moved away from the checkpoint, then back to it
+        runtime.load_state_dict(rank0s(ctx, saved))
+        again = runtime.state_dict()
+        return None if saved is None else {"saved": saved["model"], "again": again["model"]}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def rank0s(ctx, state):
+    """Rank 0's checkpoint on every rank (as every rank reads the file rank 0 wrote)."""
+    import torch.distributed as dist
+
+    box = [state]
+    if ctx.distributed:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def test_tensor_parallel_on_a_model_built_on_meta_equals_its_one_process_materialisation_and_resumes():
+    meta = dict(init_device="meta", init_weights=gpt.init_weights)
+    one = run_workers(built_on_meta, 1, FSDP(**meta))
+    two = run_workers(built_on_meta, 2, FSDP(tensor_parallel=2, **meta))
+    for name, want in one["saved"].items():
+        torch.testing.assert_close(two["saved"][name], want, rtol=1e-9, atol=1e-12, msg=name)
+        assert torch.equal(two["again"][name], two["saved"][name]), name
 
 
 # --------------------------------------------------------------------------- the installed command
