@@ -5,7 +5,8 @@
     python3 examples/gpt.py --dry-run              # 10 steps of 8 windows: it runs
 
 The model is what nanoGPT users write: ``GPT(GPTConfig(...))``, causal self-attention by
-``F.scaled_dot_product_attention``, the output layer tied to the input embedding, ``forward(idx,
+``F.scaled_dot_product_attention`` (q, k and v as three projections, where nanoGPT fuses them, so that
+``--tensor-parallel`` can split them by heads: the same weights for the same seed), the output layer tied to the input embedding, ``forward(idx,
 targets=None) -> (logits, loss)`` (every position's logits with targets, the last one's without), and
 ``configure_optimizers(weight_decay, learning_rate, betas, device_type)``: AdamW, decay on the matrices
 only. Nothing in it knows phalanx. What phalanx is given sits below it: ``make`` and ``load`` (the model
@@ -17,6 +18,8 @@ tenth). The same through the CLI, from this folder:
     phalanx train --model gpt:make --data gpt:load --training-step gpt:step --optimizer gpt:optimizer \\
         --lr-scheduler gpt:schedule --clip-grad-norm 1.0 --strategy sync --steps 400 --batch-size 32
     # --strategy fsdp | local-sgd --sync-every 8 | diloco --sync-every 8 | ps (2 workers each)
+    # --strategy fsdp --tensor-parallel 2 (q, k, v, the MLP split over 2 ranks; 4 workers: 2 fsdp x 2 tp)
+    # --strategy fsdp --init-device meta --init-weights gpt:init_weights (no rank builds the model whole)
     phalanx compare --model gpt:make --data gpt:load --training-step gpt:step --optimizer gpt:optimizer \\
         --lr-scheduler gpt:schedule --clip-grad-norm 1.0 --strategies sync,fsdp,ps --scenarios none \\
         --repeats 1 --target "perplexity<=8" --max-steps 400 --eval-every 50 --batch-size 32
