@@ -208,6 +208,18 @@ def test_no_whole_tensor_outlives_its_unit_once_sharded():
     assert alive == 0  # each rank keeps only its slices: a memo across units once kept them all
 
 
+def test_a_model_object_given_to_the_api_is_refused_with_meta_init_it_is_copied_not_built(tmp_path):
+    from phalanx import TrainConfig, Trainer
+
+    config = TrainConfig(strategy=FSDP(init_device="meta"), workers=2, devices="cpu", batch_size=4,
+                         checkpoint_dir=str(tmp_path / "c"))
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    with pytest.raises(PhalanxError, match=r"--init-device meta: the model's factory made '0.0.weight' with storage "
+                                           r".*a model object given to the API is copied, not built"):
+        Trainer(config, model=mlp(), train_data=(x, y)).fit()
+    assert not (tmp_path / "c").exists()
+
+
 # --------------------------------------------------------------------------- the installed command
 
 GPT_FLAGS = ("--model", "gpt:make", "--data", "gpt:load", "--training-step", "gpt:step", "--optimizer",

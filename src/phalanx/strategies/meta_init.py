@@ -78,8 +78,17 @@ def check_initialisable(model: nn.Module, init: Optional[InitFn], flag: str = "-
                 "function of one module, called on each as model.apply(fn) calls it), or drop --init-device meta")
 
 
-def check_run(init_from: Optional[str], straggler: object) -> None:
-    """What a run cannot do with a model that exists only as shards: one line each, in the parent."""
+def check_run(init_from: Optional[str], straggler: object, build: Callable[[], nn.Module]) -> None:
+    """What a run cannot do with a model that exists only as shards: one line each, in the parent. ``build``: the
+    task's factory, run here on the meta device (nothing allocated) to see that it builds there."""
+    with building(True):
+        probe = build()
+    real = [name for name, t in [*probe.named_parameters(), *probe.named_buffers()] if not t.is_meta]
+    if real:
+        raise PhalanxError(f"--init-device meta: the model's factory made '{real[0]}' with storage although it ran "
+                           "under torch.device('meta') (a model object given to the API is copied, not built; a "
+                           "factory may name a device): name a factory that builds it, e.g. --model mymodule:Net, "
+                           "or drop --init-device meta")
     if init_from is not None:
         raise PhalanxError(f"--init-from {init_from} loads the whole model into every worker, and --init-device meta "
                            "builds none: drop one (to fine-tune a model too large for one device, --resume from a "

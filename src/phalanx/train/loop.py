@@ -82,7 +82,7 @@ class WorkerRun:
         self.start_step, self.start_position = 0, Position(0, 0)
         example = self.batches.one(0) if self.batches is not None else None
         model = self._build_model()
-        if not cfg.strategy.builds_on_meta():  # (on meta: the strategy's runtime materialises its shards)
+        if not meta_init.on_meta(model):  # (on meta: the strategy's runtime materialises its shards)
             model = model.to(ctx.device)
         self.model_class = f"{type(model).__module__}.{type(model).__qualname__}"  # recorded in checkpoints
         if resumed:  # before any strategy wraps it: the plain model's names are the checkpoint's

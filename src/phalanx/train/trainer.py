@@ -119,7 +119,8 @@ class Trainer:
         checks.check_global_batch(cfg, layout, facts)
         checks.check_straggler(cfg, layout)
         if cfg.strategy.builds_on_meta():
-            meta_init.check_run(cfg.init_from, cfg.straggler)
+            meta_init.check_run(cfg.init_from, cfg.straggler,
+                                lambda: task.make_model(facts.input_shape, facts.num_classes))
         checks.check_precision(cfg, layout)
         if cfg.link is not None:
             shaped_link.check(cfg.link, devices=list(layout.devices), world_size=layout.world_size,
