@@ -108,36 +108,43 @@ def materialise(root: nn.Module, device: torch.device, init: Optional[InitFn] = 
     held meta tensors, the user's ``init`` on those and on every module above them (a parent may set its
     children's tensors); a unit already materialised and sharded is never touched again.
     """
-    allocated, fresh, touched = 0, [], set()
-    memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the meta tensor, kept so no id is reused; its own)
+    fresh, touched, allocated = _allocate_all(root, device, where)
+    with torch.no_grad():
+        for _, module in _post_order(root):
+            if id(module) not in touched:
+                continue
+            if id(module) in fresh and callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+            if init is not None:
+                init(module)
+    for name, module in fresh.values():
+        _check_written(name, module)
+    return allocated
+
+
+def _allocate_all(root: nn.Module, device: torch.device, where: str) -> tuple[dict, set, int]:
+    """Every meta tensor under ``root`` replaced by one allocated on ``device``: ({id: (name, module)} of the
+    modules that held them, the ids of those and of every module above them, the bytes allocated)."""
+    fresh: dict[int, tuple[str, nn.Module]] = {}
+    touched: set[int] = set()
+    allocated = 0
+    # id -> (the meta tensor, held so that its id stays unique meanwhile; what replaces it)
+    memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, module in _post_order(root, where):
-        own = [(n, t) for n, t in _own(module) if t.is_meta]
         if any(id(child) in touched for child in module.children()):
             touched.add(id(module))  # a parent's init may set its children's tensors (GPT-2's scaled projections)
+        own = [(n, t) for n, t in _own(module) if t.is_meta]
         if not own:
             continue
         for attr, tensor in own:
             if id(tensor) not in memo:
                 memo[id(tensor)] = (tensor, _allocate(tensor, device))
                 allocated += tensor.numel() * tensor.element_size()
-            replacement = memo[id(tensor)][1]
-            if attr in module._parameters:
-                module._parameters[attr] = replacement
-            else:
-                module._buffers[attr] = replacement
-        fresh.append((name, module))
+            table = module._parameters if attr in module._parameters else module._buffers
+            table[attr] = memo[id(tensor)][1]
+        fresh[id(module)] = (name, module)
         touched.add(id(module))
-    with torch.no_grad():
-        for _, module in _post_order(root):
-            if id(module) not in touched:
-                continue
-            if any(m is module for _, m in fresh) and callable(getattr(module, "reset_parameters", None)):
-                module.reset_parameters()
-            if init is not None:
-                init(module)
-    for name, module in fresh:
-        _check_written(name, module)
-    return allocated
+    return fresh, touched, allocated
 
 
 def _allocate(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
