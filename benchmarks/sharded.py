@@ -43,6 +43,14 @@ background, ``--async-checkpoint``). Per rank: the peak resident set in training
 two moments) over W; and the seconds the save held the step up.
 
     python3 benchmarks/sharded.py --checkpoint --repeats 2          # about 4 minutes on 2 cores
+
+``--init-memory`` measures instead what building costs (issue 32): the GPT example (examples/gpt.py) at 99 M
+parameters, fsdp on 2 and 3 CPU ranks, built eagerly (every rank builds the whole model, then shards it) and on
+the meta device (``--init-device meta``: one block materialised at a time); per rank the peak resident set above
+the process before building (VmHWM reset at the worker's start), over building + sharding and over one AdamW step,
+beside the model's bytes over W:
+
+    python3 benchmarks/sharded.py --init-memory --repeats 2 --save
 """
 
 from __future__ import annotations
@@ -250,6 +258,46 @@ def checkpoint_worker(ctx, variant: str, root: str, layers: int, width: int, ste
     return every
 
 
+# --------------------------------------------------------------------------- a model built on meta (--init-memory)
+
+#: the GPT example at about 100 M parameters (14 blocks of 7.1 M, 28 MB each in float32); bytes, not quality
+GPT_100M = dict(vocab_size=256, block_size=64, n_layer=14, n_head=12, n_embd=768)
+INIT_VARIANTS = {"fsdp": False, "fsdp-meta": True}  # variant -> built on the meta device
+
+
+def gpt_100m():
+    import gpt  # examples/gpt.py (put on the path by init_memory)
+
+    return gpt.GPT(gpt.GPTConfig(**GPT_100M))
+
+
+def init_worker(ctx, meta: bool, steps: int) -> list:
+    """Every rank's (resident set before building, peak over building + sharding, peak over ``steps`` AdamW steps
+    on one 64-token window, parameter bytes held), all in bytes, the peaks above the first figure."""
+    import gpt
+    from phalanx.strategies import meta_init
+
+    _reset_peak_rss()
+    base = _rss()
+    torch.manual_seed(0)
+    with meta_init.building(meta):
+        model = gpt_100m()
+    options = FSDP(init_device="meta", init_weights=gpt.init_weights) if meta else FSDP()
+    runtime = runtime_for(options, ctx, model, lambda params: torch.optim.AdamW(params, lr=1e-4),
+                          training_step=gpt.step)
+    dist.barrier()
+    built = _peak_rss() - base
+    g = torch.Generator().manual_seed(ctx.rank)
+    window = torch.randint(0, 256, (1, 64), generator=g)
+    for _ in range(steps):
+        runtime.train_step((window, window))
+    trained = _peak_rss() - base
+    mine = (base, built, trained, held(runtime.module, runtime.optimizer).parameters)
+    every: list = [None] * ctx.world_size
+    dist.all_gather_object(every, mine)
+    return every
+
+
 def _rss() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
@@ -318,6 +366,54 @@ def checkpoint_main(args) -> None:
                      "gather adds the whole state to rank 0's")
 
 
+def init_memory(args) -> None:
+    """Peak resident memory per rank while the GPT builds and trains, fsdp on 2 and 3 ranks, eager and on meta,
+    beside the model's bytes over W; interleaved repeats, medians (of the largest rank's figure)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")  # (see the module's docstring)
+    model_bytes = sum(p.numel() * p.element_size() for p in gpt_100m().parameters())
+    counts = [int(w) for w in args.init_workers.split(",")]
+    runs = {(w, v): [] for w in counts for v in INIT_VARIANTS}
+    for r in range(args.repeats):
+        for w in counts:
+            for variant, meta in INIT_VARIANTS.items():
+                ranks = launch(init_worker, [torch.device("cpu")] * w, (meta, args.init_steps), threads=args.threads)
+                runs[(w, variant)].append(ranks)
+                print(f"repeat {r + 1}/{args.repeats}  {w} ranks {variant:<9} build peak "
+                      f"{size(max(b for _, b, _, _ in ranks))}, training peak {size(max(t for _, _, t, _ in ranks))}",
+                      flush=True)
+    saved = init_report(runs, model_bytes)
+    save_result("sharded-init", args, model=f"examples/gpt.py {GPT_100M}", model_bytes=model_bytes,
+                steps=args.init_steps, threads=args.threads, results=saved,
+                malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+                goal="built on meta, a rank's peak while building is about the model's bytes / W plus one block, "
+                     "not the whole model")
+
+
+def init_report(runs: dict, model_bytes: int) -> dict:
+    print(f"\nGPT example, {model_bytes / 4e6:.1f} M parameters ({size(model_bytes)} float32), one block "
+          f"{size(model_bytes // GPT_100M['n_layer'])}: peak resident memory per rank above the process before "
+          "building (largest rank, median over repeats; the last column: the peak over building and one AdamW step)")
+    print(f"  {'ranks':>5} {'variant':<10} {'model/W':>10} {'build peak':>11} {'/ (model/W)':>12} "
+          f"{'build + 1 step':>14} {'params held':>12}")
+    out = {}
+    for (w, variant), repeats in runs.items():
+        built = statistics.median(max(b for _, b, _, _ in ranks) for ranks in repeats)
+        trained = statistics.median(max(t for _, _, t, _ in ranks) for ranks in repeats)
+        params = max(p for _, _, _, p in repeats[-1])
+        print(f"  {w:>5} {variant:<10} {size(model_bytes // w):>10} {size(int(built)):>11} "
+              f"{built / (model_bytes / w):>12.2f} {size(int(trained)):>14} {size(params):>12}")
+        out[f"{w}-{variant}"] = {"ranks": w, "variant": variant, "model_bytes_over_w": model_bytes / w,
+                                 "median_build_peak_bytes": built, "median_training_peak_bytes": trained,
+                                 "build_peak_over_model_over_w": built / (model_bytes / w),
+                                 "parameter_bytes_held": params,
+                                 "every_rank": [[list(r) for r in ranks] for ranks in repeats]}
+    return out
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--repeats", type=int, default=5)
@@ -334,7 +430,13 @@ def main() -> None:
     p.add_argument("--checkpoint-variants", default=",".join(CHECKPOINT_VARIANTS))
     p.add_argument("--gpt-layers", type=int, default=8)
     p.add_argument("--gpt-width", type=int, default=768)
+    p.add_argument("--init-memory", action="store_true", help="instead: peak memory per rank building the GPT "
+                                                                   "example at 100 M parameters, eager and on meta")
+    p.add_argument("--init-workers", default="2,3", help="with --init-memory: the rank counts")
+    p.add_argument("--init-steps", type=int, default=1, help="with --init-memory: AdamW steps after building")
     args = p.parse_args()
+    if args.init_memory:
+        return init_memory(args)
     if args.checkpoint:
         if "--steps" not in os.sys.argv:
             args.steps = 1  # memory, not time: one step makes every buffer (AdamW's state included)

@@ -5,7 +5,8 @@
     python3 examples/gpt.py --dry-run              # 10 steps of 8 windows: it runs
 
 The model is what nanoGPT users write: ``GPT(GPTConfig(...))``, causal self-attention by
-``F.scaled_dot_product_attention``, the output layer tied to the input embedding, ``forward(idx,
+``F.scaled_dot_product_attention`` (q, k and v as three projections, where nanoGPT fuses them, so that
+``--tensor-parallel`` can split them by heads: the same weights for the same seed), the output layer tied to the input embedding, ``forward(idx,
 targets=None) -> (logits, loss)`` (every position's logits with targets, the last one's without), and
 ``configure_optimizers(weight_decay, learning_rate, betas, device_type)``: AdamW, decay on the matrices
 only. Nothing in it knows phalanx. What phalanx is given sits below it: ``make`` and ``load`` (the model
@@ -17,6 +18,8 @@ tenth). The same through the CLI, from this folder:
     phalanx train --model gpt:make --data gpt:load --training-step gpt:step --optimizer gpt:optimizer \\
         --lr-scheduler gpt:schedule --clip-grad-norm 1.0 --strategy sync --steps 400 --batch-size 32
     # --strategy fsdp | local-sgd --sync-every 8 | diloco --sync-every 8 | ps (2 workers each)
+    # --strategy fsdp --tensor-parallel 2 (q, k, v, the MLP split over 2 ranks; 4 workers: 2 fsdp x 2 tp)
+    # --strategy fsdp --init-device meta --init-weights gpt:init_weights (no rank builds the model whole)
     phalanx compare --model gpt:make --data gpt:load --training-step gpt:step --optimizer gpt:optimizer \\
         --lr-scheduler gpt:schedule --clip-grad-norm 1.0 --strategies sync,fsdp,ps --scenarios none \\
         --repeats 1 --target "perplexity<=8" --max-steps 400 --eval-every 50 --batch-size 32
@@ -75,17 +78,21 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         assert config.n_embd % config.n_head == 0, "n_embd must split evenly between the heads"
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
+        # q, k and v as three projections (torchtitan's wq, wk, wv; nanoGPT fuses them in one c_attn): tensor
+        # parallelism splits each by output columns, so a rank's slice of each is whole heads of q, k and v
+        self.q = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.k = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.v = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head, self.dropout = config.n_head, config.dropout
+        self.n_head, self.head_dim, self.dropout = config.n_head, config.n_embd // config.n_head, config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        B, T, _ = x.size()
+        # -1, not n_head: under tensor parallelism a rank holds n_head / N of the heads (torchtitan's view)
+        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # the heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -108,6 +115,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
+        self.n_layer = config.n_layer  #: GPT-2 scales the residual projections by the depth they add up over
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))  # pre-norm residual blocks, as GPT-2
@@ -187,6 +195,16 @@ def make(num_classes: int = 256) -> GPT:
 def load(block_size: int = GPTConfig.block_size):
     """((x_train, y_train), (x_test, y_test)): windows of the stdlib's source, targets the next byte (char_lm's)."""
     return char_lm.load(block_size)
+
+
+def init_weights(module: nn.Module) -> None:
+    """``--init-weights gpt:init_weights`` (with ``--init-device meta``): GPT-2's initialisation of one module, the
+    distributions GPT.__init__ gives (N(0, 0.02) matrices, zero biases, residual projections scaled by depth), called
+    on each module children first, so a block's projections are scaled after its Linear layers are drawn."""
+    GPT._init_weights(None, module)  # (it reads nothing of the model)
+    if isinstance(module, Block):
+        for proj in (module.attn.c_proj, module.mlp.c_proj):
+            nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * module.n_layer))
 
 
 def step(model: GPT, batch):

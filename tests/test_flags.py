@@ -26,7 +26,8 @@ SAMPLE = {"reduce": "flat", "compress": "bf16", "islands": "0,1", "bucket_mb": "
           "sync_every": "2", "stages": "2", "chunks": "2", "schedule": "gpipe", "balance": "params",
           "profile_repeats": "3", "reshard_after_forward": None, "blocks": "0,1",  # None: an on/off flag
           "backup_workers": "1", "outer_lr": "0.5", "outer_momentum": "0.8", "fragments": "2",
-          "outer_precision": "int8", "split_points": "0"}
+          "outer_precision": "int8", "split_points": "0", "init_device": "meta", "init_weights": "mymodel:init",
+          "tensor_parallel": "2"}
 
 FOREIGN = [(strategy, name) for strategy, cls in STRATEGIES.items() for name in strategy_fields()
            if name not in {f.name for f in dataclasses.fields(cls)}]

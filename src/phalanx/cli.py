@@ -37,7 +37,20 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"error: {message} (see '{self.prog} --help')\n")
+        self.exit(2, f"error: {message}{_train_only(message)} (see '{self.prog} --help')\n")
+
+
+def _train_only(message: str) -> str:
+    """Where a command refuses a strategy's flag (compare and estimate take only what they model): whose flag it is."""
+    if not message.startswith("unrecognized arguments:"):
+        return ""
+    flags = {field_flag(cls, name): names for name, (cls, names) in strategy_fields().items()}
+    for token in message.partition(":")[2].split():
+        flag = token.partition("=")[0]
+        if flag in flags:
+            return (f"; {flag} is {' and '.join(flags[flag])}'s option in phalanx train, and this command runs or "
+                    f"predicts each strategy without it: drop {flag}")
+    return ""
 
 
 def strategy_fields() -> dict[str, tuple[type, list[str]]]:

@@ -160,6 +160,11 @@ class Options:
         """The model's blocks as this strategy sees them (``--activation-checkpointing`` recomputes each)."""
         return model_units(model)
 
+    def builds_on_meta(self) -> bool:
+        """Whether every worker builds the model on the meta device (nothing allocated) and the runtime
+        materialises it (only its own shards: ``--init-device meta``); else it is built on the worker's device."""
+        return False
+
     def _set(self, **values: Any) -> None:
         """Normalise a field in ``__post_init__`` (the dataclass is frozen)."""
         for key, value in values.items():

@@ -55,7 +55,9 @@ from ..models import blocks_of_class, describe_blocks, model_units, repeated_blo
 from ..options import option
 from ..data.batch import head
 from ..metrics import FORWARD_ONLY, Totals, add_up
-from .base import COUNT_CORRECT, Batch, Build, Job, Layout, Options, Report, Runtime, data_parallel
+from . import meta_init, tensor_parallel
+from .base import (COUNT_CORRECT, Batch, Build, Job, Layout, Options, Report, Runtime, data_parallel,
+                   require_positive)
 from .registry import register
 from .replicas import broadcast_buffers, verify_replicas
 
@@ -142,20 +144,56 @@ class FSDP(Options):
                                                      "named_modules() gives them (e.g. 'encoder,head') or class "
                                                      "names, every module of that class (e.g. 'Block')",
                                                parse=parse_blocks, show="the model's repeated blocks")
+    init_device: Optional[str] = option(None, "'meta': every worker builds the model on the meta device (no memory) "
+                                              "and materialises it one block at a time, keeping its shard of each",
+                                        choices=("meta",), show="the worker's device")
+    init_weights: Optional[Any] = option(None, "with --init-device meta: MODULE:CALLABLE, a function of one module "
+                                               "that initialises its own tensors (called on each as model.apply(fn) "
+                                               "calls it, after its reset_parameters())", show="reset_parameters()")
+    tensor_parallel: int = option(1, "split each block's attention and MLP Linear layers over N ranks (column- then "
+                                     "row-wise, DTensor's parallelize_module); N divides the workers: a 2-D mesh "
+                                     "(workers/N fsdp x N tensor-parallel)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.reshard_after_forward, bool):
             raise PhalanxError(f"--reshard-after-forward is on or off, got {self.reshard_after_forward!r}")
         if self.blocks is not None:
             self._set(blocks=parse_blocks(self.blocks))
+        if self.init_device not in (None, "meta"):
+            raise PhalanxError(f"--init-device {self.init_device}: only 'meta' is known (build nothing, materialise "
+                               "each rank's shards), or leave it out")
+        if self.init_weights is not None and self.init_device != "meta":
+            raise PhalanxError("--init-weights initialises a model built on the meta device: add --init-device meta")
+        require_positive("--tensor-parallel", self.tensor_parallel)
+
+    def builds_on_meta(self) -> bool:
+        return self.init_device == "meta"
+
+    def init_fn(self) -> Optional[meta_init.InitFn]:
+        """The --init-weights function (an import path is resolved where it is asked for: parent and workers)."""
+        if isinstance(self.init_weights, str):
+            from ..task import resolve  # (the task layer: how a user's import path is found)
+
+            return resolve(self.init_weights, "--init-weights", "a function of one module that initialises it")
+        return self.init_weights
 
     def layout(self, job: Job) -> Layout:
-        if job.model is not None:
-            shard_units(job.model, self.blocks)  # refuse a model with nothing to shard before anything starts
+        if self.tensor_parallel > 1:
+            tensor_parallel.check_degree(self.tensor_parallel, job.processes or job.workers)
+        if job.model is not None:  # refuse a model with nothing to shard (or to split) before anything starts
+            units = shard_units(job.model, self.blocks)
+            if self.builds_on_meta():
+                meta_init.check_initialisable(job.model, self.init_fn())
+            if self.tensor_parallel > 1:
+                tensor_parallel.model_plan(units, self.tensor_parallel)
+        if self.tensor_parallel > 1:
+            return tensor_parallel.layout(job, self.tensor_parallel)
         return data_parallel(job)
 
     def describe(self) -> str:
-        return "fsdp (fully_shard)" if self.reshard_after_forward else "fsdp (fully_shard, no reshard after forward)"
+        how = "fully_shard" if self.reshard_after_forward else "fully_shard, no reshard after forward"
+        extra = f" x tensor parallel {self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        return f"fsdp ({how}{extra}{', built on meta' if self.builds_on_meta() else ''})"
 
     def runtime(self, build: Build) -> Runtime:
         return FSDPRuntime(build, self)
@@ -170,35 +208,77 @@ register(FSDP, cost=FSDPCost(), simulated=LOCKSTEP)
 
 
 class FSDPRuntime(Runtime):
-    """One rank's shard of every block; the plain model when alone."""
+    """One rank's shard of every block (and its tensor-parallel slice of them); the plain model when alone."""
 
     def __init__(self, build: Build, options: FSDP):
         ctx, model = build.ctx, build.model
+        self.ctx = ctx  # (the notes below read it before Runtime.__init__ sets it again)
         self.units = shard_units(model, options.blocks)
+        tp = options.tensor_parallel
+        self.tp_plan = tensor_parallel.model_plan(self.units, tp) if tp > 1 else {}
+        on_meta = meta_init.on_meta(model)
+        if ctx.distributed and not on_meta:
+            # fully_shard keeps each rank's own slice of its own copy (no broadcast from rank 0), so
+            # replicas built differently would silently train a patchwork: check, as sync does. (A model
+            # built on meta is materialised from one seed in one order on every rank: equal by construction.)
+            verify_replicas(model, ctx)
+        self.shard_mesh, self.tp_mesh = (tensor_parallel.meshes(ctx.device.type, ctx.world_size, tp)
+                                         if ctx.distributed else (None, None))
+        # bf16 on a GPU: bf16 gathers and compute, fp32 reductions (None: the parameters' own dtype throughout)
+        self.policy = build.precision.sharded_policy() if ctx.distributed else None
+        self.materialised = self._shard(model, options, on_meta, ctx.device)
         if not ctx.distributed:
-            super().__init__(build, description="fsdp (one process: nothing to shard)")
+            super().__init__(build, description="fsdp (one process: nothing to shard)", notes=self._meta_note())
             return
-        from torch.distributed.device_mesh import init_device_mesh
+        super().__init__(build, model, description=options.describe(), notes=self._plan_notes(options))
+
+    def _shard(self, model: nn.Module, options: FSDP, on_meta: bool, device: torch.device) -> int:
+        """Unit by unit: materialise it (a model built on meta), split its layers (tensor parallel), shard it; then
+        the root. Returns the bytes materialised (0: the model was built whole)."""
         from torch.distributed.fsdp import fully_shard
 
-        # fully_shard keeps each rank's own slice of its own copy (no broadcast from rank 0), so
-        # replicas built differently would silently train a patchwork: check, as sync does.
-        verify_replicas(model, ctx)
-        self.mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("shard",))
-        policy = build.precision.sharded_policy()  # bf16 on a GPU: bf16 gathers and compute, fp32 reductions
-        mixed = {"mp_policy": policy} if policy is not None else {}
+        init, made = options.init_fn() if on_meta else None, 0
+        mixed = {"mp_policy": self.policy} if self.policy is not None else {}
+        if on_meta:
+            meta_init.reseed()
         # fully_shard goes bottom-up: a unit nested in another must be wrapped first.
-        for _, block in sorted(self.units, key=lambda unit: -unit[0].count(".")):
-            fully_shard(block, mesh=self.mesh, reshard_after_forward=options.reshard_after_forward, **mixed)
-        fully_shard(model, mesh=self.mesh, **mixed)  # the root: whatever parameters no block holds; it stays gathered
+        for name, block in sorted(self.units, key=lambda unit: -unit[0].count(".")):
+            if on_meta:  # this unit whole, then at once only this rank's shard of it: one unit at a time
+                made += meta_init.materialise(block, device, init, name)
+            if self.tp_mesh is not None:
+                tensor_parallel.apply(block, self.tp_plan[name], self.tp_mesh)
+            if self.shard_mesh is not None:
+                fully_shard(block, mesh=self.shard_mesh, reshard_after_forward=options.reshard_after_forward, **mixed)
+        if on_meta:
+            made += meta_init.materialise(model, device, init)
+        if self.shard_mesh is not None:
+            fully_shard(model, mesh=self.shard_mesh, **mixed)  # the root: what no block holds; stays gathered
+        return made
+
+    def _meta_note(self) -> list[str]:
+        if not self.materialised:
+            return []
+        return [f"built on the meta device; materialised block by block on {self.ctx.device} "
+                f"({self.materialised / 2**20:.1f} MiB, one block whole at a time)"]
+
+    def _plan_notes(self, options: FSDP) -> list[str]:
+        blocks = describe_blocks(self.units)
         gathers = ("gathered for forward, freed, gathered again for backward" if options.reshard_after_forward
                    else "gathered once per step (kept from forward to backward)")
-        notes = [f"fsdp plan: {len(self.units)} blocks ({describe_blocks(self.units)}) each sharded over a 1-D mesh "
-                 f"of {ctx.world_size} ranks ({ctx.device.type}, {ctx.backend}); parameters {gathers}"]
-        if policy is not None:
+        ctx, tp = self.ctx, options.tensor_parallel
+        notes = []
+        if self.shard_mesh is not None:
+            over = (f"a 1-D mesh of {ctx.world_size} ranks" if tp == 1
+                    else f"the shard dim of a 2-D mesh ({ctx.world_size // tp} ranks)")
+            notes.append(f"fsdp plan: {len(self.units)} blocks ({blocks}) each sharded over {over} "
+                         f"({ctx.device.type}, {ctx.backend}); parameters {gathers}")
+        if self.tp_mesh is not None:
+            notes.append(f"tensor parallel plan: mesh ({ctx.world_size // tp} shard x {tp} tp), every {tp} ranks "
+                         f"split one replica and read one data shard; {tensor_parallel.describe(self.tp_plan)}")
+        if self.policy is not None:
             notes.append("fsdp mixed precision: MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32): "
                          "blocks gathered and run in bf16, gradients reduce-scattered in fp32")
-        super().__init__(build, model, description=options.describe(), notes=notes)
+        return notes + self._meta_note()
 
     @property
     def sharded(self) -> bool:
@@ -206,14 +286,23 @@ class FSDPRuntime(Runtime):
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Accumulate gradients locally (unsharded), reduce-scatter only after the last micro-batch."""
-        return _no_gradient_sync(self.model) if self.sharded else contextlib.nullcontext()
+        return _no_gradient_sync(self.model) if self.shard_mesh is not None else contextlib.nullcontext()
 
     def gradient_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The whole model's gradient norm from this rank's shards: torch computes it on the DTensor gradients as
         a partial sum of every shard's; ``full_tensor`` adds those up over the mesh (one small all-reduce), so
         every rank clips by the same norm, the one the unsharded gradient has (as torchtitan does)."""
+        if self.tp_mesh is not None:  # gradients on two meshes (blocks 2-D, the rest 1-D or plain)
+            return tensor_parallel.gradient_norm(grads)
         norm = super().gradient_norm(grads)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def clip_gradients(self) -> None:
+        if self.tp_mesh is None:
+            return super().clip_gradients()
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        self.grad_norm = self.gradient_norm([p.grad for p in params])
+        tensor_parallel.clip(params, self.build.clip_grad_norm, self.grad_norm)
 
     # ---- evaluation ----
     @torch.no_grad()
@@ -239,7 +328,10 @@ class FSDPRuntime(Runtime):
             add_up(self.model, [head(source, 1)] * missing, self.ctx.device, FORWARD_ONLY, self.build.step)
         self._reshard()
         sums = sums.to(self.ctx.device)
-        dist.all_reduce(sums)
+        if self.tp_mesh is None:
+            dist.all_reduce(sums)
+        elif self.shard_mesh is not None:  # the tp ranks of a group evaluated the same part: count it once
+            dist.all_reduce(sums, group=self.shard_mesh.get_group())
         return tuple(sums.tolist())
 
     def _reshard(self) -> None:
@@ -332,7 +424,9 @@ class FSDPRuntime(Runtime):
         return [name_of[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
 
     def report(self, final: bool = False) -> Report:
-        return Report({"sharded_blocks": [name for name, _ in self.units] if self.sharded else []})
+        tp = {"tensor_parallel": len(self.tp_mesh.mesh.flatten())} if self.tp_mesh is not None else {}
+        return Report({"sharded_blocks": [name for name, _ in self.units] if self.shard_mesh is not None else [],
+                       **tp})
 
 
 def _containers(value: Any) -> Any:

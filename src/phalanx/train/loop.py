@@ -29,7 +29,7 @@ from ..data.batch import split, to_device
 from ..precision import Precision, compile_blocks
 from ..recompute import Recomputed, checkpoint_blocks
 from ..startup import Marks
-from ..strategies import Build, nonfinite_values
+from ..strategies import Build, meta_init, nonfinite_values
 from . import checkpoint as ckpt
 from .losses import LossWindow, first_non_finite
 from .step_errors import explained
@@ -86,7 +86,9 @@ class WorkerRun:
         # Where the data stood at step start_step: positions count examples, so the global batch may change.
         self.start_step, self.start_position = 0, Position(0, 0)
         example = self.batches.one(0) if self.batches is not None else None
-        model = self._build_model().to(ctx.device)
+        model = self._build_model()
+        if not meta_init.on_meta(model):  # (on meta: the strategy's runtime materialises its shards)
+            model = model.to(ctx.device)
         self.model_class = f"{type(model).__module__}.{type(model).__qualname__}"  # recorded in checkpoints
         if resumed:  # before any strategy wraps it: the plain model's names are the checkpoint's
             check_fits(resumed, model, resumed["path"])
@@ -143,7 +145,8 @@ class WorkerRun:
 
     def _build_model(self) -> nn.Module:
         torch.manual_seed(self.cfg.seed)  # the same initial weights on every worker
-        return self.plan.task.make_model(self.data.input_shape, self.data.num_classes)
+        with meta_init.building(self.cfg.strategy.builds_on_meta()):
+            return self.plan.task.make_model(self.data.input_shape, self.data.num_classes)
 
     def _init_from(self, model: nn.Module) -> str:
         """Fine-tuning (--init-from): the checkpoint's weights, loaded into the plain model on every rank (so the

@@ -26,7 +26,7 @@ from ..errors import JobHung, PhalanxError, Stopped, WorkerFailed
 from ..launcher import in_torchrun, launch, launcher_rank, launcher_world_size
 from ..data.user import cast_to_model
 from ..task import Task, named_optimizer, user_task
-from ..strategies import Job, Layout
+from ..strategies import Job, Layout, meta_init
 from . import checkpoint as ckpt
 from . import checks, rundir, step_checks, tensorboard
 from .config import TrainConfig
@@ -118,6 +118,9 @@ class Trainer:
         layout = cfg.strategy.layout(job)
         checks.check_global_batch(cfg, layout, facts)
         checks.check_straggler(cfg, layout)
+        if cfg.strategy.builds_on_meta():
+            meta_init.check_run(cfg.init_from, cfg.straggler,
+                                lambda: task.make_model(facts.input_shape, facts.num_classes))
         checks.check_precision(cfg, layout)
         checks.check_async_checkpoint(cfg, layout)
         if cfg.link is not None:
