@@ -160,15 +160,16 @@ class WorkerRun:
     def _checkpoint_activations(self, model: nn.Module, example: Any) -> Recomputed:
         """--activation-checkpointing on the strategy's blocks; rank 0 measures what it saves on its first
         micro-batch (two forwards, nothing changed: see recompute.py)."""
-        measure = None
-        if self.ctx.is_main and example is not None:
-            batch = to_device(split(example, self.cfg.accumulate)[0], self.ctx.device)
-            precision = Precision(self.cfg.precision, self.ctx.device.type)
+        units = self.cfg.strategy.units(model)
+        if not self.ctx.is_main or example is None:
+            return checkpoint_blocks(model, units, None)
+        batch = to_device(split(example, self.cfg.accumulate)[0], self.ctx.device)
+        precision = Precision(self.cfg.precision, self.ctx.device.type)
 
-            def measure() -> Any:
-                with precision.autocast():
-                    return self.plan.task.step(model, batch).loss
-        return checkpoint_blocks(model, self.cfg.strategy.units(model), measure)
+        def measure() -> Any:
+            with precision.autocast():
+                return self.plan.task.step(model, batch).loss
+        return checkpoint_blocks(model, units, measure)
 
     def _make_optimizer(self, module: nn.Module) -> torch.optim.Optimizer:
         task = self.plan.task
