@@ -19,7 +19,6 @@ from torch import nn
 from ..costs import ModelFacts
 from ..data import batch as batches
 from ..pipeline.split import blocks_or_whole
-from ..step import DefaultStep
 from ..train.step_checks import first_line_of_failure
 
 MIB = 2 ** 20
@@ -36,7 +35,7 @@ def ddp_buckets(params_backward_order: Sequence[torch.Tensor], bucket_mb: float)
 def model_facts(model: nn.Module, example: Any, batch_size: int, bucket_mb: float = 25.0,
                 step: Optional[Callable] = None) -> ModelFacts:
     """Sizes of ``model`` for batches like ``example`` (a batch tree of one or more examples), called by
-    ``step`` (the task's; None: the convention's on a pair).
+    ``step`` (the task's; None: the model called on the inputs, a pair's first element or a tensor alone).
 
     Per block where the model has a sequential structure (what a pipeline splits); a model without
     one (any ``forward`` of a user's own) is one block: every data-parallel cost needs only its
@@ -75,7 +74,8 @@ def output_bytes(model: nn.Module, blocks: list[nn.Module], one: Any, step: Opti
     model.eval()
     try:
         with torch.no_grad():
-            call = step or DefaultStep(torch.nn.functional.cross_entropy)
+            # no step: the model on the inputs (a pair's first element, or a tensor of inputs alone)
+            call = step or (lambda m, b: m(batches.inputs(b)))
             first_line_of_failure(lambda: call(model, one), f"the model fails on an example batch "
                                   f"{batches.describe(one)}", "make it take the batches your data yields, or give "
                                   "--training-step")
