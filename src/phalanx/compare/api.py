@@ -42,7 +42,8 @@ def compare(*, model: Any = None, train_data: Any = None, test_data: Any = None,
     ``model``: an ``nn.Module`` (every run trains a copy of it, so every run starts from its weights)
     or a name as ``--model`` takes it (``"cnn"``, ``"mymodels:Net"``); ``train_data``/``test_data``,
     ``loss_fn``, ``optimizer`` (``params -> Optimizer``), ``metrics``, ``lr_scheduler`` and ``training_step``:
-    as ``phalanx.Trainer`` takes them. Unset keywords take the command's defaults. ``workers``: the worker processes of every run;
+    as ``phalanx.Trainer`` takes them. Unset keywords take the command's defaults. ``workers``: the worker
+    processes of every run;
     ``simulate_workers``: the worker counts a simulation compares (default 8, 64, 256).
     """
     from ..simulate.options import SimulateOptions

@@ -4,7 +4,8 @@ Who talks to whom: the parent starts K processes through phalanx's own launcher,
 worker processes that would share one node (each with the torch threads phalanx would give it:
 its share of the cores). Every process runs what a worker of ``phalanx train`` runs per step,
 on the same data path (the sharded batches, read ahead by a thread where training's are), the same model and the same
-optimizer, with no communication: forward, backward, optimizer step, and the rest of the loop
+optimizer, with no communication: the task's step (``step(model, batch)``, as train calls it: any batch
+tree, the model's own loss or the user's step), backward, clipping and optimizer step, and the rest of the loop
 (next batch, learning-rate schedule, the loss as a number). All K run at once, so they compete for
 cores and memory as real workers do. After warm-up steps, each phase is timed per step; then the
 model's blocks are timed one by one (at the batch and at each micro-batch size a pipeline would
@@ -28,7 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from ..data import batch as batches
+from ..data import batch as trees  # (``batches`` names the sharded batches in probe)
 from ..launcher import launch
 from ..pipeline.split import blocks_or_whole
 from ..costs import Compute
@@ -211,7 +212,7 @@ def _blocks(model, batch, device, spec: ProbeSpec, step: Callable) -> dict:
     step. Any other model, batch or step is timed whole, as its step calls it (:func:`time_whole`)."""
     blocks = [block for _, block in blocks_or_whole(model)]
     sizes = (1,) + tuple(spec.micro_batches)
-    if len(blocks) > 1 and batches.is_pair(batch) and isinstance(step, DefaultStep):
+    if len(blocks) > 1 and trees.is_pair(batch) and isinstance(step, DefaultStep):
         timed = time_block_sizes(blocks, batch[0], sizes, device)
     else:
         timed = time_whole(model, blocks, batch, step, sizes, device)
@@ -223,19 +224,19 @@ def time_whole(model, blocks, batch, step: Callable, sizes, device, repeats: int
     """Forward+backward seconds of the task's step per micro-batch, at each count in ``sizes`` (interleaved, the
     median of ``repeats`` after one warm-up), shared between the blocks by their parameters: only the whole is
     measured where the blocks cannot be called one by one (a dict batch, a step of the user's)."""
-    copy_ = copy.deepcopy(model).train()
+    replica = copy.deepcopy(model).train()
     times: dict[int, list[float]] = {m: [] for m in sizes}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for _ in range(repeats + 1):
             for m in sizes:
-                parts = batches.split(batch, m)
+                parts = trees.split(batch, m)
                 start = _now(device)
                 for part in parts:
-                    step(copy_, part).loss.backward()
+                    step(replica, part).loss.backward()
                 times[m].append((_now(device) - start) / len(parts))
-                copy_.zero_grad(set_to_none=True)
-    sizes_ = [sum(p.numel() for p in block.parameters()) for block in blocks]
-    shares = [n / sum(sizes_) for n in sizes_] if sum(sizes_) else [1.0 / len(blocks)] * len(blocks)
+                replica.zero_grad(set_to_none=True)
+    params = [sum(p.numel() for p in block.parameters()) for block in blocks]
+    shares = [n / sum(params) for n in params] if sum(params) else [1.0 / len(blocks)] * len(blocks)
     return {m: [statistics.median(done[1:]) * share for share in shares] for m, done in times.items()}
 
 

@@ -1,14 +1,17 @@
 """Real gradients of the user's model at any parameters, many workers' at once.
 
-The model is used as a function of a flat parameter vector (``torch.func.functional_call``): a
-worker's parameters are one row of floats, wherever it got them (a version it pulled, its local
-copy). Two ways to compute, by what the rule needs:
+The task's step (``step(model, batch).loss``: the model called as its authors call it, on a batch of
+any structure, its own loss or the user's ``--training-step``) is used as a function of a flat parameter
+vector (``torch.func.functional_call``): a worker's parameters are one row of floats, wherever it got
+them (a version it pulled, its local copy). Two ways to compute, by what the rule needs:
 
 - :meth:`Gradients.mean`: workers on the *same* parameters whose gradients are only ever averaged
-  (sync): their batches concatenated into one forward pass, the loss the mean of each shard's own
-  loss, so the gradient is exactly the mean of theirs (DDP's), in one larger batch;
+  (sync): pairs under the convention's step concatenated into one forward pass, the loss the mean of
+  each shard's own loss, so the gradient is exactly the mean of theirs (DDP's), in one larger batch;
+  any other task shard by shard (its step decides the loss: a mean over its own counted tokens);
 - :meth:`Gradients.each`: every worker's own gradient, on its own parameters (a parameter server
-  applies them one by one; local SGD steps each copy): ``vmap`` over the workers, in chunks, so
+  applies them one by one; local SGD steps each copy): ``vmap`` over the workers (every tensor of
+  their batch trees stacked), in chunks, so
   256 gradients of a small model are a few batched calls; where the model or loss cannot be
   vmapped (an LSTM), one worker after another, the same numbers.
 

@@ -68,7 +68,8 @@ class World:
         self.cfg = problem.config
         self.data = problem.data(seed)
         self.template = problem.model(seed)
-        self.grads = Gradients(self.template, problem.task.loss_fn, problem.task.step)
+        self.step = problem.task.step  #: one object for the run: it remembers what it looked up of the model
+        self.grads = Gradients(self.template, problem.task.loss_fn, self.step)
         self.totals = Totals(problem.task.metrics, problem.task.loss_fn)  #: what a real run's evaluation adds up
         self.versions = Versions()
         self.staleness: Optional[StalenessStats] = None  #: set by rules whose gradients can be stale
@@ -197,7 +198,7 @@ class World:
             for p in self.template.parameters():
                 p.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
-        return add_up(self.template, batches, torch.device("cpu"), self.totals, self.problem.task.step)
+        return add_up(self.template, batches, torch.device("cpu"), self.totals, self.step)
 
     def due(self, step: int) -> bool:
         """Whether a real run evaluates after global step ``step`` (every --eval-every steps, and the last)."""
