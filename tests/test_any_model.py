@@ -524,16 +524,6 @@ def keyword_step(model, batch):
     return model(**batch)["loss"]
 
 
-@needs_transformers
-def test_estimate_refuses_dict_batches_in_one_line(project):
-    out = run_in_process("estimate", "--model", "mine:gpt2", "--data", "mine:lm", cwd=project)
-    assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1] == (
-        "error: phalanx estimate measures a model called on batches (inputs, targets), and this run's batches are "
-        "{'input_ids': (2, 16) int64, 'attention_mask': (2, 16) int64, 'labels': (2, 16) int64}; phalanx train and "
-        "compare (real runs) take it")
-
-
 @pytest.mark.parametrize("depth", [0, 2])
 def test_the_prefetcher_hands_over_dict_batches_whole(depth):
     from phalanx.data import Prefetcher

@@ -41,8 +41,9 @@ def compare(*, model: Any = None, train_data: Any = None, test_data: Any = None,
 
     ``model``: an ``nn.Module`` (every run trains a copy of it, so every run starts from its weights)
     or a name as ``--model`` takes it (``"cnn"``, ``"mymodels:Net"``); ``train_data``/``test_data``,
-    ``loss_fn``, ``optimizer`` (``params -> Optimizer``), ``metrics`` and ``lr_scheduler``: as
-    ``phalanx.Trainer`` takes them. Unset keywords take the command's defaults. ``workers``: the worker processes of every run;
+    ``loss_fn``, ``optimizer`` (``params -> Optimizer``), ``metrics``, ``lr_scheduler`` and ``training_step``:
+    as ``phalanx.Trainer`` takes them. Unset keywords take the command's defaults. ``workers``: the worker
+    processes of every run;
     ``simulate_workers``: the worker counts a simulation compares (default 8, 64, 256).
     """
     from ..simulate.options import SimulateOptions
@@ -53,6 +54,7 @@ def compare(*, model: Any = None, train_data: Any = None, test_data: Any = None,
         settings["model"], model = model, None
     # An LR scheduler factory travels with the task, as the optimizer does; an import path is a setting.
     scheduler = settings.pop("lr_scheduler") if callable(settings.get("lr_scheduler")) else None
+    step = settings.pop("training_step") if callable(settings.get("training_step")) else None  # likewise
     sim_names = {f.name for f in declared(SimulateOptions)} - {"simulate"}
     sim = {k: parsed_as_flag(SimulateOptions, k, v) for k, v in settings.items() if k in sim_names}
     train = {k: v for k, v in settings.items() if k not in sim_names}
@@ -78,7 +80,8 @@ def compare(*, model: Any = None, train_data: Any = None, test_data: Any = None,
         train["workers"] = workers
     config = TrainConfig(**train)
     objects = {"model": model, "train_data": train_data, "test_data": test_data, "loss_fn": loss_fn,
-               "optimizer": optimizer, "metrics": metrics, "lr_scheduler": scheduler}
+               "optimizer": optimizer, "metrics": metrics, "lr_scheduler": scheduler,
+               "training_step": step}
     return run(options, config, None, simulation, counts, objects)
 
 

@@ -76,11 +76,14 @@ class EstimateResult:
 
 
 def estimate(*, model: Any = None, train_data: Any = None, test_data: Any = None, loss_fn: Optional[Callable] = None,
-             optimizer: Any = None, quiet: bool = False, **settings: Any) -> EstimateResult:
+             optimizer: Any = None, training_step: Any = None, lr_scheduler: Any = None, quiet: bool = False,
+             **settings: Any) -> EstimateResult:
     """Step time and scaling per strategy and worker count, predicted from this machine's measurements.
 
-    ``model``: an ``nn.Module`` or a ``--model`` name; ``train_data``/``test_data``, ``loss_fn`` and
-    ``optimizer`` (``params -> Optimizer``, or a name): as ``phalanx.Trainer`` takes them. The other
+    ``model``: an ``nn.Module`` or a ``--model`` name; ``train_data``/``test_data`` (pairs, dicts, any batch
+    tree), ``loss_fn``, ``optimizer`` (``params -> Optimizer`` or ``model -> Optimizer``), ``training_step``
+    (``step(model, batch) -> loss``) and ``lr_scheduler``, each an object or a name: as ``phalanx.Trainer``
+    takes them. The other
     keywords are the flags' (``workers=(1, 2, 8)``, ``strategy="sync"``, ``link_bandwidth="25GB/s"``,
     ``batch_size=64`` ...); unset ones take the command's defaults. Progress lines go to stderr
     (``quiet=True``: none).
@@ -94,6 +97,10 @@ def estimate(*, model: Any = None, train_data: Any = None, test_data: Any = None
         settings["model"], model = model, None
     if isinstance(optimizer, str):
         settings["optimizer"], optimizer = optimizer, None
+    if isinstance(training_step, str):
+        settings["training_step"], training_step = training_step, None
+    if isinstance(lr_scheduler, str):
+        settings["lr_scheduler"], lr_scheduler = lr_scheduler, None
     known = {f.name for f in dataclasses.fields(EstimateOptions)} | set(TRAIN_FLAGS) | set(_owners())
     for name in settings:
         if name not in known:
@@ -105,7 +112,8 @@ def estimate(*, model: Any = None, train_data: Any = None, test_data: Any = None
     values = {name: parsed_as_flag(EstimateOptions, name, value) for name, value in settings.items()}
     options, train_values, strategy_values = options_from_args(argparse.Namespace(**values))
     objects = {k: v for k, v in (("model", model), ("train_data", train_data), ("test_data", test_data),
-                                 ("loss_fn", loss_fn), ("optimizer", optimizer)) if v is not None}
+                                 ("loss_fn", loss_fn), ("optimizer", optimizer), ("training_step", training_step),
+                                 ("lr_scheduler", lr_scheduler)) if v is not None}
     setup = prepare(options, train_values, strategy_values, objects)
     say = (lambda line: None) if quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     return EstimateResult(run(setup, say))

@@ -39,8 +39,10 @@ def __getattr__(name: str):
 
 
 #: The flags of phalanx train that an estimate takes (they shape the measured step).
+#: The task's (``--training-step``, ``--target-key``, ``--lr-scheduler``, ``--clip-grad-norm``) among them: the
+#: step measured is the one train runs.
 TRAIN_FLAGS = ("model", "data", "data_dir", "synthetic_shape", "synthetic_size", "batch_size", "optimizer",
-               "devices", "threads", "seed")
+               "training_step", "target_key", "lr_scheduler", "clip_grad_norm", "devices", "threads", "seed")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,8 @@ Who talks to whom: the parent starts K processes through phalanx's own launcher,
 worker processes that would share one node (each with the torch threads phalanx would give it:
 its share of the cores). Every process runs what a worker of ``phalanx train`` runs per step,
 on the same data path (the sharded batches, read ahead by a thread where training's are), the same model and the same
-optimizer, with no communication: forward, backward, optimizer step, and the rest of the loop
+optimizer, with no communication: the task's step (``step(model, batch)``, as train calls it: any batch
+tree, the model's own loss or the user's step), backward, clipping and optimizer step, and the rest of the loop
 (next batch, learning-rate schedule, the loss as a number). All K run at once, so they compete for
 cores and memory as real workers do. After warm-up steps, each phase is timed per step; then the
 model's blocks are timed one by one (at the batch and at each micro-batch size a pipeline would
@@ -28,9 +29,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from ..data import batch as trees  # (``batches`` names the sharded batches in probe)
 from ..launcher import launch
 from ..pipeline.split import blocks_or_whole
 from ..costs import Compute
+from ..step import DefaultStep
 from .overhead import FIGURES, fixed_costs
 
 WARMUP_STEPS = 5
@@ -99,16 +102,20 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
     batches = ShardedBatches(data.train, cfg.batch_size, (ctx.rank - beside) % shards, shards, cfg.seed)
     prefetcher = Prefetcher(batches(0), device, prefetch_depth(cfg.prefetch, device))
     optimizer = task.optimizer_for(cfg, model)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    # the user's scheduler where the task has one (its step is the loop's); else a constant one, as cheap as phalanx's
+    schedule = task.scheduler(optimizer, MAX_TIMED_STEPS + WARMUP_STEPS) if task.make_scheduler is not None \
+        else torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    step, clip = task.step, cfg.clip_grad_norm
 
     def one_step() -> tuple[float, ...]:  # forward, backward, optimizer, the rest of the loop; CPU-seconds
         cpu0, t0 = time.process_time(), _now(device)
-        x, y = next(prefetcher)
+        batch = next(prefetcher)
         t1 = _now(device)
-        loss = task.loss_fn(model(x), y)
+        loss = step(model, batch).loss  # the task's step: the model called as train calls it, its own loss
         t2 = _now(device)
         loss.backward()
         t3 = _now(device)
+        _clip(model, clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         t4 = _now(device)
@@ -122,13 +129,13 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
     try:
         warm = [sum(one_step()[:4]) for _ in range(WARMUP_STEPS)]
         rows = [one_step() for _ in range(_timed_steps(ctx, spec, warm))]
-        x, y = next(prefetcher)
+        batch = next(prefetcher)
     finally:
         prefetcher.close()
-    result = {"rows": rows, **_blocks(model, x, device, spec)}
-    if spec.micro_batches:
-        result["engine"] = _engine(ctx, model, x, y, spec.micro_batches, task.loss_fn)
-    result.update(_vector_ops(model, optimizer, x, y, device, task.loss_fn))
+    result = {"rows": rows, **_blocks(model, batch, device, spec, step)}
+    if spec.micro_batches:  # a pipeline's rows: the task is a pair the pipeline takes (setup.refuses_task)
+        result["engine"] = _engine(ctx, model, *batch, spec.micro_batches, task.loss_fn)
+    result.update(_vector_ops(model, optimizer, batch, device, step))
 
     def ddp_step() -> Callable[[], None]:  # the same step of a DDP copy of the model (every worker makes it at once)
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -138,12 +145,12 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
         replica = DDP(copy.deepcopy(model), bucket_cap_mb=spec.bucket_mb)
         # as sync builds it: DDP's own reducer, its bytes counted on the wire meter as each backward is armed
         apply_reduction(replica, "flat", None, None, ctx.world_size, ctx.rank, cpu=device.type == "cpu")
-        return _step(replica, task.optimizer_for(cfg, replica.module), x, y, task.loss_fn, device)
+        return _step(replica, task.optimizer_for(cfg, replica.module), batch, step, device, clip)
 
     step_s = statistics.median(sum(row[:4]) for row in rows)
     with metering() as meter:  # every collective and message counted, as in a training step (wire.py)
         meter.begin()
-        result.update(fixed_costs(ctx, beside, _step(model, optimizer, x, y, task.loss_fn, device), step_s,
+        result.update(fixed_costs(ctx, beside, _step(model, optimizer, batch, step, device, clip), step_s,
                                   ddp_step, lambda: parameters_to_vector(model.parameters())))  # beyond compute and bytes
     if not ctx.distributed:
         return [result]
@@ -163,11 +170,19 @@ def _timed_steps(ctx, spec: ProbeSpec, warm: list[float]) -> int:
     return max(spec.steps, min(MAX_TIMED_STEPS, int(spec.seconds / max(slowest.item(), 1e-9))))
 
 
-def _step(model, optimizer, x, y, loss_fn, device: torch.device) -> Callable[[], None]:
-    """One training step of ``model`` on the batch (x, y), finished on the device."""
+def _clip(model, limit: Optional[float]) -> None:
+    """``--clip-grad-norm``, as the training step clips (its cost is part of the optimizer's phase)."""
+    if limit is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
+
+
+def _step(model, optimizer, batch, task_step, device: torch.device, clip: Optional[float] = None
+          ) -> Callable[[], None]:
+    """One training step of ``model`` on ``batch`` by the task's step, finished on the device."""
 
     def step() -> None:
-        loss_fn(model(x), y).backward()
+        task_step(model, batch).loss.backward()
+        _clip(model, clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _now(device)
@@ -191,10 +206,38 @@ def _beside(ctx, spec: ProbeSpec, beside: int) -> list[dict]:
     return every
 
 
-def _blocks(model, x, device, spec: ProbeSpec) -> dict:
+def _blocks(model, batch, device, spec: ProbeSpec, step: Callable) -> dict:
+    """Forward+backward seconds per block (at the batch and each micro-batch count a pipeline needs). Blocks are
+    timed one by one where a pipeline would run them: a chain of blocks fed a pair's inputs by the convention's
+    step. Any other model, batch or step is timed whole, as its step calls it (:func:`time_whole`)."""
     blocks = [block for _, block in blocks_or_whole(model)]
-    timed = time_block_sizes(blocks, x, (1,) + tuple(spec.micro_batches), device)
+    sizes = (1,) + tuple(spec.micro_batches)
+    if len(blocks) > 1 and trees.is_pair(batch) and isinstance(step, DefaultStep):
+        timed = time_block_sizes(blocks, batch[0], sizes, device)
+    else:
+        timed = time_whole(model, blocks, batch, step, sizes, device)
     return {"blocks": timed[1], "micro": {m: timed[m] for m in spec.micro_batches}}
+
+
+def time_whole(model, blocks, batch, step: Callable, sizes, device, repeats: int = OP_REPEATS
+               ) -> dict[int, list[float]]:
+    """Forward+backward seconds of the task's step per micro-batch, at each count in ``sizes`` (interleaved, the
+    median of ``repeats`` after one warm-up), shared between the blocks by their parameters: only the whole is
+    measured where the blocks cannot be called one by one (a dict batch, a step of the user's)."""
+    replica = copy.deepcopy(model).train()
+    times: dict[int, list[float]] = {m: [] for m in sizes}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for _ in range(repeats + 1):
+            for m in sizes:
+                parts = trees.split(batch, m)
+                start = _now(device)
+                for part in parts:
+                    step(replica, part).loss.backward()
+                times[m].append((_now(device) - start) / len(parts))
+                replica.zero_grad(set_to_none=True)
+    params = [sum(p.numel() for p in block.parameters()) for block in blocks]
+    shares = [n / sum(params) for n in params] if sum(params) else [1.0 / len(blocks)] * len(blocks)
+    return {m: [statistics.median(done[1:]) * share for share in shares] for m, done in times.items()}
 
 
 def time_stage_blocks(blocks, x, micro_batches: int, device, repeats: int = OP_REPEATS) -> list[float]:
@@ -328,14 +371,14 @@ def _schedule_and_by_hand(schedule, stage_model, x, y, m: int, loss_fn, device) 
     return t1 - t0, t2 - t1
 
 
-def _vector_ops(model, optimizer, x, y, device, loss_fn) -> dict:
+def _vector_ops(model, optimizer, batch, device, step: Callable) -> dict:
     """Passes over the gradient bytes: flattening them into a new vector (a ps worker, local SGD) and
     into an existing one (DDP's buckets), copying a vector into the parameters, the server's update
     of one gradient (see strategies/ps), and the first touch of a new buffer of that size."""
     from ..strategies.ps.server import apply_gradients
 
     params = list(model.parameters())
-    loss_fn(model(x), y).backward()
+    step(model, batch).loss.backward()
     size = sum(p.numel() for p in params)
     bucket = torch.zeros(size, device=device)
     pack, copy, unpack, apply = [], [], [], []

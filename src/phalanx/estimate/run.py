@@ -109,7 +109,8 @@ def _predict(setup: Setup, baseline_at: Conditions, computes: dict, network: Net
 def _probe_spec(setup: Setup) -> ProbeSpec:
     """What to measure: the step, and every block at the micro-batch counts any predicted row needs."""
     batch = setup.config.batch_size
-    micro = {m for cls in setup.predicted for m in
+    rowed = {type(row.options) for row in setup.rows}  # (a strategy refused on this task measures nothing)
+    micro = {m for cls in setup.predicted if cls in rowed for m in
              cost_model(cls).micro_batches(setup.strategies[cls], batch)}
     return ProbeSpec(setup.config, setup.options.measure_steps, tuple(sorted(micro)), task=setup.task,
                      bucket_mb=setup.bucket_mb)

@@ -12,7 +12,7 @@ cost model (``phalanx/costs/``) for one row.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -65,6 +65,7 @@ class Setup:
     facts: ModelFacts
     input_shape: tuple
     bucket_mb: float  #: the gradient bucket cap ``facts.buckets`` were cut at
+    example: Any = None  #: a batch of the data as the step takes it (any tree: a pair, a dict, nested)
     rows: list[Row] = dataclasses.field(default_factory=list)  #: what is predicted, strategy by strategy
     skipped: list[str] = dataclasses.field(default_factory=list)  #: rows that cannot exist, and why
 
@@ -87,7 +88,6 @@ def prepare(options: EstimateOptions, train_values: dict, strategy_values: dict,
     strategies = {cls: cls(**{k: v for k, v in strategy_values.items() if k in cost_model(cls).fields})
                   for cls in map(strategy_class, estimated())}
     from ..train.checks import data_facts
-    from ..train.step_checks import check_pair_task
 
     facts = data_facts(config, task.data)
     if config.batch_size > facts.train_size:
@@ -103,10 +103,9 @@ def prepare(options: EstimateOptions, train_values: dict, strategy_values: dict,
         facts = data_facts(config, cast_to_model(task.data, model))
     caps = (cost_model(o).bucket_mb(o) for o in strategies.values())
     bucket_mb = next((cap for cap in caps if cap is not None), DEFAULT_BUCKET_MB)
-    check_pair_task(facts, task.step, "phalanx estimate")
-    sizes = model_facts(model, facts.example[0], config.batch_size, bucket_mb)
+    sizes = model_facts(model, facts.example, config.batch_size, bucket_mb, task.step)
     setup = Setup(options, config, task, strategies, device, per_node, available_cores(), model, sizes,
-                  tuple(facts.input_shape), bucket_mb)
+                  tuple(facts.input_shape), bucket_mb, facts.example)
     for cls in setup.predicted:
         _plan_strategy(setup, cls, typed=any(k in cost_model(cls).fields for k in strategy_values))
     return setup
@@ -156,6 +155,9 @@ def plan_row(setup: Setup, options: Options, workers: int) -> tuple[Optional[Row
     """The first of the cost model's plans whose layout accepts ``workers`` workers (with the reason the first
     plan was refused, else)."""
     blocks = len(setup.facts.block_names)
+    refused = refuses_task(setup, options)
+    if refused:
+        return None, refused
     job = Job((setup.device,) * workers, setup.config.batch_size, model=setup.model)
     refused = ""
     for plan in cost_model(options).plans(options, workers, blocks, setup.per_node):
@@ -166,6 +168,22 @@ def plan_row(setup: Setup, options: Options, workers: int) -> tuple[Optional[Row
             continue
         return Row(plan, workers, layout.world_size), ""
     return None, refused or f"no plan of {options.name} fits {workers} workers and {blocks} blocks"
+
+
+def refuses_task(setup: Setup, options: Options) -> str:
+    """The one line ``phalanx train`` gives where a strategy runs (inputs, targets) through an engine's schedule of
+    its own (a pipeline) and the task's batches or step are others; "" where it takes the task."""
+    from types import SimpleNamespace
+
+    from ..train.step_checks import check_pairs
+
+    if setup.example is None:
+        return ""
+    try:
+        check_pairs(SimpleNamespace(strategy=options), SimpleNamespace(example=setup.example), setup.task.step)
+    except PhalanxError as e:
+        return str(e)
+    return ""
 
 
 # --------------------------------------------------------------------------- rows

@@ -28,7 +28,7 @@ from ..task import Task
 from ..train import TrainConfig
 from .problem import Problem, build_problem
 from .registry import RULES, simulated_rule
-from .world import World
+from .world import World, stacked_copies, takes_the_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +55,14 @@ def check(setup, workers: tuple[int, ...]) -> None:
             raise PhalanxError(f"--scenarios {scenario.token} is a real shaped link and --simulate runs no process: "
                                "give the simulated link with --link-bandwidth and --link-latency (e.g. 50Mb/s, 100us)")
     simulated = ", ".join(sorted({cls.name for cls in RULES}))
+    factory = setup.task.make_optimizer
     for strategy in setup.strategies:
-        if simulated_rule(strategy.options) is None:
+        rule = simulated_rule(strategy.options)
+        if rule is None:
             raise PhalanxError(f"{strategy.token} has no simulated rule yet (--simulate covers {simulated}); drop it "
                                "from --strategies, or compare it for real without --simulate")
+        if takes_the_model(factory) and not rule.steps_a_module:
+            raise PhalanxError(stacked_copies(factory, strategy.options.name))
         for n in workers:
             try:
                 strategy.options.layout(Job((torch.device("cpu"),) * n, setup.train.batch_size))

@@ -1,14 +1,17 @@
 """Real gradients of the user's model at any parameters, many workers' at once.
 
-The model is used as a function of a flat parameter vector (``torch.func.functional_call``): a
-worker's parameters are one row of floats, wherever it got them (a version it pulled, its local
-copy). Two ways to compute, by what the rule needs:
+The task's step (``step(model, batch).loss``: the model called as its authors call it, on a batch of
+any structure, its own loss or the user's ``--training-step``) is used as a function of a flat parameter
+vector (``torch.func.functional_call``): a worker's parameters are one row of floats, wherever it got
+them (a version it pulled, its local copy). Two ways to compute, by what the rule needs:
 
 - :meth:`Gradients.mean`: workers on the *same* parameters whose gradients are only ever averaged
-  (sync): their batches concatenated into one forward pass, the loss the mean of each shard's own
-  loss, so the gradient is exactly the mean of theirs (DDP's), in one larger batch;
+  (sync): pairs under the convention's step concatenated into one forward pass, the loss the mean of
+  each shard's own loss, so the gradient is exactly the mean of theirs (DDP's), in one larger batch;
+  any other task shard by shard (its step decides the loss: a mean over its own counted tokens);
 - :meth:`Gradients.each`: every worker's own gradient, on its own parameters (a parameter server
-  applies them one by one; local SGD steps each copy): ``vmap`` over the workers, in chunks, so
+  applies them one by one; local SGD steps each copy): ``vmap`` over the workers (every tensor of
+  their batch trees stacked), in chunks, so
   256 gradients of a small model are a few batched calls; where the model or loss cannot be
   vmapped (an LSTM), one worker after another, the same numbers.
 
@@ -19,18 +22,37 @@ Buffers (BatchNorm's running statistics) are not simulated: the template's are u
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import warnings
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
+from torch.utils import _pytree as pytree
+
+from ..data import batch as batches
+from ..step import DefaultStep
 
 CHUNK = 64  #: workers per vmapped call (bounds the memory of stacked parameters and activations)
 
 
+class _Stepped(nn.Module):
+    """The task's step as a module's forward: ``functional_call`` then gives the model the parameters it is
+    called with, whatever the step does with the model (a dict of keyword inputs, two inputs, its own loss)."""
+
+    def __init__(self, model: nn.Module, step: Callable):
+        super().__init__()
+        self.model, self.step = model, step
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.step(self.model, batch).loss
+
+
 class Gradients:
-    def __init__(self, model: nn.Module, loss_fn: Callable):
+    def __init__(self, model: nn.Module, loss_fn: Callable, step: Optional[Callable] = None):
         self.model, self.loss_fn = model, loss_fn
+        self.step = step or DefaultStep(loss_fn)
+        self.stepped = _Stepped(model, self.step)
         named = list(model.named_parameters())
         self.names = [n for n, _ in named]
         self.shapes = [p.shape for _, p in named]
@@ -50,37 +72,54 @@ class Gradients:
     def _call(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return functional_call(self.model, {**self.views(flat), **self.buffers}, (x,))
 
-    def mean(self, flat: torch.Tensor, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
-             ) -> tuple[torch.Tensor, float]:
+    def _loss(self, flat: torch.Tensor, batch: Any) -> torch.Tensor:
+        """The task's loss on ``batch``, the model holding ``flat``: ``step(model, batch).loss``, as a worker's."""
+        named = {f"model.{k}": v for k, v in {**self.views(flat), **self.buffers}.items()}
+        return functional_call(self.stepped, named, (batch,))
+
+    def _one_pass(self, shards: Sequence[Any]) -> bool:
+        """Whether the shards can run as one forward of their concatenation: pairs called by the convention's step
+        (the model, then the loss on each shard's slice of the outputs); any other step is called shard by shard."""
+        return type(self.step) is DefaultStep and all(batches.is_pair(b) for b in shards)
+
+    def mean(self, flat: torch.Tensor, shards: Sequence[Any]) -> tuple[torch.Tensor, float]:
         """The mean of the workers' gradients on ``flat`` (one per batch) and their mean loss."""
         leaf = flat.detach().requires_grad_(True)
-        x = torch.cat([b[0] for b in batches])
-        out = self._call(leaf, x)
-        total, start = 0.0, 0
-        for bx, by in batches:  # each shard's own mean loss, weighted 1/k: the mean of k gradients
-            total = total + self.loss_fn(out[start:start + len(bx)], by)
-            start += len(bx)
-        loss = total / len(batches)
-        (g,) = torch.autograd.grad(loss, leaf)
-        self.computed += len(batches)
-        return g, float(loss.detach())
+        if self._one_pass(shards):
+            out = self._call(leaf, torch.cat([b[0] for b in shards]))
+            if type(out) is torch.Tensor:
+                total, start = 0.0, 0
+                for bx, by in shards:  # each shard's own mean loss, weighted 1/k: the mean of k gradients
+                    total = total + self.loss_fn(out[start:start + len(bx)], by)
+                    start += len(bx)
+                loss = total / len(shards)
+                (g,) = torch.autograd.grad(loss, leaf)
+                self.computed += len(shards)
+                return g, float(loss.detach())
+        g, total = torch.zeros_like(leaf), 0.0
+        for shard in shards:  # one backward each: the memory of one shard's activations, not k
+            loss = self._loss(leaf, shard) / len(shards)
+            g += torch.autograd.grad(loss, leaf)[0]
+            total += float(loss.detach())
+        self.computed += len(shards)
+        return g, total
 
-    def each(self, flats, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, list[float]]:
-        """Each worker's gradient (row i of the result) on its own parameters and batch ``batches[i]``.
+    def each(self, flats, batches_: Sequence[Any]) -> tuple[torch.Tensor, list[float]]:
+        """Each worker's gradient (row i of the result) on its own parameters and batch ``batches_[i]``.
 
         ``flats``: a (k, P) matrix of every worker's parameters (local copies), or a list of flat
         vectors, where workers on the same version hold the same tensor (versions are not copied
         into a stack when every worker of a chunk holds the same one)."""
-        out = torch.empty(len(batches), self.size)
+        out = torch.empty(len(batches_), self.size)
         losses: list[float] = []
-        for lo in range(0, len(batches), CHUNK):
-            hi = min(lo + CHUNK, len(batches))
-            losses += self._chunk(flats[lo:hi], batches[lo:hi], out[lo:hi])
-        self.computed += len(batches)
+        for lo in range(0, len(batches_), CHUNK):
+            hi = min(lo + CHUNK, len(batches_))
+            losses += self._chunk(flats[lo:hi], batches_[lo:hi], out[lo:hi])
+        self.computed += len(batches_)
         return out, losses
 
-    def _chunk(self, flats, batches, out: torch.Tensor) -> list[float]:
-        if self.vmappable is not False and len({len(b[0]) for b in batches}) == 1:
+    def _chunk(self, flats, chunk, out: torch.Tensor) -> list[float]:
+        if self.vmappable is not False and len({batches.length(b) for b in chunk}) == 1:
             try:
                 if isinstance(flats, torch.Tensor):
                     stacked, dims = flats.detach(), 0
@@ -88,21 +127,20 @@ class Gradients:
                     stacked, dims = flats[0].detach(), None
                 else:
                     stacked, dims = torch.stack([f.detach() for f in flats]), 0
-                xs, ys = torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches])
-
-                def loss(flat, x, y):
-                    return self.loss_fn(self._call(flat, x), y)
-
-                g, values = vmap(grad_and_value(loss), in_dims=(dims, 0, 0))(stacked, xs, ys)
+                # every tensor of the workers' batch trees stacked: one tree, each leaf (workers, ...)
+                tree = pytree.tree_map(lambda *leaves: torch.stack(leaves), *chunk)
+                with warnings.catch_warnings():  # an op without a batching rule runs by torch's loop: slower, and right
+                    warnings.filterwarnings("ignore", message="There is a performance drop")
+                    g, values = vmap(grad_and_value(self._loss), in_dims=(dims, 0))(stacked, tree)
                 self.vmappable = True
                 out.copy_(g)
                 return values.tolist()
-            except Exception:  # the model or the loss has no batching rule: one worker at a time
+            except Exception:  # the model or the step has no batching rule: one worker at a time
                 if self.vmappable:
                     raise
                 self.vmappable = False
         losses = []
-        for i, (flat, batch) in enumerate(zip(flats, batches)):
+        for i, (flat, batch) in enumerate(zip(flats, chunk)):
             g, value = self.mean(flat, [batch])
             out[i].copy_(g)
             losses.append(value)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..data import batch as batches
 from .registry import SimulatedRule
 
 if TYPE_CHECKING:
@@ -21,13 +22,12 @@ class Lockstep(SimulatedRule):
     def run(self, options: Any, world: "World") -> None:
         step_seconds = world.prediction(options).step
         params = world.stepped()
-        optimizer = world.optimizer(params.tensors)
+        optimizer = world.optimizer(params)
         scheduler = world.scheduler(optimizer)
         reader = world.global_reader()
         now = 0.0
         for step in range(1, world.max_steps + 1):
-            x, y = next(reader)
-            shards = list(zip(x.chunk(world.workers), y.chunk(world.workers)))
+            shards = batches.split(next(reader), world.workers)  # worker w's batch: the real run's shard w
             grad, loss = world.grads.mean(params.vector(), shards)
             params.set_grad(grad)
             world.clip(params.tensors)

@@ -28,11 +28,12 @@ class Stepped:
     """
 
     def __init__(self, model, elementwise: bool):
+        self.model = None  #: the module whose own tensors are stepped (a factory that takes the model gets it)
         if elementwise:
             self.flat = flat_of(model.parameters()).requires_grad_(True)
             self.tensors = [self.flat]
         else:
-            self.flat = None
+            self.flat, self.model = None, model
             self.tensors = list(model.parameters())
 
     def vector(self) -> torch.Tensor:

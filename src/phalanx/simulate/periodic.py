@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 
 class Periodic(SimulatedRule):
+    steps_a_module = False  # the W copies are stacks: no module of one worker's for a factory that takes the model
+
     def run(self, options: Any, world: "World") -> None:
         W = world.workers
         model = world.fresh_model()

@@ -69,8 +69,7 @@ def build_problem(train: TrainConfig, workers: tuple[int, ...], per_node: Option
     from ..estimate.link import describe_link, measure_link
     from ..launcher import available_cores
     from ..devices import resolve_devices
-    from ..train.checks import data_facts
-    from ..train.step_checks import check_pair_task
+    from ..train.checks import check_model, data_facts
 
     task = task or task_from(train)
     cfg = train.resolved(task.model_name)
@@ -78,9 +77,8 @@ def build_problem(train: TrainConfig, workers: tuple[int, ...], per_node: Option
     data = problem.data(cfg.seed)
     model = problem.model(cfg.seed)
     facts = data_facts(cfg, data)
-    check_pair_task(facts, task.step, "compare --simulate")
-    example = facts.example[0]
-    facts = model_facts(model, example, cfg.batch_size)
+    check_model(model, facts, task.loss_fn, task.metrics, task.step)  # as train checks it: one line, not a traceback
+    facts = model_facts(model, facts.example, cfg.batch_size, step=task.step)
     device = resolve_devices(cfg.devices)[0]
     per_node = per_node or (torch.cuda.device_count() if device.type == "cuda" else 2)
     notes = []

@@ -20,6 +20,10 @@ from typing import Any, Optional
 class SimulatedRule:
     """How a strategy's workers combine their updates, played out in simulated time."""
 
+    #: whether its optimizer steps one module's own tensors (the common parameters), so that an optimizer factory
+    #: that takes the model gets one; False where it steps the workers' copies stacked
+    steps_a_module: bool = True
+
     def run(self, options: Any, world: Any) -> None:
         """Train on ``world`` until it says stop (target reached, or its last step), recording evaluations."""
         raise NotImplementedError

@@ -49,7 +49,7 @@ class Server(SimulatedRule):
         world.outcome.drops = rule.drops_late
         world.staleness = StalenessStats(options.bound)
         params = world.stepped()
-        optimizer = world.optimizer(params.tensors)
+        optimizer = world.optimizer(params)
         scheduler = world.scheduler(optimizer)
         readers = [world.reader(w) for w in range(W)]
         state = _State(world, params)

@@ -68,7 +68,8 @@ class World:
         self.cfg = problem.config
         self.data = problem.data(seed)
         self.template = problem.model(seed)
-        self.grads = Gradients(self.template, problem.task.loss_fn)
+        self.step = problem.task.step  #: one object for the run: it remembers what it looked up of the model
+        self.grads = Gradients(self.template, problem.task.loss_fn, self.step)
         self.totals = Totals(problem.task.metrics, problem.task.loss_fn)  #: what a real run's evaluation adds up
         self.versions = Versions()
         self.staleness: Optional[StalenessStats] = None  #: set by rules whose gradients can be stale
@@ -93,13 +94,19 @@ class World:
         return self.cfg.batch_size * self.workers
 
     def optimizer(self, params) -> torch.optim.Optimizer:
-        """The run's optimizer, as the training loop makes it (the linear scaling rule on the global batch)."""
+        """The run's optimizer, as the training loop makes it (the linear scaling rule on the global batch).
+        ``params``: a :class:`~phalanx.simulate.params.Stepped` (a factory that takes the model gets its module,
+        as a real run's does: groups by name, ``configure_optimizers``), or the tensors to step."""
+        from .params import Stepped
+
         factory = self.problem.task.make_optimizer
-        if factory is not None and names_parameter(factory, "model", first=True):
-            raise PhalanxError(f"the optimizer factory {label(factory)} takes the model, and compare --simulate steps "
-                               "its parameters as flat tensors (no module to give it); give a params -> Optimizer "
-                               "factory, or compare without --simulate")
-        return self.problem.task.optimizer_for(self.cfg, params, self.global_batch)
+        module = params.model if isinstance(params, Stepped) else None
+        if takes_the_model(factory):
+            if module is None:
+                raise PhalanxError(stacked_copies(factory, self.options.name))
+            return self.problem.task.optimizer_for(self.cfg, module, self.global_batch)
+        tensors = params.tensors if isinstance(params, Stepped) else params
+        return self.problem.task.optimizer_for(self.cfg, tensors, self.global_batch)
 
     def clip(self, tensors: list[torch.Tensor], rows: bool = False) -> None:
         """``--clip-grad-norm`` on the gradients of ``tensors``, as a real run clips them (the applied gradient's
@@ -191,7 +198,7 @@ class World:
             for p in self.template.parameters():
                 p.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
-        return add_up(self.template, batches, torch.device("cpu"), self.totals)
+        return add_up(self.template, batches, torch.device("cpu"), self.totals, self.step)
 
     def due(self, step: int) -> bool:
         """Whether a real run evaluates after global step ``step`` (every --eval-every steps, and the last)."""
@@ -224,6 +231,18 @@ class World:
         out.wall_seconds = time.perf_counter() - self.began
         out.peak_versions = self.versions.peak
         return out
+
+
+def takes_the_model(factory: Any) -> bool:
+    """An optimizer factory ``(model) -> Optimizer`` (a real run gives it the module: groups by name)."""
+    return factory is not None and names_parameter(factory, "model", first=True)
+
+
+def stacked_copies(factory: Any, strategy: str) -> str:
+    """Why a rule that steps the workers' copies stacked (no module of one worker's) cannot take such a factory."""
+    return (f"the optimizer factory {label(factory)} takes the model, and simulated {strategy} steps the workers' "
+            "copies stacked as one tensor per parameter (no module of one worker's to give it); give a params -> "
+            f"Optimizer factory, or compare {strategy} without --simulate")
 
 
 def clip_rows(grads: list[torch.Tensor], limit: float) -> None:
