@@ -79,9 +79,9 @@ def test_a_pipeline_estimate_of_the_gpt_examples_step_is_trains_one_line_before_
                   cwd=EXAMPLES)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == (
-        "error: pipeline on 2 workers: --strategy pipeline runs batches (inputs, targets) through its own schedule, "
-        "so it takes no --training-step; use one of sync, ps, ssp, backup, hogwild, local-sgd, diloco, fsdp for a "
-        "step of your own")
+        "error: pipeline on 2 workers: phalanx estimate times pipeline on batches (inputs, targets) run through the "
+        "model's blocks, and this run's training step is your own; phalanx train and compare run it, estimate does "
+        "not predict it")
     assert "measuring" not in out.stderr
 
 

@@ -21,6 +21,8 @@ from ..costs import Compute, CostModel, ModelFacts, Network, Prediction, cost_mo
 from ..devices import resolve_devices
 from ..errors import PhalanxError
 from ..launcher import available_cores
+from ..step import UserStep
+from ..data import batch as batches
 from ..data.user import cast_to_model
 from ..task import Task, named_optimizer, task_from, user_task
 from ..strategies import Job, Options, strategy_class
@@ -171,19 +173,18 @@ def plan_row(setup: Setup, options: Options, workers: int) -> tuple[Optional[Row
 
 
 def refuses_task(setup: Setup, options: Options) -> str:
-    """The one line ``phalanx train`` gives where a strategy runs (inputs, targets) through an engine's schedule of
-    its own (a pipeline) and the task's batches or step are others; "" where it takes the task."""
-    from types import SimpleNamespace
-
-    from ..train.step_checks import check_pairs
-
-    if setup.example is None:
+    """The one line where the strategy's cost is timed on batches (inputs, targets) through the model's blocks (a
+    pipeline's) and the task's batches or step are others; "" where the estimate takes the task."""
+    if not options.estimated_on_pairs or setup.example is None:
         return ""
-    try:
-        check_pairs(SimpleNamespace(strategy=options), SimpleNamespace(example=setup.example), setup.task.step)
-    except PhalanxError as e:
-        return str(e)
-    return ""
+    if isinstance(setup.task.step, UserStep):
+        what = "this run's training step is your own"
+    elif not batches.is_pair(setup.example):
+        what = f"this data's batches are {batches.describe(setup.example)}"
+    else:
+        return ""
+    return (f"phalanx estimate times {options.name} on batches (inputs, targets) run through the model's blocks, and "
+            f"{what}; phalanx train and compare run it, estimate does not predict it")
 
 
 # --------------------------------------------------------------------------- rows

@@ -137,9 +137,9 @@ class Options:
     #: on 2+ workers each rank saves its own shard of a checkpoint (torch's distributed checkpoint), so
     #: --async-checkpoint can write it in the background
     sharded_checkpoints: ClassVar[bool] = False
-    #: it runs batches (inputs, targets) through an engine's schedule of its own (a pipeline's), not the task's
-    #: training step: other batches and --training-step are refused before anything starts
-    pairs_only: ClassVar[bool] = False
+    #: phalanx estimate times it on batches (inputs, targets) run through the model's own blocks (a pipeline's
+    #: stages), so a task of other batches or a step of the user's is not predicted (train runs it all the same)
+    estimated_on_pairs: ClassVar[bool] = False
     #: --activation-checkpointing can wrap the model's blocks before its runtime does: its workers run the
     #: model's forward and backward as written (no engine of its own traces or splits the model)
     checkpoints_activations: ClassVar[bool] = False
@@ -405,9 +405,6 @@ def runtime_for(options: Options, ctx: WorkerContext, model: nn.Module, make_opt
     from ..step import step_for
     from ..task import call_optimizer_factory  # (the task layer: how a factory of the user's is called)
 
-    if options.pairs_only and training_step is not None:
-        raise PhalanxError(f"--strategy {options.name} runs batches (inputs, targets) through its own schedule and "
-                           "takes no training step; use another strategy for a step of your own")
     loss_fn = loss_fn or F.cross_entropy
     job = Job((ctx.device,) * ctx.world_size, batches.length(example) if example is not None else None, accumulate,
               processes=ctx.world_size, model=model)

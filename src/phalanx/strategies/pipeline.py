@@ -75,6 +75,7 @@ class Pipeline(Options):
     """Split the model into stages, one per worker, and pipeline micro-batches through them."""
 
     name: ClassVar[str] = "pipeline"
+    estimated_on_pairs: ClassVar[bool] = True
     summary: ClassVar[str] = ("model parallelism: the network split into contiguous stages, one per worker, "
                               "micro-batches pipelined; torch.distributed.pipelining")
 

@@ -54,29 +54,3 @@ def check_step(model: nn.Module, batch: Any, step: Callable, loss_fn: Callable, 
 def check_loss(loss: Any, what: str) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise PhalanxError(f"{what} must give one number (a mean over the batch), as F.cross_entropy does")
-
-
-def check_pair_task(facts: Any, step: Callable, command: str) -> None:
-    """``estimate`` and ``compare --simulate`` time and replay a model called on (inputs, targets) batches (its
-    blocks one after another, its gradients by functional calls): other batches and steps are one line."""
-    if isinstance(step, UserStep) or not batches.is_pair(facts.example):
-        what = "training step is your own" if isinstance(step, UserStep) else \
-            f"batches are {batches.describe(facts.example)}"
-        raise PhalanxError(f"{command} measures a model called on batches (inputs, targets), and this run's {what}; "
-                           "phalanx train and compare (real runs) take it")
-
-
-def check_pairs(cfg: Any, facts: Any, step: Callable) -> None:
-    """A strategy that runs (inputs, targets) through an engine's schedule of its own takes nothing else."""
-    if not cfg.strategy.pairs_only:
-        return
-    from ..strategies import STRATEGIES
-
-    others = ", ".join(name for name, cls in STRATEGIES.items() if not cls.pairs_only)
-    if isinstance(step, UserStep):
-        raise PhalanxError(f"--strategy {cfg.strategy.name} runs batches (inputs, targets) through its own schedule, "
-                           f"so it takes no --training-step; use one of {others} for a step of your own")
-    if not batches.is_pair(facts.example):
-        raise PhalanxError(f"--strategy {cfg.strategy.name} feeds its first stage the inputs and its last the targets, "
-                           f"so it takes batches (inputs, targets), and this data's are {batches.describe(facts.example)}"
-                           f"; use one of {others} for batches of other shapes")

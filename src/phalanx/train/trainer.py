@@ -28,7 +28,7 @@ from ..data.user import cast_to_model
 from ..task import Task, named_optimizer, user_task
 from ..strategies import Job, Layout, meta_init
 from . import checkpoint as ckpt
-from . import checks, rundir, step_checks, tensorboard
+from . import checks, rundir, tensorboard
 from .config import TrainConfig
 
 
@@ -109,7 +109,6 @@ class Trainer:
         model = task.make_model(facts.input_shape, facts.num_classes)
         if task.data is not None:  # float64 numpy inputs meet float32 parameters: cast once, here
             facts = checks.data_facts(cfg, cast_to_model(task.data, model))
-        step_checks.check_pairs(cfg, facts, task.step)  # (a strategy's refusal before the model's details)
         checks.check_model(model, facts, task.loss_fn, task.metrics, task.step)
         checks.check_optimizer(task, model, cfg.steps)
         devices = worker_devices(cfg)
