@@ -26,7 +26,7 @@ from phalanx import FSDP, DiLoCo, LocalSGD, Sync, TrainConfig, Trainer
 from phalanx.errors import PhalanxError
 from phalanx.models import build_model, describe_blocks, model_units
 from phalanx.precision import Precision
-from phalanx.train.checkpoint import load_checkpoint
+from phalanx.train.checkpoint import load_checkpoint, tensors
 from phalanx.recompute import checkpoint_blocks
 from phalanx.strategies.fsdp import shard_units
 from phalanx.train.step_errors import explained
@@ -233,7 +233,7 @@ def _gpt_run(tmp_path, strategy, checkpointing: bool) -> dict:
                       checkpoint_dir=str(tmp_path / f"{strategy.name}-{checkpointing}"), progress="none")
     summary = Trainer(cfg, model=gpt.make(VOCAB), train_data=(x[:64], y[:64]), test_data=(xt[:16], yt[:16]),
                       training_step=gpt.step, optimizer=gpt.optimizer, lr_scheduler=gpt.schedule).fit()
-    return {"model": load_checkpoint(summary["checkpoint"])["model"], "summary": summary}  # (fsdp's: sharded)
+    return {"model": tensors(load_checkpoint(summary["checkpoint"]))["model"], "summary": summary}  # (fsdp's: sharded)
 
 
 @pytest.mark.slow

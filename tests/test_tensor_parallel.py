@@ -75,8 +75,8 @@ def test_a_plan_that_cannot_hold_is_one_line_naming_the_layer(model, n, workers,
 
 def test_hugging_face_gpt2s_conv1d_layers_are_refused_by_name():
     transformers = pytest.importorskip("transformers")
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1,
-                                                                 n_head=2))
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=2,
+                                                                 n_head=2))  # (2: repeated blocks, fsdp's units)
     with pytest.raises(PhalanxError, match=r"block 'transformer.h.0' has no module holding nn.Linear .*Conv1D"):
         FSDP(tensor_parallel=2).layout(Job(CPU4[:2], 4, model=model))
 
