@@ -75,6 +75,7 @@ class Pipeline(Options):
     """Split the model into stages, one per worker, and pipeline micro-batches through them."""
 
     name: ClassVar[str] = "pipeline"
+    sharded_checkpoints: ClassVar[bool] = True
     summary: ClassVar[str] = ("model parallelism: the network split into contiguous stages, one per worker, "
                               "micro-batches pipelined; torch.distributed.pipelining")
 
@@ -220,6 +221,7 @@ class PipelineRuntime(Runtime):
         index = {id(p): i for i, p in enumerate(model.parameters())}
         #: the whole model's parameter index of each parameter of this stage's optimizer, in its order
         self.local_to_global = [index[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+        self._groups: Optional[list[list[str]]] = None  #: see _whole_groups
 
     def _traced_plan(self, model: nn.Module, build: Build) -> tuple[StagePlan, tuple[str, ...]]:
         """Where the stages begin: the points given, or the repeated blocks balanced by measured time (where a
@@ -548,14 +550,81 @@ class PipelineRuntime(Runtime):
             model.update(weights)
         return {"model": model, "optimizer": opt_state.merge([o for _, o in parts])}
 
+    @property
+    def writes_shards(self) -> bool:
+        # On 2+ workers (stages or replicas): each rank its own part, none holding the whole model's state.
+        return self.ctx.distributed
+
+    def shard_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the checkpoint, under the unsplit model's keys: its stage's parameters and
+        buffers, and their optimizer state by parameter name (see ``pipeline/state.py``). Local: no collective.
+
+        What several ranks hold alike, DCP writes once (its save plan keeps one rank's copy of an entry that
+        several ranks name): a stage's replicas (equal after every step), a tied weight on two stages (equal:
+        its gradients are summed between them), the optimizer's param groups (every rank lists the unsplit
+        optimizer's). A tied weight's second key (``aliases``) is not saved again: readers restore it."""
+        local = opt_state.by_name(self.optimizer.state_dict(), self._local_names(), self._whole_groups())
+        aliases = opt_state.aliases(self.build.model)  # (the whole model's: the same entry on every rank)
+        model = {key: value for key, value in self._stage_state().items() if key not in aliases}
+        return {"model": model, "optimizer": local, "aliases": aliases}
+
+    def _stage_state(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters and buffers under the unsplit model's keys."""
+        if not self.pipelined:
+            return self.stage_module.state_dict()
+        return self.traced.state() if self.traced is not None else self.stage_module.full_state_dict()
+
+    def _local_names(self) -> list[str]:
+        """The unsplit model's name of each parameter of this stage's optimizer, in its order."""
+        names = [name for name, _ in self.build.model.named_parameters()]  # (model.parameters()'s order)
+        return [names[i] for i in self.local_to_global]
+
+    def _whole_groups(self) -> list[list[str]]:
+        """The names in each param group of the optimizer the user's factory makes for the unsplit model (its
+        order is what a plain optimizer numbers by: sync reads the checkpoint in it). Made once, with no state."""
+        if self._groups is None:
+            whole = self.optimizer if not self.pipelined else self.build.make_optimizer(self.build.model)
+            self._groups = opt_state.group_names(whole, self.build.model)
+        return self._groups
+
+    def _load_shards(self, state: dict[str, Any]) -> None:
+        """This rank reads its own part of a sharded checkpoint by name, whatever partition, stage count or
+        strategy wrote it (the keys are the unsplit model's); nothing else is read, no collective."""
+        from ..shard_read import read_entries
+
+        keys, names, aliases = list(self._stage_state()), self._local_names(), opt_state.aliases(self.build.model)
+        wanted = [f"model.{aliases.get(key, key)}" for key in keys]  # a tied weight is saved under its first key
+        if "optimizer" in state["shard_keys"]:
+            wanted += [f"optimizer.state.{name}" for name in names] + ["optimizer.param_groups"]
+        found = read_entries(state["shards"], wanted)
+        weights = found.get("model", {})
+        weights.update({key: weights[aliases[key]] for key in keys if key in aliases and aliases[key] in weights})
+        missing = [key for key in keys if key not in weights]
+        if missing:
+            raise PhalanxError(f"checkpoint {state['shards']} has no {', '.join(missing[:3])}"
+                               f"{f' (and {len(missing) - 3} more)' if len(missing) > 3 else ''} of this model; "
+                               "resume with the --model the checkpoint was trained with")
+        self._load_weights(weights)
+        if "optimizer" in found:
+            self.optimizer.load_state_dict(opt_state.from_names(found["optimizer"], names, self.optimizer))
+
+    def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """This stage's parameters and buffers from ``weights`` (the unsplit model's keys: all, or this stage's)."""
+        if not self.pipelined:
+            load_model_state(self.stage_module, weights)
+        elif self.traced is not None:  # the stage's tensors are the model's own (the rest as they are: unused here)
+            load_model_state(self.build.model, {**self.build.model.state_dict(), **weights})
+        else:
+            self.stage_module.load_full_state_dict(weights)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Every stage takes its blocks' weights and its parameters' optimizer state."""
+        """Every stage takes its blocks' weights and its parameters' optimizer state: from a sharded
+        checkpoint its own part only (:meth:`_load_shards`), from a whole one its share."""
+        if "shards" in state:
+            return self._load_shards(state)
         if not self.pipelined:
             return super().load_state_dict(state)
-        if self.traced is not None:  # the stage's tensors are the model's own
-            load_model_state(self.build.model, state["model"])
-        else:
-            self.stage_module.load_full_state_dict(state["model"])
+        self._load_weights(state["model"])
         if "optimizer" in state:  # absent: the run changed optimizers and starts this one fresh
             self.optimizer.load_state_dict(opt_state.split(state["optimizer"], self.local_to_global))
 

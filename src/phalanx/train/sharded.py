@@ -46,6 +46,8 @@ from . import checkpoint as ckpt
 STATE = "phalanx.pt"
 #: what a sharded checkpoint's tensors are saved under (as the runtime's ``shard_state_dict`` keys them)
 KEYS = ("model", "optimizer")
+#: where a runtime may save the keys of a tied weight it saved once (other key -> the saved one; see ``with_aliases``)
+ALIASES = "aliases"
 
 
 def temporary(final: Path) -> Path:
@@ -200,21 +202,21 @@ def joined(state: dict[str, Any], optimizer: bool = True) -> dict[str, Any]:
     """``state`` with the whole model (and optimizer state, in a plain optimizer's numbering) read into this
     process from its shards: what a single-file checkpoint holds, for whatever runs the model whole
     (sync, one process, ``phalanx evaluate``, ``--init-from``). No process group is needed or used."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from ..shard_read import read_entries
 
-    keys = {key for key in state["shard_keys"] if optimizer or key == "model"}
-    found: dict[str, Any] = {}
-    # What torch's dcp_to_torch_save does, in memory: the "empty" planner builds the state dict from the
-    # checkpoint's own metadata (dcp.load would fill only keys given); no_dist: this process reads every shard.
-    _load_state_dict(found, storage_reader=FileSystemReader(state["shards"]),
-                     planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    wanted = [key for key in state["shard_keys"] if optimizer or key == "model"]
+    found = read_entries(state["shards"], [*wanted, ALIASES])
     plain = {k: v for k, v in state.items() if k not in ("shards", "shard_keys", "files")}
-    plain["model"] = found["model"]
+    plain["model"] = with_aliases(found["model"], found.get(ALIASES, {}))
     if "optimizer" in found:
         plain["optimizer"] = plain_numbering(found["optimizer"])
     return plain
+
+
+def with_aliases(model: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+    """The model's state under every key again: a tied weight, saved once under its first key, also under the
+    others that name it (``aliases``: other key -> the saved one), as ``model.state_dict()`` lists it."""
+    return {**model, **{alias: model[key] for alias, key in aliases.items() if key in model}}
 
 
 def plain_numbering(state: dict[str, Any]) -> dict[str, Any]:
@@ -222,7 +224,7 @@ def plain_numbering(state: dict[str, Any]) -> dict[str, Any]:
     a plain optimizer's parameter i is the i-th name across the param groups (the same factory lists
     the same parameters in the same order, sharded or not)."""
     index = {name: i for i, name in enumerate(n for group in state["param_groups"] for n in group["params"])}
-    ordered = sorted(state["state"].items(), key=lambda item: index[item[0]])
+    ordered = sorted(state.get("state", {}).items(), key=lambda item: index[item[0]])  # (none: plain SGD)
     return {"state": {index[name]: value for name, value in ordered},
             "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
                              for group in state["param_groups"]]}
