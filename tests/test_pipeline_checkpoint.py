@@ -3,10 +3,10 @@
 - 2 stages save a ``step-N.dcp/`` directory: one shard file per rank, each holding its own stage's
   parameters and their optimizer state (DCP's index says which file holds what), and no file with the
   whole model;
-- a run resumed from it on 2 stages with another balance, on 3 stages and in sync (read whole) ends
+- a run resumed from it on 2 stages with another balance, on 3 stages, in sync (read whole) and in fsdp ends
   where the uninterrupted pipeline run ends (the checkpoints of both compared, read whole: the method of
   test_sharded_checkpoint.py, itself test_pipeline_equivalence.py's on the trainer's files);
-- ``phalanx evaluate`` on it prints the numbers the run printed;
+- ``phalanx evaluate`` on it prints the numbers the run printed; ``--async-checkpoint`` changes nothing;
 - the GPT example, traced and split with its tied embedding on both stages, saves it once and resumes
   exactly; a pipeline's replicas (1 stage x 2 replicas) write one copy between them.
 """
@@ -29,9 +29,9 @@ import gpt  # noqa: E402  (the example, importable here and in the spawned worke
 
 def _train(root, name: str, **overrides) -> dict:
     """A 2-stage pipeline of the digits CNN (Adam and a decaying rate: state and a schedule to carry over)."""
-    cfg = dict(strategy=Pipeline(chunks=2, balance=(2, 2)), steps=8, batch_size=12, workers=2, devices="cpu", optimizer="adam",
-               lr=0.01, lr_schedule="exponential", lr_decay_every=2, lr_decay_factor=0.5, log_every=100,
-               progress="none", checkpoint_dir=str(root / name), checkpoint_every=4)
+    cfg = dict(strategy=Pipeline(chunks=2, balance=(2, 2)), steps=8, batch_size=12, workers=2, devices="cpu",
+               optimizer="adam", lr=0.01, lr_schedule="exponential", lr_decay_every=2, lr_decay_factor=0.5,
+               log_every=100, progress="none", checkpoint_dir=str(root / name), checkpoint_every=4)
     cfg.update(overrides)
     summary = Trainer(TrainConfig(**cfg)).fit()
     return {"summary": summary, "state": tensors(load_checkpoint(latest_checkpoint(root / name)))}
@@ -80,20 +80,28 @@ def test_each_stage_writes_its_own_part_and_no_file_holds_the_whole_model(runs):
 
 
 @pytest.mark.parametrize("strategy,workers", [(Pipeline(chunks=2, balance=(3, 1)), 2),
-                                              (Pipeline(chunks=3, stages=3), 3), ("sync", 2)],
-                         ids=["pipeline-3,1", "pipeline-3-stages", "sync"])
+                                              (Pipeline(chunks=3, stages=3), 3), ("sync", 2), ("fsdp", 2)],
+                         ids=["pipeline-3,1", "pipeline-3-stages", "sync", "fsdp"])
 def test_a_resumed_run_ends_where_the_uninterrupted_one_ends(runs, tmp_path, strategy, workers):
     import shutil
 
     # A copy of the first half for each resume (a resume writes into its directory); --keep-global-batch:
-    # sync's 2 workers read the same global batches (12 examples) as the one pipeline did.
+    # sync's and fsdp's 2 workers read the same global batches (12 examples) as the one pipeline did.
     shutil.copytree(runs["root"] / "half", tmp_path / "half")
     resumed = _train(tmp_path, "half", resume=str(tmp_path / "half"), strategy=strategy, workers=workers,
                      keep_global_batch=True)
     label = f"pipeline(2) -> {strategy}({workers})"
     assert_same(resumed["state"], runs["straight"]["state"], label)
-    kind = ".pt" if strategy == "sync" else ".dcp"
+    kind = ".pt" if strategy == "sync" else ".dcp"  # (fsdp, and a pipeline, write shards again)
     assert latest_checkpoint(tmp_path / "half").name == f"step-00000008{kind}"
+
+
+def test_async_checkpoint_ends_with_the_same_parameters_and_its_saves_verify(runs, tmp_path):
+    background = _train(tmp_path, "async", async_checkpoint=True)
+    for key, value in runs["straight"]["state"]["model"].items():
+        assert torch.equal(background["state"]["model"][key], value), key  # a background save changes nothing
+    assert_same(background["state"], runs["straight"]["state"], "--async-checkpoint")
+    assert [load_checkpoint(p)["step"] for p in list_checkpoints(tmp_path / "async")] == [4, 8]  # every shard verifies
 
 
 def test_phalanx_evaluate_reads_it_and_prints_the_numbers_the_run_printed(runs, tmp_path):
@@ -143,3 +151,18 @@ def test_replicas_write_one_copy_between_them(tmp_path):
     whole_bytes = 3 * sum(v.numel() * v.element_size() for v in state["model"].values())  # weights, 2 moments
     written = sum((checkpoint / f).stat().st_size for f in ("__0_0.distcp", "__1_0.distcp"))
     assert whole_bytes <= written < 1.2 * whole_bytes, (written, whole_bytes)
+
+
+def test_a_stage_optimizer_with_other_param_groups_than_the_checkpoints_is_refused_in_one_line():
+    """Pure: a stage maps the saved groups onto its own by position; another count cannot be mapped."""
+    from phalanx.errors import PhalanxError
+    from phalanx.pipeline.state import from_names
+
+    net = torch.nn.Linear(2, 2)
+    saved = {"state": {}, "param_groups": [{"lr": 0.1, "params": ["weight"]}, {"lr": 0.1, "params": ["bias"]}]}
+    with pytest.raises(PhalanxError) as e:
+        from_names(saved, ["weight", "bias"], torch.optim.SGD(net.parameters(), lr=0.1))
+    assert str(e.value) == ("the checkpoint's optimizer has 2 param groups and this run's 1; resume with the "
+                            "optimizer the checkpoint was trained with")
+    two = torch.optim.SGD([{"params": [net.weight]}, {"params": [net.bias]}], lr=0.1)
+    assert from_names(saved, ["weight", "bias"], two)["param_groups"][1]["params"] == [1]  # numbered on

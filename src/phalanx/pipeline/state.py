@@ -8,6 +8,10 @@ index). With ``"model"`` being the unsplit ``state_dict()``, a pipeline checkpoi
 the plain model and its optimizer, and back into a pipeline with any partition.
 
 The mapping ``local_to_global[i]`` is the whole-model index of the stage optimizer's i-th parameter.
+
+That is ``PipelineRuntime.state_dict()``'s one object. The trainer's checkpoints are sharded
+(:func:`by_name`, :func:`from_names`): each stage's optimizer state keyed by the unsplit model's
+parameter names, which any partition can read.
 """
 
 from __future__ import annotations

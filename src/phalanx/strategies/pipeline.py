@@ -6,7 +6,8 @@ M micro-batches; stage s receives micro-batch activations from s−1 and sends i
 way. Every stage of a pipeline loads the same batch: the first stage feeds the inputs, the last
 one the labels. The last stage alone knows the loss, so :meth:`global_losses` sums it over the
 ranks (the others add zero); :meth:`evaluate` runs the pipeline forward and sums the last
-stages' counts; a checkpoint gathers one pipeline's stages to rank 0 as one whole model.
+stages' counts; a checkpoint is written by every rank, its own stage's part under the unsplit model's
+names (torch's distributed checkpoint, as fsdp's: see ``train/sharded.py``), no rank gathering the model.
 
 With W = R·P workers for P stages, R replicas of the pipeline train side by side on a 2-D device
 mesh (stages × replicas; rank = stage·R + replica, so one stage's replicas are neighbours, as in
@@ -23,7 +24,7 @@ What phalanx adds to the engine (helpers in ``phalanx/pipeline/``): the split (a
 kept on every stage that uses them with their gradients summed over those stages), the exact balancing by parameters or measured time,
 the printed plan, each stage's input and output worked out ahead on meta tensors (torch's static
 mode: no extra pass through a stage, see ``pipeline/stage.py``), contiguous activations and
-gradients (gloo needs them), one consistent checkpoint, and the checks that name the fix.
+gradients (gloo needs them), sharded checkpoints any partition can read, and the checks that name the fix.
 
 Equivalence: the engine computes the loss per micro-batch and divides the summed gradients by
 M, so with a mean-reduced loss and equal micro-batches a step equals the unsplit model's step on
