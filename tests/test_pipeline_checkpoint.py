@@ -121,19 +121,26 @@ def _gpt_run(root, name: str, steps: int, **overrides) -> dict:
     (x, y), (xt, yt) = gpt.load(16)
     torch.manual_seed(0)
     model = gpt.GPT(gpt.GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=16))
-    cfg = TrainConfig(strategy=Pipeline(chunks=2), workers=2, devices="cpu", steps=steps, batch_size=8,
-                      clip_grad_norm=1.0, checkpoint_dir=str(root / name), checkpoint_every=2, progress="none",
-                      log_every=100, **overrides)
+    settings = dict(strategy=Pipeline(chunks=2), workers=2, devices="cpu", steps=steps, batch_size=8,
+                    clip_grad_norm=1.0, checkpoint_dir=str(root / name), checkpoint_every=2, progress="none",
+                    log_every=100)
+    cfg = TrainConfig(**{**settings, **overrides})
     Trainer(cfg, model=copy.deepcopy(model), train_data=(x[:64], y[:64]), test_data=(xt[:16], yt[:16]),
             training_step=gpt.step, optimizer=gpt.optimizer, lr_scheduler=gpt.schedule).fit()
     return tensors(load_checkpoint(latest_checkpoint(root / name)))
 
 
 def test_the_traced_gpt_with_tied_weights_saves_them_once_and_resumes_exactly(tmp_path):
+    import shutil
+
     straight = _gpt_run(tmp_path, "straight", 4)
     _gpt_run(tmp_path, "resumed", 2)
+    shutil.copytree(tmp_path / "resumed", tmp_path / "fsdp")
     resumed = _gpt_run(tmp_path, "resumed", 4, resume=str(tmp_path / "resumed"))
     assert_same(resumed, straight, "gpt pipeline(2) resumed")
+    # fsdp fills the tied weight's second key from its first (2 workers of 4 windows: the same global batch).
+    in_fsdp = _gpt_run(tmp_path, "fsdp", 4, resume=str(tmp_path / "fsdp"), strategy="fsdp", keep_global_batch=True)
+    assert_same(in_fsdp, straight, "gpt pipeline(2) -> fsdp(2)")
     # The tied embedding is on both stages, and in the checkpoint once: one file holds it, under its first key
     # (lm_head.weight, its second, is given back on reading), and one of each of its moments.
     where = stored_in(latest_checkpoint(tmp_path / "straight"))

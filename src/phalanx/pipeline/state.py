@@ -114,16 +114,3 @@ def from_names(saved: dict[str, Any], local_names: Sequence[str], optimizer: tor
         start += count
     return {"state": state, "param_groups": groups}
 
-
-def aliases(model: torch.nn.Module) -> dict[str, str]:
-    """Each key of ``model.state_dict()`` that names a tensor an earlier key names too (a tied weight: a GPT's
-    ``lm_head.weight`` is its ``transformer.wte.weight``), and that earlier key. A sharded checkpoint saves
-    the tensor once, under the earlier key, and its readers give it both names again."""
-    first: dict[int, str] = {}
-    found = {}
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in first:
-            found[key] = first[id(tensor)]
-        else:
-            first[id(tensor)] = key
-    return found

@@ -53,6 +53,7 @@ from ..pipeline.profile import agree, describe, profile_order, time_blocks
 from ..pipeline.split import StageModule, has_blocks, model_blocks, parameter_counts
 from ..pipeline.trace import candidate_points, check_points, flat_tensors, parse_points, segment_params
 from ..pipeline.traced import TracedStage, stage_optimizer
+from ..shard_read import ALIASES, model_aliases, read_entries
 from ..data import batch as tree
 from ..step import DefaultStep
 from ..metrics import Totals
@@ -565,9 +566,9 @@ class PipelineRuntime(Runtime):
         its gradients are summed between them), the optimizer's param groups (every rank lists the unsplit
         optimizer's). A tied weight's second key (``aliases``) is not saved again: readers restore it."""
         local = opt_state.by_name(self.optimizer.state_dict(), self._local_names(), self._whole_groups())
-        aliases = opt_state.aliases(self.build.model)  # (the whole model's: the same entry on every rank)
+        aliases = model_aliases(self.build.model)  # (the whole model's: the same entry on every rank)
         model = {key: value for key, value in self._stage_state().items() if key not in aliases}
-        return {"model": model, "optimizer": local, "aliases": aliases}
+        return {"model": model, "optimizer": local, ALIASES: aliases}
 
     def _stage_state(self) -> dict[str, torch.Tensor]:
         """This stage's parameters and buffers under the unsplit model's keys."""
@@ -591,9 +592,7 @@ class PipelineRuntime(Runtime):
     def _load_shards(self, state: dict[str, Any]) -> None:
         """This rank reads its own part of a sharded checkpoint by name, whatever partition, stage count or
         strategy wrote it (the keys are the unsplit model's); nothing else is read, no collective."""
-        from ..shard_read import read_entries
-
-        keys, names, aliases = list(self._stage_state()), self._local_names(), opt_state.aliases(self.build.model)
+        keys, names, aliases = list(self._stage_state()), self._local_names(), model_aliases(self.build.model)
         wanted = [f"model.{aliases.get(key, key)}" for key in keys]  # a tied weight is saved under its first key
         if "optimizer" in state["shard_keys"]:
             wanted += [f"optimizer.state.{name}" for name in names] + ["optimizer.param_groups"]

@@ -28,6 +28,7 @@ from ..task import is_import_path, resolve
 from ..data.batch import split, to_device
 from ..precision import Precision, compile_blocks
 from ..recompute import Recomputed, checkpoint_blocks
+from ..shard_read import ALIASES
 from ..startup import Marks
 from ..strategies import Build, meta_init, nonfinite_values
 from . import checkpoint as ckpt
@@ -36,7 +37,7 @@ from .step_errors import explained
 from .report import Reporter, step_line
 from .resume import check_fits, data_position, restore_settings, resume_config, settings_line, settings_of
 from .schedules import Schedule
-from .sharded import ALIASES, ShardWriter
+from .sharded import ShardWriter
 from .straggle import Straggle
 from .trainer import Plan
 
@@ -490,7 +491,7 @@ class WorkerRun:
     def _shapes(self, state: dict[str, Any]) -> dict[str, list[int]]:
         """Every tensor of the model, by name, and its shape: rank 0 records them all, also where each rank saves
         a part of the model only (a pipeline's stage: one small all-gather of the names and shapes), and a tied
-        weight's every name (a sharded checkpoint saves it once: ``sharded.ALIASES``)."""
+        weight's every name (a pipeline's sharded checkpoint saves it once: ``shard_read.ALIASES``)."""
         shapes = {name: list(t.shape) for name, t in state["model"].items()}
         shapes.update({alias: shapes[key] for alias, key in state.get(ALIASES, {}).items() if key in shapes})
         if self.shard_writer is None or not self.ctx.distributed:

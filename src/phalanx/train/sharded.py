@@ -41,13 +41,12 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PhalanxError, StorageError
+from ..shard_read import ALIASES, read_entries, with_aliases
 from . import checkpoint as ckpt
 
 STATE = "phalanx.pt"
 #: what a sharded checkpoint's tensors are saved under (as the runtime's ``shard_state_dict`` keys them)
 KEYS = ("model", "optimizer")
-#: where a runtime may save the keys of a tied weight it saved once (other key -> the saved one; see ``with_aliases``)
-ALIASES = "aliases"
 
 
 def temporary(final: Path) -> Path:
@@ -202,8 +201,6 @@ def joined(state: dict[str, Any], optimizer: bool = True) -> dict[str, Any]:
     """``state`` with the whole model (and optimizer state, in a plain optimizer's numbering) read into this
     process from its shards: what a single-file checkpoint holds, for whatever runs the model whole
     (sync, one process, ``phalanx evaluate``, ``--init-from``). No process group is needed or used."""
-    from ..shard_read import read_entries
-
     wanted = [key for key in state["shard_keys"] if optimizer or key == "model"]
     found = read_entries(state["shards"], [*wanted, ALIASES])
     plain = {k: v for k, v in state.items() if k not in ("shards", "shard_keys", "files")}
@@ -211,12 +208,6 @@ def joined(state: dict[str, Any], optimizer: bool = True) -> dict[str, Any]:
     if "optimizer" in found:
         plain["optimizer"] = plain_numbering(found["optimizer"])
     return plain
-
-
-def with_aliases(model: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
-    """The model's state under every key again: a tied weight, saved once under its first key, also under the
-    others that name it (``aliases``: other key -> the saved one), as ``model.state_dict()`` lists it."""
-    return {**model, **{alias: model[key] for alias, key in aliases.items() if key in model}}
 
 
 def plain_numbering(state: dict[str, Any]) -> dict[str, Any]:
