@@ -17,11 +17,12 @@ parameter names, which any partition can read.
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from ..errors import PhalanxError
+from ..shard_read import read_entries
 
 
 def _cpu(value: Any) -> Any:
@@ -114,3 +115,22 @@ def from_names(saved: dict[str, Any], local_names: Sequence[str], optimizer: tor
         start += count
     return {"state": state, "param_groups": groups}
 
+
+
+def read_part(directory: str, keys: Sequence[str], names: Sequence[str], aliases: dict[str, str],
+              optimizer: bool) -> tuple[dict[str, torch.Tensor], Optional[dict[str, Any]]]:
+    """One stage's part of a sharded checkpoint, read by name whatever partition wrote it: the tensors under
+    ``keys`` (the unsplit model's; a tied weight saved under its first key, ``aliases``) and, with
+    ``optimizer``, the state of the parameters ``names`` with the param groups (None where it holds none)."""
+    wanted = [f"model.{aliases.get(key, key)}" for key in keys]
+    if optimizer:
+        wanted += [f"optimizer.state.{name}" for name in names] + ["optimizer.param_groups"]
+    found = read_entries(directory, wanted)
+    weights = found.get("model", {})
+    weights.update({key: weights[aliases[key]] for key in keys if key in aliases and aliases[key] in weights})
+    missing = [key for key in keys if key not in weights]
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise PhalanxError(f"checkpoint {directory} has no {', '.join(missing[:3])}{more} of this model; resume "
+                           "with the --model the checkpoint was trained with")
+    return weights, found.get("optimizer")

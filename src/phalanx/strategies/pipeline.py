@@ -53,7 +53,7 @@ from ..pipeline.profile import agree, describe, profile_order, time_blocks
 from ..pipeline.split import StageModule, has_blocks, model_blocks, parameter_counts
 from ..pipeline.trace import candidate_points, check_points, flat_tensors, parse_points, segment_params
 from ..pipeline.traced import TracedStage, stage_optimizer
-from ..shard_read import ALIASES, model_aliases, read_entries
+from ..shard_read import ALIASES, model_aliases
 from ..data import batch as tree
 from ..step import DefaultStep
 from ..metrics import Totals
@@ -592,21 +592,12 @@ class PipelineRuntime(Runtime):
     def _load_shards(self, state: dict[str, Any]) -> None:
         """This rank reads its own part of a sharded checkpoint by name, whatever partition, stage count or
         strategy wrote it (the keys are the unsplit model's); nothing else is read, no collective."""
-        keys, names, aliases = list(self._stage_state()), self._local_names(), model_aliases(self.build.model)
-        wanted = [f"model.{aliases.get(key, key)}" for key in keys]  # a tied weight is saved under its first key
-        if "optimizer" in state["shard_keys"]:
-            wanted += [f"optimizer.state.{name}" for name in names] + ["optimizer.param_groups"]
-        found = read_entries(state["shards"], wanted)
-        weights = found.get("model", {})
-        weights.update({key: weights[aliases[key]] for key in keys if key in aliases and aliases[key] in weights})
-        missing = [key for key in keys if key not in weights]
-        if missing:
-            raise PhalanxError(f"checkpoint {state['shards']} has no {', '.join(missing[:3])}"
-                               f"{f' (and {len(missing) - 3} more)' if len(missing) > 3 else ''} of this model; "
-                               "resume with the --model the checkpoint was trained with")
+        names = self._local_names()
+        weights, optimizer = opt_state.read_part(state["shards"], list(self._stage_state()), names,
+                                                 model_aliases(self.build.model), "optimizer" in state["shard_keys"])
         self._load_weights(weights)
-        if "optimizer" in found:
-            self.optimizer.load_state_dict(opt_state.from_names(found["optimizer"], names, self.optimizer))
+        if optimizer is not None:
+            self.optimizer.load_state_dict(opt_state.from_names(optimizer, names, self.optimizer))
 
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """This stage's parameters and buffers from ``weights`` (the unsplit model's keys: all, or this stage's)."""
