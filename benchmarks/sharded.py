@@ -44,6 +44,13 @@ two moments) over W; and the seconds the save held the step up.
 
     python3 benchmarks/sharded.py --checkpoint --repeats 2          # about 4 minutes on 2 cores
 
+``--checkpoint-strategy pipeline`` measures the same for a pipeline of as many stages as workers (the GPT
+traced and split between its blocks): ``full`` is ``PipelineRuntime.state_dict()`` (every stage's part
+gathered to rank 0, one file: what the trainer saved before), ``sharded`` each stage its own part.
+
+    python3 benchmarks/sharded.py --checkpoint --checkpoint-strategy pipeline --checkpoint-workers 2 \
+        --checkpoint-variants full,sharded --repeats 2 --save
+
 ``--init-memory`` measures instead what building costs (issue 32): the GPT example (examples/gpt.py) at 99 M
 parameters, fsdp on 2 and 3 CPU ranks, built eagerly (every rank builds the whole model, then shards it) and on
 the meta device (``--init-device meta``: one block materialised at a time); per rank the peak resident set above
@@ -66,7 +73,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from phalanx import FSDP, Sync
+from phalanx import FSDP, Pipeline, Sync
 from phalanx.launcher import launch
 from phalanx.memory import Held, held, size
 from phalanx.models import cifar10
@@ -213,9 +220,10 @@ def gpt_model(layers: int, width: int) -> nn.Module:
     return gpt.GPT(gpt.GPTConfig(vocab_size=256, block_size=64, n_layer=layers, n_head=12, n_embd=width))
 
 
-def checkpoint_worker(ctx, variant: str, root: str, layers: int, width: int, steps: int) -> list:
-    """``steps`` fsdp steps, then a checkpoint the ``variant`` way, twice; every rank's (train peak, the second
-    save's peak, resident before it, seconds it blocked)."""
+def checkpoint_worker(ctx, variant: str, root: str, layers: int, width: int, steps: int,
+                      strategy: str = "fsdp") -> list:
+    """``steps`` fsdp (or pipeline) steps, then a checkpoint the ``variant`` way, twice; every rank's (train peak,
+    the second save's peak, resident before it, seconds it blocked)."""
     import gpt
     from phalanx.train import checkpoint as ckpt
     from phalanx.train.sharded import ShardWriter
@@ -224,7 +232,8 @@ def checkpoint_worker(ctx, variant: str, root: str, layers: int, width: int, ste
     model = gpt_model(layers, width)
     g = torch.Generator().manual_seed(ctx.rank)
     batch = (torch.randint(0, 256, (2, 64), generator=g), torch.randint(0, 256, (2, 64), generator=g))
-    runtime = runtime_for(FSDP(), ctx, model, lambda p: torch.optim.AdamW(p, lr=1e-4), example=batch,
+    options = FSDP() if strategy == "fsdp" else Pipeline(chunks=2, balance="params")
+    runtime = runtime_for(options, ctx, model, lambda p: torch.optim.AdamW(p, lr=1e-4), example=batch,
                           training_step=gpt.step)
     writer = ShardWriter(ctx, asynchronous=variant == "async") if variant != "full" else None
     _reset_peak_rss()
@@ -239,7 +248,7 @@ def checkpoint_worker(ctx, variant: str, root: str, layers: int, width: int, ste
         _reset_peak_rss()
         began = time.perf_counter()
         small = {"format": ckpt.FORMAT, "step": save, "run_id": "benchmark", "meta": {"parameter_shapes": {}}}
-        if writer is None:  # the whole state gathered to rank 0 (cpu_offload), one file
+        if writer is None:  # the whole state gathered to rank 0 (fsdp: cpu_offload), one file
             state = runtime.state_dict()
             if ctx.rank == 0:
                 ckpt.save_checkpoint({**small, **state}, root, save, keep=1)
@@ -310,22 +319,23 @@ def checkpoint_run(variant: str, workers: int, args) -> dict:
     root = tempfile.mkdtemp(prefix="phalanx-ckpt-bench-")
     try:
         ranks = launch(checkpoint_worker, [torch.device("cpu")] * workers,
-                       (variant, root, args.gpt_layers, args.gpt_width, args.steps), threads=args.threads)
+                       (variant, root, args.gpt_layers, args.gpt_width, args.steps, args.checkpoint_strategy),
+                       threads=args.threads)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {"train_peak": [r[0] for r in ranks], "save_peak": [r[1] for r in ranks],
             "before_save": [r[2] for r in ranks], "blocked_s": max(r[3] for r in ranks)}
 
 
-def checkpoint_report(runs: dict, model_bytes: int, params: int) -> dict:
+def checkpoint_report(runs: dict, model_bytes: int, params: int, args) -> dict:
     """Per worker count and variant: medians over repeats of each rank's peaks, against the bytes over W."""
     state_bytes = 3 * model_bytes  # parameters + AdamW's exp_avg and exp_avg_sq
     print(f"\nGPT {params / 1e6:.1f} M parameters: model {size(model_bytes)}, with AdamW's state {size(state_bytes)}; "
           "medians over repeats, per rank (rank 0 first)")
     out: dict = {}
     for workers, variants in runs.items():
-        print(f"  fsdp on {workers} workers: model / W = {size(model_bytes // workers)}, state / W = "
-              f"{size(state_bytes // workers)}")
+        print(f"  {args.checkpoint_strategy} on {workers} workers: model / W = {size(model_bytes // workers)}, "
+              f"state / W = {size(state_bytes // workers)}")
         out[workers] = {"model_bytes_over_w": model_bytes // workers, "state_bytes_over_w": state_bytes // workers}
         for variant, results in variants.items():
             per_rank = {key: [statistics.median(r[key][rank] for r in results) for rank in range(workers)]
@@ -350,17 +360,20 @@ def checkpoint_main(args) -> None:
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
     variants = [v for v in args.checkpoint_variants.split(",") if v]
-    runs = {w: {v: [] for v in variants} for w in CHECKPOINT_WORKERS}
+    counts = [int(w) for w in args.checkpoint_workers.split(",") if w]
+    runs = {w: {v: [] for v in variants} for w in counts}
     for r in range(args.repeats):
-        for workers in CHECKPOINT_WORKERS:
+        for workers in counts:
             for variant in variants:
                 result = checkpoint_run(variant, workers, args)
                 runs[workers][variant].append(result)
-                print(f"repeat {r + 1}/{args.repeats}  fsdp x{workers} {variant:<8} save peak "
+                print(f"repeat {r + 1}/{args.repeats}  {args.checkpoint_strategy} x{workers} {variant:<8} save "
+                      "peak "
                       f"{' / '.join(size(v) for v in result['save_peak'])}  blocked {result['blocked_s']:.2f} s",
                       flush=True)
-    saved = checkpoint_report(runs, model_bytes, params)
-    save_result("sharded-checkpoint", args, workers=list(CHECKPOINT_WORKERS), parameters=params,
+    saved = checkpoint_report(runs, model_bytes, params, args)
+    name = "sharded-checkpoint" + ("" if args.checkpoint_strategy == "fsdp" else f"-{args.checkpoint_strategy}")
+    save_result(name, args, workers=counts, strategy=args.checkpoint_strategy, parameters=params,
                 model_bytes=model_bytes, results=saved, malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"),
                 goal="a sharded save adds about (state / W) or less to each rank's resident set, where the full "
                      "gather adds the whole state to rank 0's")
@@ -428,6 +441,8 @@ def main() -> None:
                                                                   "(sync is always run: the ratios are against it)")
     p.add_argument("--checkpoint", action="store_true", help="measure a checkpoint's memory instead (see above)")
     p.add_argument("--checkpoint-variants", default=",".join(CHECKPOINT_VARIANTS))
+    p.add_argument("--checkpoint-strategy", choices=("fsdp", "pipeline"), default="fsdp")
+    p.add_argument("--checkpoint-workers", default=",".join(map(str, CHECKPOINT_WORKERS)))
     p.add_argument("--gpt-layers", type=int, default=8)
     p.add_argument("--gpt-width", type=int, default=768)
     p.add_argument("--init-memory", action="store_true", help="instead: peak memory per rank building the GPT "

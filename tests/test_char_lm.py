@@ -19,6 +19,7 @@ from phalanx.errors import PhalanxError
 from phalanx.metrics import PERPLEXITY, SEQUENCE, Totals, add_up, cross_entropy
 from phalanx.task import task_from
 from phalanx.train import checks
+from phalanx.train.checkpoint import load_checkpoint, tensors
 
 sys.path.insert(0, str(REPO / "examples"))
 import char_lm  # noqa: E402  (the example, importable here and in the spawned workers)
@@ -125,7 +126,7 @@ def runs(tmp_path_factory) -> dict:
 
 def trained(summary: dict) -> nn.Module:
     model = char_lm.CharLM((32,), 105, hidden=64)
-    model.load_state_dict(torch.load(summary["checkpoint"], weights_only=False)["model"])
+    model.load_state_dict(tensors(load_checkpoint(summary["checkpoint"]))["model"])  # (a pipeline's: its shards, whole)
     return model
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from helpers import REPO, gather, run_cli, run_workers
 from phalanx.launcher import WorkerContext
 from phalanx.strategies import Pipeline, runtime_for
+from phalanx.train.checkpoint import load_checkpoint, tensors
 
 K = 3  # SGD steps compared
 BATCH = 16
@@ -185,7 +186,7 @@ def test_resnet_with_inplace_relus_cut_into_blocks_trains_under_pipeline_as_unde
     got, want = summary(tmp_path / "pipe")["test_accuracy"], summary(tmp_path / "sync")["test_accuracy"]
     assert got > 0.8 and got > want - 0.1, (got, want)
     # Its checkpoint is the unsplit ResNet's, running statistics counted once per micro-batch; it scores the same.
-    state = torch.load(tmp_path / "pipe" / "step-00000060.pt", weights_only=True)["model"]
+    state = tensors(load_checkpoint(tmp_path / "pipe" / "step-00000060.dcp"))["model"]  # (the stages' shards, whole)
     assert all(torch.isfinite(v).all() for v in state.values())
     assert {int(v) for k, v in state.items() if k.endswith("num_batches_tracked")} == {60 * 4}
     model = resnet((1, 8, 8), 10)

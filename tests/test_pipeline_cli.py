@@ -15,6 +15,7 @@ from phalanx.errors import PhalanxError
 from phalanx.strategies import Job
 from phalanx.models import lstm
 from phalanx.pipeline import model_blocks
+from phalanx.train.checkpoint import load_checkpoint, tensors
 
 
 def run(*args: str, cwd) -> subprocess.CompletedProcess:
@@ -46,8 +47,9 @@ def test_stacked_lstm_through_the_cli_reaches_090_and_its_checkpoint_is_the_unsp
     assert re.search(r"predicted step \d+\.\d ms, predicted bubble \d+\.\d%", lines[5])
     assert lines[6].startswith("  measured in every worker at once: 1 torch thread each on cpu, 4 micro-batches of 8 ")
     assert accuracy(out.stdout) >= 0.90
-    # One checkpoint of the whole model: it loads into the unsplit LSTM, which scores the same.
-    state = torch.load(tmp_path / "checkpoints" / "step-00000300.pt", weights_only=True)
+    # The stages' sharded checkpoint, read whole, is the unsplit model's: it loads into the plain LSTM (and its
+    # optimizer state into a plain Adam), which scores the same.
+    state = tensors(load_checkpoint(tmp_path / "checkpoints" / "step-00000300.dcp"))
     model = lstm((1, 8, 8), 10)
     model.load_state_dict(state["model"])
     torch.optim.Adam(model.parameters()).load_state_dict(state["optimizer"])

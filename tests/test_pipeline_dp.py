@@ -21,6 +21,7 @@ from helpers import gather, run_cli, run_in_process, run_workers
 from phalanx.launcher import WorkerContext
 from phalanx.models import cnn
 from phalanx.strategies import Pipeline, runtime_for
+from phalanx.train.checkpoint import load_checkpoint, tensors
 import test_pipeline_bn as bn
 from test_pipeline_equivalence import BATCH, K, assert_same, batches, make_model, make_optimizer, reference
 
@@ -134,8 +135,9 @@ def test_cli_trains_the_default_digits_model_to_095_on_two_stages_times_two_repl
     summary = [json.loads(line) for line in (tmp_path / "checkpoints" / "metrics.jsonl").read_text().splitlines()
                if '"summary"' in line][-1]
     assert summary["test_accuracy"] >= 0.95 and summary["replicas"] == 2 and summary["world_size"] == 4
-    # One whole-model checkpoint (replica 0's stages): the unsplit network scores what the run reported.
-    state = torch.load(tmp_path / "checkpoints" / "step-00000300.pt", weights_only=True)
+    # The stages' sharded checkpoint (one copy of each stage's state between its replicas), read whole: the
+    # unsplit network scores what the run reported.
+    state = tensors(load_checkpoint(tmp_path / "checkpoints" / "step-00000300.dcp"))
     model = cnn((1, 8, 8), 10)
     model.load_state_dict(state["model"])
     from phalanx.data import load_data

@@ -27,6 +27,7 @@ from phalanx.step import DefaultStep, UserStep
 from phalanx.task import call_optimizer_factory
 from phalanx.strategies import Pipeline, runtime_for
 from phalanx.strategies.base import COUNT_CORRECT, Job
+from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, tensors
 
 sys.path.insert(0, str(REPO / "examples"))
 import gpt  # noqa: E402  (the example, importable here and in the spawned workers)
@@ -348,7 +349,7 @@ def test_the_gpt_example_under_pipeline_ends_with_syncs_parameters_and_evaluate_
     sync = run_cli("train", *GPT_CLI, *steps, "--strategy", "sync", "--batch-size", "16", "--checkpoint-dir",
                    str(tmp_path / "sync"), cwd=REPO / "examples")
     assert sync.returncode == 0, sync.stderr
-    got, want = (torch.load(tmp_path / run / "step-00000020.pt", weights_only=False) for run in ("pipe", "sync"))
+    got, want = (tensors(load_checkpoint(latest_checkpoint(tmp_path / run))) for run in ("pipe", "sync"))
     assert list(got["model"]) == list(want["model"])
     for name, value in want["model"].items():
         torch.testing.assert_close(got["model"][name], value, rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")

@@ -8,16 +8,21 @@ index). With ``"model"`` being the unsplit ``state_dict()``, a pipeline checkpoi
 the plain model and its optimizer, and back into a pipeline with any partition.
 
 The mapping ``local_to_global[i]`` is the whole-model index of the stage optimizer's i-th parameter.
+
+That is ``PipelineRuntime.state_dict()``'s one object. The trainer's checkpoints are sharded
+(:func:`by_name`, :func:`from_names`): each stage's optimizer state keyed by the unsplit model's
+parameter names, which any partition can read.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from ..errors import PhalanxError
+from ..shard_read import read_entries
 
 
 def _cpu(value: Any) -> Any:
@@ -67,3 +72,65 @@ def split(whole: dict[str, Any], local_to_global: Sequence[int]) -> dict[str, An
         mine = [to_local[int(g)] for g in group["params"] if int(g) in to_local]
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": mine})
     return {"state": state, "param_groups": groups}
+
+
+# ---- by name: a sharded checkpoint's layout (each stage writes its own part; see strategies/pipeline.py) ----
+
+
+def group_names(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> list[list[str]]:
+    """The parameter names of each param group of an optimizer over the unsplit ``model``, in its order."""
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    return [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def by_name(local: dict[str, Any], local_names: Sequence[str], whole_groups: Sequence[Sequence[str]]) -> dict[str, Any]:
+    """A stage optimizer's ``state_dict()`` keyed by the unsplit model's parameter names (as torch's
+    ``get_optimizer_state_dict`` keys fsdp's): ``state[name]`` for this stage's parameters, and every group
+    listing all the names of the unsplit optimizer's group, so that every stage saves the same groups (DCP
+    writes an entry that several ranks hold once) and another partition can find any parameter's state."""
+    if len(local["param_groups"]) != len(whole_groups):
+        raise PhalanxError(f"this stage's optimizer has {len(local['param_groups'])} param groups and the whole "
+                           f"model's {len(whole_groups)}; build the optimizer the same way on every stage")
+    state = {local_names[int(i)]: s for i, s in local["state"].items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(names)}
+              for g, names in zip(local["param_groups"], whole_groups)]
+    return {"state": state, "param_groups": groups}
+
+
+def from_names(saved: dict[str, Any], local_names: Sequence[str], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What this stage's ``optimizer.load_state_dict`` takes from a state keyed by name (:func:`by_name`,
+    written by any partition): its own parameters' state, each group's settings from the saved group."""
+    saved_groups = saved.get("param_groups", [])
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise PhalanxError(f"the checkpoint's optimizer has {len(saved_groups)} param groups and this run's "
+                           f"{len(optimizer.param_groups)}; resume with the optimizer the checkpoint was trained with")
+    index = {name: i for i, name in enumerate(local_names)}
+    # (no copies: what was read is this stage's own, fresh from disk)
+    state = {index[name]: s for name, s in saved.get("state", {}).items() if name in index}
+    groups, start = [], 0
+    for saved_group, group in zip(saved_groups, optimizer.param_groups):
+        count = len(group["params"])  # a plain state_dict numbers the parameters on across the groups
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
+                       "params": list(range(start, start + count))})
+        start += count
+    return {"state": state, "param_groups": groups}
+
+
+
+def read_part(directory: str, keys: Sequence[str], names: Sequence[str], aliases: dict[str, str],
+              optimizer: bool) -> tuple[dict[str, torch.Tensor], Optional[dict[str, Any]]]:
+    """One stage's part of a sharded checkpoint, read by name whatever partition wrote it: the tensors under
+    ``keys`` (the unsplit model's; a tied weight saved under its first key, ``aliases``) and, with
+    ``optimizer``, the state of the parameters ``names`` with the param groups (None where it holds none)."""
+    wanted = [f"model.{aliases.get(key, key)}" for key in keys]
+    if optimizer:
+        wanted += [f"optimizer.state.{name}" for name in names] + ["optimizer.param_groups"]
+    found = read_entries(directory, wanted)
+    weights = found.get("model", {})
+    weights.update({key: weights[aliases[key]] for key in keys if key in aliases and aliases[key] in weights})
+    missing = [key for key in keys if key not in weights]
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise PhalanxError(f"checkpoint {directory} has no {', '.join(missing[:3])}{more} of this model; resume "
+                           "with the --model the checkpoint was trained with")
+    return weights, found.get("optimizer")

@@ -40,6 +40,9 @@ class TracedStage:
         self.tied = tied(first, model, stages)  #: whole-model parameter index -> the stages holding it
         self._params = list(model.parameters())
         self._groups = _tie_groups(self.tied, replicas, replica)
+        held = set().union(*(stage_tensors(first.stage_module(s)) for s in range(stages)))
+        #: ids of the model's tensors that no stage holds (the step never reads them): stage 0 saves them
+        self.unused = {id(t) for t in model.state_dict(keep_vars=True).values()} - held
 
     def trace(self, training: bool, micro_batch: Any) -> Traced:
         """The step traced in this mode for micro-batches of this shape (torch.export specialises on both)."""
@@ -139,8 +142,9 @@ class TracedStage:
 
     def state(self) -> dict[str, torch.Tensor]:
         """This stage's parameters and buffers under the whole model's keys (CPU copies); a tied one under
-        each of its keys, as the unsplit model's ``state_dict`` has it."""
-        mine = stage_tensors(self.module)
+        each of its keys, as the unsplit model's ``state_dict`` has it. Stage 0 adds the tensors no stage
+        holds (as they started: nothing moves them), so that the stages' parts make the whole model."""
+        mine = stage_tensors(self.module) | (self.unused if self.is_first else set())
         return {key: value.detach().cpu() for key, value in self.model.state_dict(keep_vars=True).items()
                 if id(value) in mine}
 

@@ -55,6 +55,7 @@ from ..models import blocks_of_class, describe_blocks, model_units, repeated_blo
 from ..options import option
 from ..data.batch import head
 from ..metrics import FORWARD_ONLY, Totals, add_up
+from ..shard_read import ALIASES, read_entries, with_aliases
 from . import meta_init, tensor_parallel
 from .base import (COUNT_CORRECT, Batch, Build, Job, Layout, Options, Report, Runtime, data_parallel,
                    require_positive)
@@ -383,7 +384,11 @@ class FSDPRuntime(Runtime):
 
         # The state dicts to fill in place: this rank's shards, with an optimizer state (torch makes one).
         target = {key: value for key, value in self.shard_state_dict().items() if key in keys}
-        dcp.load(target, checkpoint_id=path)
+        # A pipeline's checkpoint holds a tied weight once, under its first key: the others are filled from it.
+        aliases = read_entries(path, [ALIASES]).get(ALIASES, {})
+        dcp.load({**target, "model": {k: v for k, v in target["model"].items() if k not in aliases}},
+                 checkpoint_id=path)
+        target["model"] = with_aliases(target["model"], aliases)
         if "optimizer" in target:
             set_state_dict(self.model, self.optimizer, model_state_dict=target["model"],
                            optim_state_dict=target["optimizer"])

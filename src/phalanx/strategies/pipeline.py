@@ -6,7 +6,8 @@ M micro-batches; stage s receives micro-batch activations from s−1 and sends i
 way. Every stage of a pipeline loads the same batch: the first stage feeds the inputs, the last
 one the labels. The last stage alone knows the loss, so :meth:`global_losses` sums it over the
 ranks (the others add zero); :meth:`evaluate` runs the pipeline forward and sums the last
-stages' counts; a checkpoint gathers one pipeline's stages to rank 0 as one whole model.
+stages' counts; a checkpoint is written by every rank, its own stage's part under the unsplit model's
+names (torch's distributed checkpoint, as fsdp's: see ``train/sharded.py``), no rank gathering the model.
 
 With W = R·P workers for P stages, R replicas of the pipeline train side by side on a 2-D device
 mesh (stages × replicas; rank = stage·R + replica, so one stage's replicas are neighbours, as in
@@ -23,7 +24,7 @@ What phalanx adds to the engine (helpers in ``phalanx/pipeline/``): the split (a
 kept on every stage that uses them with their gradients summed over those stages), the exact balancing by parameters or measured time,
 the printed plan, each stage's input and output worked out ahead on meta tensors (torch's static
 mode: no extra pass through a stage, see ``pipeline/stage.py``), contiguous activations and
-gradients (gloo needs them), one consistent checkpoint, and the checks that name the fix.
+gradients (gloo needs them), sharded checkpoints any partition can read, and the checks that name the fix.
 
 Equivalence: the engine computes the loss per micro-batch and divides the summed gradients by
 M, so with a mean-reduced loss and equal micro-batches a step equals the unsplit model's step on
@@ -52,6 +53,7 @@ from ..pipeline.profile import agree, describe, profile_order, time_blocks
 from ..pipeline.split import StageModule, has_blocks, model_blocks, parameter_counts
 from ..pipeline.trace import candidate_points, check_points, flat_tensors, parse_points, segment_params
 from ..pipeline.traced import TracedStage, stage_optimizer
+from ..shard_read import ALIASES, model_aliases
 from ..data import batch as tree
 from ..step import DefaultStep
 from ..metrics import Totals
@@ -76,6 +78,7 @@ class Pipeline(Options):
 
     name: ClassVar[str] = "pipeline"
     estimated_on_pairs: ClassVar[bool] = True
+    sharded_checkpoints: ClassVar[bool] = True
     summary: ClassVar[str] = ("model parallelism: the network split into contiguous stages, one per worker, "
                               "micro-batches pipelined; torch.distributed.pipelining")
 
@@ -221,6 +224,7 @@ class PipelineRuntime(Runtime):
         index = {id(p): i for i, p in enumerate(model.parameters())}
         #: the whole model's parameter index of each parameter of this stage's optimizer, in its order
         self.local_to_global = [index[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+        self._groups: Optional[list[list[str]]] = None  #: see _whole_groups
 
     def _traced_plan(self, model: nn.Module, build: Build) -> tuple[StagePlan, tuple[str, ...]]:
         """Where the stages begin: the points given, or the repeated blocks balanced by measured time (where a
@@ -549,14 +553,70 @@ class PipelineRuntime(Runtime):
             model.update(weights)
         return {"model": model, "optimizer": opt_state.merge([o for _, o in parts])}
 
+    @property
+    def writes_shards(self) -> bool:
+        # On 2+ workers (stages or replicas): each rank its own part, none holding the whole model's state.
+        return self.ctx.distributed
+
+    def shard_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the checkpoint, under the unsplit model's keys: its stage's parameters and
+        buffers, and their optimizer state by parameter name (see ``pipeline/state.py``). Local: no collective.
+
+        What several ranks hold alike, DCP writes once (its save plan keeps one rank's copy of an entry that
+        several ranks name): a stage's replicas (equal after every step), a tied weight on two stages (equal:
+        its gradients are summed between them), the optimizer's param groups (every rank lists the unsplit
+        optimizer's). A tied weight's second key (``aliases``) is not saved again: readers restore it."""
+        local = opt_state.by_name(self.optimizer.state_dict(), self._local_names(), self._whole_groups())
+        aliases = model_aliases(self.build.model)  # (the whole model's: the same entry on every rank)
+        model = {key: value for key, value in self._stage_state().items() if key not in aliases}
+        return {"model": model, "optimizer": local, ALIASES: aliases}
+
+    def _stage_state(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters and buffers under the unsplit model's keys."""
+        if not self.pipelined:
+            return self.stage_module.state_dict()
+        return self.traced.state() if self.traced is not None else self.stage_module.full_state_dict()
+
+    def _local_names(self) -> list[str]:
+        """The unsplit model's name of each parameter of this stage's optimizer, in its order."""
+        names = [name for name, _ in self.build.model.named_parameters()]  # (model.parameters()'s order)
+        return [names[i] for i in self.local_to_global]
+
+    def _whole_groups(self) -> list[list[str]]:
+        """The names in each param group of the optimizer the user's factory makes for the unsplit model (its
+        order is what a plain optimizer numbers by: sync reads the checkpoint in it). Made once, with no state."""
+        if self._groups is None:
+            whole = self.optimizer if not self.pipelined else self.build.make_optimizer(self.build.model)
+            self._groups = opt_state.group_names(whole, self.build.model)
+        return self._groups
+
+    def _load_shards(self, state: dict[str, Any]) -> None:
+        """This rank reads its own part of a sharded checkpoint by name, whatever partition, stage count or
+        strategy wrote it (the keys are the unsplit model's); nothing else is read, no collective."""
+        names = self._local_names()
+        weights, optimizer = opt_state.read_part(state["shards"], list(self._stage_state()), names,
+                                                 model_aliases(self.build.model), "optimizer" in state["shard_keys"])
+        self._load_weights(weights)
+        if optimizer is not None:
+            self.optimizer.load_state_dict(opt_state.from_names(optimizer, names, self.optimizer))
+
+    def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """This stage's parameters and buffers from ``weights`` (the unsplit model's keys: all, or this stage's)."""
+        if not self.pipelined:
+            load_model_state(self.stage_module, weights)
+        elif self.traced is not None:  # the stage's tensors are the model's own (the rest as they are: unused here)
+            load_model_state(self.build.model, {**self.build.model.state_dict(), **weights})
+        else:
+            self.stage_module.load_full_state_dict(weights)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Every stage takes its blocks' weights and its parameters' optimizer state."""
+        """Every stage takes its blocks' weights and its parameters' optimizer state: from a sharded
+        checkpoint its own part only (:meth:`_load_shards`), from a whole one its share."""
+        if "shards" in state:
+            return self._load_shards(state)
         if not self.pipelined:
             return super().load_state_dict(state)
-        if self.traced is not None:  # the stage's tensors are the model's own
-            load_model_state(self.build.model, state["model"])
-        else:
-            self.stage_module.load_full_state_dict(state["model"])
+        self._load_weights(state["model"])
         if "optimizer" in state:  # absent: the run changed optimizers and starts this one fresh
             self.optimizer.load_state_dict(opt_state.split(state["optimizer"], self.local_to_global))
 

@@ -28,6 +28,7 @@ from ..task import is_import_path, resolve
 from ..data.batch import split, to_device
 from ..precision import Precision, compile_blocks
 from ..recompute import Recomputed, checkpoint_blocks
+from ..shard_read import ALIASES
 from ..startup import Marks
 from ..strategies import Build, meta_init, nonfinite_values
 from . import checkpoint as ckpt
@@ -482,10 +483,22 @@ class WorkerRun:
                 "model": self.plan.task.model_name, "data": self.plan.task.data_name,
                 "training_step": self.cfg.training_step, "target_key": self.cfg.target_key,
                 "model_class": self.model_class,
-                "parameter_shapes": {name: list(t.shape) for name, t in state["model"].items()},
+                "parameter_shapes": self._shapes(state),
                 "strategy": self.cfg.strategy.name,
                 "seed": self.cfg.seed, "input_shape": list(self.data.input_shape),
                 "num_classes": self.data.num_classes, "settings": settings_of(self.cfg)}
+
+    def _shapes(self, state: dict[str, Any]) -> dict[str, list[int]]:
+        """Every tensor of the model, by name, and its shape: rank 0 records them all, also where each rank saves
+        a part of the model only (a pipeline's stage: one small all-gather of the names and shapes), and a tied
+        weight's every name (a pipeline's sharded checkpoint saves it once: ``shard_read.ALIASES``)."""
+        shapes = {name: list(t.shape) for name, t in state["model"].items()}
+        shapes.update({alias: shapes[key] for alias, key in state.get(ALIASES, {}).items() if key in shapes})
+        if self.shard_writer is None or not self.ctx.distributed:
+            return shapes
+        parts: list = [None] * self.ctx.world_size
+        dist.all_gather_object(parts, shapes)
+        return {name: shape for part in parts for name, shape in part.items()}
 
     def _position(self) -> Position:
         """Where the data stands now: the examples consumed since the start position, in global batches."""

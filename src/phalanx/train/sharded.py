@@ -1,6 +1,6 @@
 """Sharded checkpoints: every rank writes its own shard with torch's distributed checkpoint (DCP).
 
-A strategy whose ranks each hold a part of the model (fsdp on 2+ workers) saves a directory,
+A strategy whose ranks each hold a part of the model (fsdp or a pipeline on 2+ workers) saves a directory,
 ``step-00000120.dcp/``, and no rank ever gathers the whole model:
 
 - ``__<rank>_<n>.distcp``: that rank's shards of the parameters and of the optimizer state, written
@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PhalanxError, StorageError
+from ..shard_read import ALIASES, read_entries, with_aliases
 from . import checkpoint as ckpt
 
 STATE = "phalanx.pt"
@@ -200,18 +201,10 @@ def joined(state: dict[str, Any], optimizer: bool = True) -> dict[str, Any]:
     """``state`` with the whole model (and optimizer state, in a plain optimizer's numbering) read into this
     process from its shards: what a single-file checkpoint holds, for whatever runs the model whole
     (sync, one process, ``phalanx evaluate``, ``--init-from``). No process group is needed or used."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    keys = {key for key in state["shard_keys"] if optimizer or key == "model"}
-    found: dict[str, Any] = {}
-    # What torch's dcp_to_torch_save does, in memory: the "empty" planner builds the state dict from the
-    # checkpoint's own metadata (dcp.load would fill only keys given); no_dist: this process reads every shard.
-    _load_state_dict(found, storage_reader=FileSystemReader(state["shards"]),
-                     planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    wanted = [key for key in state["shard_keys"] if optimizer or key == "model"]
+    found = read_entries(state["shards"], [*wanted, ALIASES])
     plain = {k: v for k, v in state.items() if k not in ("shards", "shard_keys", "files")}
-    plain["model"] = found["model"]
+    plain["model"] = with_aliases(found["model"], found.get(ALIASES, {}))
     if "optimizer" in found:
         plain["optimizer"] = plain_numbering(found["optimizer"])
     return plain
@@ -222,7 +215,7 @@ def plain_numbering(state: dict[str, Any]) -> dict[str, Any]:
     a plain optimizer's parameter i is the i-th name across the param groups (the same factory lists
     the same parameters in the same order, sharded or not)."""
     index = {name: i for i, name in enumerate(n for group in state["param_groups"] for n in group["params"])}
-    ordered = sorted(state["state"].items(), key=lambda item: index[item[0]])
+    ordered = sorted(state.get("state", {}).items(), key=lambda item: index[item[0]])  # (none: plain SGD)
     return {"state": {index[name]: value for name, value in ordered},
             "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
                              for group in state["param_groups"]]}
