@@ -53,7 +53,7 @@ def test_a_torchrun_job_exits_0_every_time_with_nothing_from_cpp(tmp_path):
                          ids=["SIGTERM-to-the-agent", "SIGINT-to-the-group"])
 def test_under_phalanx_torchrun_a_stop_exits_143_or_130_without_torchruns_traceback(to_the_group, signal_, tmp_path):
     # Plain torchrun's agent ends on the signal with exit 1 and its SignalException's traceback (its own code:
-    # README, "Preemptible and elastic jobs"); phalanx.torchrun is torchrun, ending as phalanx train does.
+    # docs/multi-node.md, "Preemptible and elastic jobs"); phalanx.torchrun is torchrun, ending as phalanx train does.
     cmd = [sys.executable, "-m", "phalanx.torchrun", "--standalone", "--nproc-per-node", "2", "-m", "phalanx", "train",
            *LONG]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
