@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import REPO, run_in_process
+from helpers import REPO, only_run, run_in_process
 from phalanx import Pipeline, TrainConfig, Trainer
 from phalanx.errors import PhalanxError
 from phalanx.strategies import Job
@@ -47,7 +47,7 @@ def test_stacked_lstm_through_the_cli_reaches_090_and_its_checkpoint_is_the_unsp
     assert lines[6].startswith("  measured in every worker at once: 1 torch thread each on cpu, 4 micro-batches of 8 ")
     assert accuracy(out.stdout) >= 0.90
     # One checkpoint of the whole model: it loads into the unsplit LSTM, which scores the same.
-    state = torch.load(tmp_path / "checkpoints" / "step-00000300.pt", weights_only=True)
+    state = torch.load(only_run(tmp_path) / "step-00000300.pt", weights_only=True)
     model = lstm((1, 8, 8), 10)
     model.load_state_dict(state["model"])
     torch.optim.Adam(model.parameters()).load_state_dict(state["optimizer"])
