@@ -62,6 +62,14 @@ def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.Completed
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 
+def only_run(cwd: Path) -> Path:
+    """The run directory that a run without --checkpoint-dir made in ``cwd`` (``runs/<strategy>-<n>``): the one
+    there, so that a test also checks that a run wrote nowhere else."""
+    runs = sorted(p for p in (cwd / "runs").iterdir() if p.is_dir()) if (cwd / "runs").is_dir() else []
+    assert len(runs) == 1, f"expected one run directory in {cwd / 'runs'}, found {[p.name for p in runs]}"
+    return runs[0]
+
+
 def run_in_process(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """``phalanx *args`` in ``cwd``, run by the command's own ``main()`` in this process: the same flags,
     checks, messages and exit status as :func:`run_cli`, without a fresh interpreter importing torch

@@ -3,7 +3,7 @@ and ``--tensorboard`` (item 8).
 
 One small comparison (2 strategies x 1 scenario x 1 repeat, 20 steps) runs twice, shared by the
 tests: through the API on objects, and through the command on the same file by import path
-(``examples/mymodel.py``, the README's example). Both use deterministic strategies (sync and
+(``examples/mymodel.py``, docs/your-model.md's example). Both use deterministic strategies (sync and
 local SGD on gloo), so with the same seed they must train the very same runs: the reports agree
 on everything but timings and the data's name. The command's run also writes TensorBoard files,
 read back and checked against its metrics files.

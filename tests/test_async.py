@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch
 
-from helpers import run_and_signal, run_cli, run_in_process, run_main, run_workers
+from helpers import only_run, run_and_signal, run_cli, run_in_process, run_main, run_workers
 from phalanx import TrainConfig, Trainer
 from phalanx.errors import PhalanxError, TrainingDiverged, WorkerFailed
 from phalanx.data import load_data
@@ -32,8 +32,8 @@ def test_each_strategy_trains_digits(tmp_path, flags):
     if flags[1] in ("ps", "ssp", "hogwild"):
         assert re.search(r"^staleness: mean \d+\.\d, p95 \d+, max \d+ updates behind.*\((bound \d+ steps?|unbounded)\)$",
                          out.stdout, re.M)
-        assert "staleness_histogram" in _summary(tmp_path / "checkpoints")
-    state = load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))
+        assert "staleness_histogram" in _summary(only_run(tmp_path))
+    state = load_checkpoint(latest_checkpoint(only_run(tmp_path)))
     assert state["step"] == 250
 
 
@@ -115,7 +115,7 @@ def test_ssp_bound_holds_with_a_straggler_and_every_gradient_is_applied_once(tmp
     out = run_in_process("train", "--strategy", "ssp", "--staleness", "1", "--straggler", "1:3", "--steps", "80",
                          "--log-every", "40", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    s = _summary(tmp_path / "checkpoints")
+    s = _summary(only_run(tmp_path))
     assert s["max_clock_gap"] <= 1  # no worker ever began a step more than 1 ahead of the slowest
     assert sum(s["gradients_pushed"].values()) == s["gradients_applied_total"] == s["gradients_applied"]
     assert sum(s["staleness_histogram"].values()) == s["gradients_applied"]
@@ -128,7 +128,7 @@ def test_ssp_bound_holds_with_a_straggler_and_every_gradient_is_applied_once(tmp
 def test_ps_staleness_is_unbounded_and_consistent(tmp_path):
     out = run_in_process("train", "--strategy", "ps", "--straggler", "1:3", "--steps", "60", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    s = _summary(tmp_path / "checkpoints")
+    s = _summary(only_run(tmp_path))
     assert s["staleness_bound"] is None and s["max_clock_gap"] >= 2  # the fast worker ran ahead freely
     assert sum(s["gradients_pushed"].values()) == s["gradients_applied_total"]
 
@@ -161,10 +161,10 @@ def test_ps_survives_a_killed_worker(tmp_path, strategy):
          "--checkpoint-every", "50", "--straggler", "1:2"], tmp_path, "step 60,", signal.SIGKILL, rank=2)
     assert code == 0, err[-3000:]
     assert re.search(r"worker 2 lost at step \d+; continuing with 1 workers", out)
-    state = load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))
+    state = load_checkpoint(latest_checkpoint(only_run(tmp_path)))
     assert state["step"] == 300
     assert float(re.search(r"test accuracy (\d\.\d+)", out).group(1)) >= 0.9
-    assert _summary(tmp_path / "checkpoints")["lost_workers"][0]["worker"] == 2
+    assert _summary(only_run(tmp_path))["lost_workers"][0]["worker"] == 2
 
 
 def test_sync_fails_fast_naming_the_killed_rank_then_resumes(tmp_path):
@@ -173,8 +173,8 @@ def test_sync_fails_fast_naming_the_killed_rank_then_resumes(tmp_path):
         signal.SIGKILL, rank=1)
     assert code == 1
     assert re.search(r"error: worker 1 failed:\s+process \d+ was killed by SIGKILL", err)
-    assert re.search(r"last checkpoint: checkpoints/step-\d+\.pt; continue with --resume checkpoints/step-", err)
-    last = load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))["step"]
+    assert re.search(r"last checkpoint: runs/sync-1/step-\d+\.pt; continue with --resume runs/sync-1/step-", err)
+    last = load_checkpoint(latest_checkpoint(only_run(tmp_path)))["step"]
     assert last >= 40  # the newest checkpoint before the kill is intact
     resumed = run_in_process("train", "--steps", str(last + 20), "--resume", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -191,7 +191,7 @@ def test_bad_input(tmp_path, flags, message, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # (the command's main() in this process: refused before anything starts)
     code, out = run_main(["train", *flags], capsys)
     assert code == 2 and message in out.err, out.err
-    assert not (tmp_path / "checkpoints").exists()
+    assert not (tmp_path / "runs").exists()
 
 
 def test_hogwild_refuses_cuda():
@@ -205,7 +205,7 @@ def test_a_dead_server_ends_the_job_and_the_last_checkpoint_loads(tmp_path):
         "step 60,", signal.SIGKILL, rank=0)
     assert code == 1
     assert re.search(r"error: the parameter server \(rank 0\) failed:\s+process \d+ was killed by SIGKILL", err)
-    state = load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))
+    state = load_checkpoint(latest_checkpoint(only_run(tmp_path)))
     assert state["step"] >= 40 and state["meta"]["strategy"] == "ps"
 
 
@@ -218,7 +218,7 @@ def test_ps_divergence_stops_at_once_naming_its_step_and_a_checkpoint_that_exist
     assert out.returncode == 1, out.stderr[-3000:]
     found = re.search(r"error: model diverged with loss = nan at step (\d+); last good checkpoint: (\S+) ", out.stderr)
     assert found, out.stderr[-3000:]
-    events = [json.loads(line) for line in (tmp_path / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (only_run(tmp_path) / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "diverged"] == [int(found.group(1))]
     assert (tmp_path / found.group(2)).is_file()  # the checkpoint it names was written
     assert load_checkpoint(tmp_path / found.group(2))["step"] < int(found.group(1))

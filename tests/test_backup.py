@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from helpers import run_in_process
+from helpers import only_run, run_in_process
 from phalanx.strategies.ps.aggregate import Asynchronous, Rounds
 
 
@@ -38,7 +38,7 @@ def straggling_backup(tmp_path_factory):
     out = run_in_process("train", "--strategy", "backup", "--backup-workers", "1", "--workers", "3", "--straggler",
                          "3:4", "--steps", "40", "--log-every", "20", "--eval-every", "20", cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
-    events = [json.loads(line) for line in (root / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (only_run(root) / "metrics.jsonl").read_text().splitlines()]
     return out.stdout, events
 
 

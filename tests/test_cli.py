@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from helpers import run_cli, run_in_process, run_main
+from helpers import only_run, run_cli, run_in_process, run_main
 from phalanx.train.checkpoint import list_checkpoints
 
 
@@ -29,11 +29,11 @@ def test_default_train_reaches_the_accuracy_and_reports(tmp_path):
     accuracy = float(re.search(r"test accuracy (\d\.\d+)", out.stdout).group(1))
     assert accuracy >= 0.95
     assert re.search(r"throughput \d+\.\d examples/sec \(global\)", out.stdout)
-    assert "checkpoint checkpoints/step-00000300.pt" in out.stdout
+    assert "checkpoint runs/sync-1/step-00000300.pt" in out.stdout  # a directory of its own
     assert re.search(r"wall time \d+\.\d s", out.stdout)
-    state = torch.load(tmp_path / "checkpoints" / "step-00000300.pt", weights_only=True)
+    state = torch.load(only_run(tmp_path) / "step-00000300.pt", weights_only=True)
     assert state["step"] == 300
-    events = [json.loads(ln) for ln in (tmp_path / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
+    events = [json.loads(ln) for ln in (only_run(tmp_path) / "metrics.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == "summary" and events[-1]["test_accuracy"] == pytest.approx(accuracy, abs=1e-4)
 
 
@@ -67,7 +67,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, flags, message, capsys, monk
     errors = [ln for ln in out.err.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1 and message in errors[0], out.err
     assert "Traceback" not in out.err
-    assert not (tmp_path / "checkpoints").exists()  # no partial files left behind
+    assert not (tmp_path / "runs").exists()  # no partial files left behind
 
 
 def test_unwritable_checkpoint_directory(tmp_path):
@@ -107,23 +107,23 @@ def test_corrupt_checkpoint_on_resume(trained, tmp_path, capsys, monkeypatch):
     (["--steps", "20"], "already at step 20 and --steps is 20"),
 ])
 def test_mismatched_checkpoint_on_resume(trained, flags, message, capsys, monkeypatch):
-    before = _snapshot(trained / "checkpoints")
+    before = _snapshot(only_run(trained))
     monkeypatch.chdir(trained)
     code, out = run_main(["train", "--resume", *flags] if "--steps" in flags else
                          ["train", "--steps", "40", "--resume", *flags], capsys)
     assert code == 2, out.err
     assert message in out.err
-    assert _snapshot(trained / "checkpoints") == before
+    assert _snapshot(only_run(trained)) == before
 
 
 def test_resume_from_directory_continues(trained, tmp_path):
     import shutil
 
-    shutil.copytree(trained / "checkpoints", tmp_path / "checkpoints")
-    out = run_cli("train", "--steps", "30", "--resume", cwd=tmp_path)
+    shutil.copytree(trained / "runs", tmp_path / "runs")
+    out = run_cli("train", "--steps", "30", "--resume", cwd=tmp_path)  # alone: the newest run's newest
     assert out.returncode == 0, out.stderr
     assert "resuming at step 20" in out.stdout.splitlines()[0]
-    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")][-1] == "step-00000030.pt"
+    assert [p.name for p in list_checkpoints(only_run(tmp_path))][-1] == "step-00000030.pt"
 
 
 def test_torchrun_starts_the_workers(tmp_path):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import run_in_process, run_workers
+from helpers import only_run, run_in_process, run_workers
 from phalanx import DiLoCo, LocalSGD, PhalanxError, Sync
 from phalanx.compare.tokens import parse_strategy
 from phalanx.strategies import Job, runtime_for
@@ -260,7 +260,7 @@ def test_cli_trains_digits_and_reports_its_syncs(digits):
     assert accuracy >= 0.9
     assert "strategy diloco (sync every 10 steps, outer lr 0.7, Nesterov momentum 0.9, 2 fragments)" in out.stdout
     assert "\ndiloco: outer Nesterov momentum 0.9 is the paper's setting, for 8 workers or more; on 2" in out.stdout
-    summary = _metrics(cwd / "checkpoints")[-1]
+    summary = _metrics(only_run(cwd))[-1]
     # fragment 0 after steps 1, 11, ..., 91; fragment 1 after 6, ..., 96; both after the last, 100
     assert summary["outer_syncs"] == 10 + 10 + 2
     assert re.search(r"^diloco: 22 fragment syncs over 2 fragments of [\d,]+, [\d,]+ parameters, a [\d,]+-byte fp32 "
@@ -274,15 +274,15 @@ def test_cli_trains_digits_and_reports_its_syncs(digits):
 def test_resume_from_a_checkpoint_between_syncs_is_exact(digits):
     cwd, _ = digits
     # Step 45: fragment 0 last synced after step 41, fragment 1 after 36: every rank's weights differ.
-    middle = torch.load(cwd / "checkpoints" / "step-00000045.pt", weights_only=True)
+    middle = torch.load(only_run(cwd) / "step-00000045.pt", weights_only=True)
     workers = middle["diloco"]["workers"]
     assert len(workers) == 2 and not torch.equal(workers[0]["model"]["3.weight"], workers[1]["model"]["3.weight"])
     out = run_in_process("train", "--strategy", "diloco", "--sync-every", "10", "--fragments", "2", "--optimizer",
                          "adam", "--lr", "0.002", "--steps", "100", "--log-every", "50", "--checkpoint-dir", "resumed",
-                         "--outer-momentum", "0.9", "--resume", "checkpoints/step-00000045.pt", cwd=cwd)
+                         "--outer-momentum", "0.9", "--resume", "runs/diloco-1/step-00000045.pt", cwd=cwd)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming at step 45" in out.stdout
-    straight = torch.load(cwd / "checkpoints" / "step-00000100.pt", weights_only=True)
+    straight = torch.load(only_run(cwd) / "step-00000100.pt", weights_only=True)
     resumed = torch.load(cwd / "resumed" / "step-00000100.pt", weights_only=True)
     for name, value in straight["model"].items():
         torch.testing.assert_close(resumed["model"][name], value, atol=1e-6, rtol=0, msg=name)
@@ -300,7 +300,7 @@ def test_the_default_run_trains_on_2_workers_and_progress_none_still_prints_its_
     accuracy = float(re.search(r"^test accuracy (\d\.\d+).* after 300 steps$", out.stdout, re.M).group(1))
     assert accuracy >= 0.9
     assert "phalanx train:" not in out.stdout and "step 20, loss" not in out.stdout  # no header, no progress
-    assert re.search(r"^checkpoint checkpoints/step-00000300\.pt$", out.stdout, re.M)
+    assert re.search(r"^checkpoint runs/diloco-1/step-00000300\.pt$", out.stdout, re.M)
 
 
 def test_the_header_says_when_the_outer_momentum_is_the_papers_and_the_workers_few():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import run_in_process
+from helpers import only_run, run_in_process
 from phalanx import TrainConfig, Trainer
 from phalanx.data import ArrayDataset, ShardedBatches
 from phalanx.data.loader import Position, advance, epoch_generator
@@ -29,7 +29,7 @@ def straight(tmp_path_factory):
     root = tmp_path_factory.mktemp("straight")
     out = run_in_process("train", "--steps", "40", "--batch-size", "48", "--checkpoint-every", "20", *QUIET, cwd=root)
     assert out.returncode == 0, out.stderr
-    return root / "checkpoints"
+    return only_run(root)
 
 
 def _same_parameters(a: dict, b: dict) -> None:

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -53,7 +54,7 @@ def test_a_torchrun_job_exits_0_every_time_with_nothing_from_cpp(tmp_path):
                          ids=["SIGTERM-to-the-agent", "SIGINT-to-the-group"])
 def test_under_phalanx_torchrun_a_stop_exits_143_or_130_without_torchruns_traceback(to_the_group, signal_, tmp_path):
     # Plain torchrun's agent ends on the signal with exit 1 and its SignalException's traceback (its own code:
-    # README, "Preemptible and elastic jobs"); phalanx.torchrun is torchrun, ending as phalanx train does.
+    # docs/multi-node.md, "Preemptible and elastic jobs"); phalanx.torchrun is torchrun, ending as phalanx train does.
     cmd = [sys.executable, "-m", "phalanx.torchrun", "--standalone", "--nproc-per-node", "2", "-m", "phalanx", "train",
            *LONG]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -94,13 +95,14 @@ def _ctrl_c(cwd, args, after_line, timeout=300, signal_=signal.SIGINT):
 def _stopped_with_checkpoint(code, err, cwd, signame, after):
     """The job stopped together at one step, saved that step, and said so once; returns the step."""
     assert code == 128 + getattr(signal, signame), err
-    found = re.search(rf"^stopped at step (\d+) by {signame}; checkpoint (checkpoints/step-(\d+)\.(?:pt|dcp)); continue with: ",
+    found = re.search(rf"^stopped at step (\d+) by {signame}; checkpoint ((?:checkpoints|runs/[\w.-]+)/step-(\d+)\.(?:pt|dcp)); "
+                      "continue with: ",
                       err, re.M)  # (a progress bar draws on stderr before it)
     assert found and found.group(1).lstrip("0") == found.group(3).lstrip("0"), err
     assert err.count("stopped at step") == 1
     step = int(found.group(1))
     # (>=: a parameter server reads the request at the step it just printed, and may stop right there)
-    assert step >= after and load_checkpoint(latest_checkpoint(cwd / "checkpoints"))["step"] == step
+    assert step >= after and load_checkpoint(latest_checkpoint(cwd / Path(found.group(2)).parent))["step"] == step
     assert not any(t in err for t in CPP_TRACES + ("Traceback", "leaked semaphore")), err
     return step
 
@@ -201,7 +203,7 @@ def test_a_signal_to_one_worker_before_its_first_step_stops_the_job_blaming_no_o
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal_, err
     assert err == f"stopped by {signal_.name} before the first step; nothing was saved\n"
-    assert not list(tmp_path.glob("checkpoints/step-*.pt")) and not spawned_children(os.getpid())
+    assert not list(tmp_path.glob("**/step-*.pt")) and not spawned_children(os.getpid())
 
 
 def test_ranks_of_different_pace_agree_on_when_to_read_the_stop_request():

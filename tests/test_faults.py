@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers import phalanx_cmd, run_and_signal, run_in_process, spawned_children
+from helpers import only_run, phalanx_cmd, run_and_signal, run_in_process, spawned_children
 from phalanx import TrainConfig, Trainer
 from phalanx.errors import JobHung
 from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -104,14 +104,14 @@ def uninterrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("straight")
     out = run_in_process("train", "--steps", "60", "--checkpoint-every", "1000", cwd=root)
     assert out.returncode == 0, out.stderr
-    return load_checkpoint(root / "checkpoints" / "step-00000060.pt")
+    return load_checkpoint(only_run(root) / "step-00000060.pt")
 
 
 def test_sigterm_stops_every_worker_at_one_step_and_its_checkpoint_resumes_to_the_same_result(uninterrupted, tmp_path):
     code, out, err = run_and_signal(["train", "--steps", "60", "--checkpoint-every", "1000", "--log-every", "10"],
                                     tmp_path, "step 20,", signal.SIGTERM)
     assert code == 143, err
-    stopped = re.fullmatch(r"stopped at step (\d+) by SIGTERM; checkpoint (checkpoints/step-\d+\.pt); continue with: "
+    stopped = re.fullmatch(r"stopped at step (\d+) by SIGTERM; checkpoint (runs/sync-1/step-\d+\.pt); continue with: "
                            r"phalanx train --steps 60 --checkpoint-every 1000 --log-every 10 --resume\n", err)
     assert stopped, err
     step = int(stopped.group(1))
@@ -119,7 +119,7 @@ def test_sigterm_stops_every_worker_at_one_step_and_its_checkpoint_resumes_to_th
     assert "Traceback" not in err + out and not spawned_children(os.getpid())
     resumed = run_in_process("train", "--steps", "60", "--checkpoint-every", "1000", "--resume", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
-    _same_parameters(uninterrupted["model"], load_checkpoint(tmp_path / "checkpoints" / "step-00000060.pt")["model"])
+    _same_parameters(uninterrupted["model"], load_checkpoint(only_run(tmp_path) / "step-00000060.pt")["model"])
 
 
 @pytest.mark.parametrize("strategy", ["ps", "pipeline"])
@@ -127,9 +127,9 @@ def test_sigint_stops_other_strategies_at_a_step_with_exit_130(strategy, tmp_pat
     code, out, err = run_and_signal(["train", "--strategy", strategy, *LONG], tmp_path, "step 40,", signal.SIGINT)
     assert code == 130, err
     # (a pipeline's: a sharded directory)
-    stopped = r"stopped at step (\d+) by SIGINT; checkpoint checkpoints/step-\d+\.(pt|dcp); continue with"
+    stopped = rf"stopped at step (\d+) by SIGINT; checkpoint runs/{strategy}-1/step-\d+\.(pt|dcp); continue with"
     assert re.match(stopped, err), err
-    assert load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))["meta"]["strategy"] == strategy
+    assert load_checkpoint(latest_checkpoint(only_run(tmp_path)))["meta"]["strategy"] == strategy
     assert "Traceback" not in err and "terminate called" not in err
 
 
@@ -147,7 +147,7 @@ def test_a_second_signal_stops_at_once_and_leaves_nothing_torn(tmp_path):
     assert "Traceback" not in err
     # Killed at once, perhaps mid-save: a half-written temporary may be left (the next run clears it), but
     # every finished checkpoint is whole and verifies.
-    assert load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))["step"] >= 20
+    assert load_checkpoint(latest_checkpoint(only_run(tmp_path)))["step"] >= 20
 
 
 # ---- self-healing ----
@@ -160,7 +160,7 @@ def test_a_killed_sync_worker_is_replaced_and_the_run_ends_as_if_nothing_happene
     assert died, err
     # The step it died in is read from a heartbeat newer than its death, never one from before the checkpoint.
     assert int(died.group(1)) >= max(30, int(died.group(2))), err
-    _same_parameters(uninterrupted["model"], load_checkpoint(tmp_path / "checkpoints" / "step-00000060.pt")["model"])
+    _same_parameters(uninterrupted["model"], load_checkpoint(only_run(tmp_path) / "step-00000060.pt")["model"])
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import gather, run_cli, run_workers
+from helpers import gather, only_run, run_cli, run_workers
 from phalanx import FSDP, Pipeline, Sync, TrainConfig, Trainer
 from phalanx.errors import PhalanxError
 from phalanx.launcher import WorkerContext
@@ -292,7 +292,7 @@ def test_cli_trains_the_default_digits_model_to_095_holding_half_a_replica_per_r
     assert lines[0].startswith("phalanx train: strategy fsdp (fully_shard), world size 2, devices cpu, backend gloo")
     assert lines[1] == ("fsdp plan: 4 blocks (0, 1, 2, 3) each sharded over a 1-D mesh of 2 ranks (cpu, gloo); "
                         "parameters gathered for forward, freed, gathered again for backward")
-    summary = summary_of(tmp_path / "checkpoints" / "metrics.jsonl")
+    summary = summary_of(only_run(tmp_path) / "metrics.jsonl")
     assert summary["test_accuracy"] >= 0.95
     half = replica_bytes() / 2
     for figures in (summary["memory_bytes"], summary["memory_bytes_max"]):
@@ -301,7 +301,7 @@ def test_cli_trains_the_default_digits_model_to_095_holding_half_a_replica_per_r
     assert f"memory per rank: parameters {summary['memory_bytes']['parameters'] / 1e3:.1f} kB" in out.stdout
     # The checkpoint (sharded, read whole) is the unsplit model's: it loads, with its optimizer, and scores what
     # the run reported.
-    state = whole(tmp_path / "checkpoints" / "step-00000300.dcp")
+    state = whole(only_run(tmp_path) / "step-00000300.dcp")
     model = cnn((1, 8, 8), 10)
     model.load_state_dict(state["model"])
     torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9).load_state_dict(state["optimizer"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import REPO, run_in_process
+from helpers import REPO, only_run, run_in_process
 from phalanx import Pipeline, TrainConfig, Trainer
 from phalanx.errors import PhalanxError
 from phalanx.strategies import Job
@@ -49,7 +49,7 @@ def test_stacked_lstm_through_the_cli_reaches_090_and_its_checkpoint_is_the_unsp
     assert accuracy(out.stdout) >= 0.90
     # The stages' sharded checkpoint, read whole, is the unsplit model's: it loads into the plain LSTM (and its
     # optimizer state into a plain Adam), which scores the same.
-    state = tensors(load_checkpoint(tmp_path / "checkpoints" / "step-00000300.dcp"))
+    state = tensors(load_checkpoint(only_run(tmp_path) / "step-00000300.dcp"))
     model = lstm((1, 8, 8), 10)
     model.load_state_dict(state["model"])
     torch.optim.Adam(model.parameters()).load_state_dict(state["optimizer"])

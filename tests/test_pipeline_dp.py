@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import gather, run_cli, run_in_process, run_workers
+from helpers import gather, only_run, run_cli, run_in_process, run_workers
 from phalanx.launcher import WorkerContext
 from phalanx.models import cnn
 from phalanx.strategies import Pipeline, runtime_for
@@ -132,12 +132,12 @@ def test_cli_trains_the_default_digits_model_to_095_on_two_stages_times_two_repl
                                "micro-batches, gpipe), world size 4")
     assert lines[2].startswith("  mesh: 2 stages x 2 replicas = 4 ranks (rank = stage x 2 + replica)")
     assert lines[3].startswith("  stage 0 (ranks 0, 1): blocks") and lines[4].startswith("  stage 1 (ranks 2, 3)")
-    summary = [json.loads(line) for line in (tmp_path / "checkpoints" / "metrics.jsonl").read_text().splitlines()
+    summary = [json.loads(line) for line in (only_run(tmp_path) / "metrics.jsonl").read_text().splitlines()
                if '"summary"' in line][-1]
     assert summary["test_accuracy"] >= 0.95 and summary["replicas"] == 2 and summary["world_size"] == 4
     # The stages' sharded checkpoint (one copy of each stage's state between its replicas), read whole: the
     # unsplit network scores what the run reported.
-    state = tensors(load_checkpoint(tmp_path / "checkpoints" / "step-00000300.dcp"))
+    state = tensors(load_checkpoint(only_run(tmp_path) / "step-00000300.dcp"))
     model = cnn((1, 8, 8), 10)
     model.load_state_dict(state["model"])
     from phalanx.data import load_data

@@ -61,7 +61,8 @@ def test_truncated_checkpoint_message_names_the_file_not_torchs_advice(tmp_path)
 def trained(tmp_path_factory):
     """One run: 30 steps, checkpoints at 10, 20, 30, progress logged every 10 steps."""
     root = tmp_path_factory.mktemp("trained")
-    out = run_in_process("train", "--steps", "30", "--checkpoint-every", "10", "--log-every", "10", cwd=root)
+    out = run_in_process("train", "--steps", "30", "--checkpoint-every", "10", "--log-every", "10", "--checkpoint-dir",
+                         "checkpoints", cwd=root)
     assert out.returncode == 0, out.stderr
     return root
 
@@ -73,7 +74,8 @@ def test_bare_resume_skips_a_corrupt_newest_checkpoint_naming_it(trained, tmp_pa
     newest = tmp_path / "checkpoints" / "step-00000030.pt"
     weight = load_checkpoint(newest)["model"]["0.0.weight"]
     _flip_a_byte_inside(newest, weight.numpy().tobytes()[:32])
-    out = run_in_process("train", "--steps", "40", "--resume", "--log-every", "10", cwd=tmp_path)
+    out = run_in_process("train", "--steps", "40", "--checkpoint-dir", "checkpoints", "--resume", "--log-every", "10",
+                         cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert re.search(r"warning: skipped checkpoints/step-00000030.pt, newer than step-00000020.pt: checkpoint .* is "
                      r"corrupt \(its checksum does not match", out.stderr), out.stderr
@@ -86,7 +88,8 @@ def test_metrics_after_a_resume_carry_a_marker_and_repeat_no_step(trained, tmp_p
 
     shutil.copytree(trained / "checkpoints", tmp_path / "checkpoints")
     (tmp_path / "checkpoints" / "step-00000030.pt").unlink()  # as if the job died after step 30's log line
-    out = run_in_process("train", "--steps", "40", "--resume", "--log-every", "10", cwd=tmp_path)
+    out = run_in_process("train", "--steps", "40", "--checkpoint-dir", "checkpoints", "--resume", "--log-every", "10",
+                         cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     events = [json.loads(line) for line in (tmp_path / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
     steps = [e["step"] for e in events if e["event"] == "step"]
@@ -99,7 +102,7 @@ def test_metrics_after_a_resume_carry_a_marker_and_repeat_no_step(trained, tmp_p
 def test_a_second_job_on_the_same_checkpoint_directory_is_refused_naming_the_first(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     with DirectoryLock(tmp_path / "checkpoints"):
-        out = run_cli("train", "--steps", "5", cwd=tmp_path)
+        out = run_cli("train", "--steps", "5", "--checkpoint-dir", "checkpoints", cwd=tmp_path)
     assert out.returncode == 2
     assert re.search(rf"error: checkpoint directory checkpoints is in use by another phalanx job \(pid {os.getpid()} "
                      r"on .*\); wait for it to finish, or choose another --checkpoint-dir", out.stderr), out.stderr

@@ -13,10 +13,11 @@ import socket
 
 import pytest
 
-from helpers import python_script, run_cli, run_in_process, run_main, small_filesystem
+from helpers import only_run, python_script, run_cli, run_in_process, run_main, small_filesystem
 from phalanx.train.checkpoint import RUN_NAME, list_checkpoints, load_checkpoint, read_run
 
-QUICK = ["--model", "mlp", "--workers", "2", "--log-every", "10", "--progress", "lines"]
+# --checkpoint-dir given: these are the rules of a directory that runs share (the default is a new one per run)
+QUICK = ["--model", "mlp", "--workers", "2", "--log-every", "10", "--progress", "lines", "--checkpoint-dir", "checkpoints"]
 
 
 def _events(path):
@@ -177,8 +178,8 @@ def test_under_torchrun_a_restarted_attempt_continues_only_its_own_run(tmp_path,
 
     for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(name)
-    out = run_in_process("train", "--model", "mlp", "--workers", "1", "--steps", "20", "--resume",  # explicit
-                         cwd=tmp_path)
+    out = run_in_process("train", "--model", "mlp", "--workers", "1", "--steps", "20", "--checkpoint-dir",
+                         "checkpoints", "--resume", cwd=tmp_path)  # explicit
     assert out.returncode == 2
     assert out.stderr == ("error: checkpoint checkpoints/step-00000020.pt is already at step 20 and --steps is 20; "
                           "raise --steps to train further\n")
@@ -198,7 +199,7 @@ def test_empty_paths_are_refused_when_the_flags_are_read(tmp_path, capsys, monke
 def test_a_directory_named_like_a_checkpoint_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
     (tmp_path / "checkpoints" / "step-00000100.pt").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
-    code, out = run_main(["train", "--model", "mlp", "--steps", "5"], capsys)
+    code, out = run_main(["train", "--model", "mlp", "--steps", "5", "--checkpoint-dir", "checkpoints"], capsys)
     assert code == 2 and out.err == (
         "error: checkpoints/step-00000100.pt is a directory, not a checkpoint, but phalanx names its checkpoints "
         "so; move it out of --checkpoint-dir, or choose another --checkpoint-dir\n")
@@ -220,5 +221,48 @@ def test_a_full_disk_under_the_metrics_file_is_one_line(tiny_full_tmpfs, tmp_pat
     assert out.stderr == ("error: cannot write metrics file small/m.jsonl: No space left on device (ENOSPC); free "
                           "some space or choose another --metrics, then continue with --resume (the checkpoints are "
                           "not affected)\n")
-    assert list_checkpoints(tmp_path / "checkpoints")  # the checkpoints before it are there to continue from
-    assert RUN_NAME in os.listdir(tmp_path / "checkpoints")
+    assert list_checkpoints(only_run(tmp_path))  # the checkpoints before it are there to continue from
+    assert RUN_NAME in os.listdir(only_run(tmp_path))
+
+
+@pytest.mark.slow
+def test_without_a_checkpoint_dir_each_run_has_its_own_and_a_bare_resume_finds_the_newest(tmp_path, capsys,
+                                                                                           monkeypatch):
+    """The README in order, in one folder: phalanx train, then phalanx train --strategy ps (once refused as
+    another run's directory), then --resume alone, which continues the run that wrote a checkpoint last."""
+    quick = ["--model", "mlp", "--workers", "2", "--log-every", "10", "--progress", "lines", "--checkpoint-every", "5"]
+    monkeypatch.chdir(tmp_path)
+    code, out = run_main(["train", *quick, "--resume"], capsys)  # nothing to continue yet
+    assert code == 2 and out.err == ("error: --resume: no run in runs/ holds a checkpoint yet; start one with "
+                                     "phalanx train, or give the checkpoint to continue (--resume PATH) or its "
+                                     "--checkpoint-dir\n"), out.err
+    assert os.listdir(tmp_path) == []
+    for strategy, name in (("sync", "sync-1"), ("ps", "ps-2")):
+        out = run_in_process("train", *quick, "--strategy", strategy, "--steps", "10", cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert f"checkpoint runs/{name}/step-00000010.pt" in out.stdout
+    sync, ps = tmp_path / "runs" / "sync-1", tmp_path / "runs" / "ps-2"
+    assert read_run(sync).run_id != read_run(ps).run_id
+    assert _events(ps / "metrics.jsonl")[0]["run_id"] == read_run(ps).run_id  # each run's metrics beside it
+
+    out = run_in_process("train", *quick, "--strategy", "ps", "--steps", "15", "--resume", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "resuming at step 10" in out.stdout and "checkpoint runs/ps-2/step-00000015.pt" in out.stdout
+    # A checkpoint named by path continues in its own run's directory; then that run is the newest.
+    out = run_in_process("train", *quick, "--steps", "15", "--resume", "runs/sync-1/step-00000010.pt", cwd=tmp_path)
+    assert out.returncode == 0 and "checkpoint runs/sync-1/step-00000015.pt" in out.stdout, out.stderr
+    out = run_in_process("train", *quick, "--steps", "20", "--resume", "last", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "resuming at step 15" in out.stdout and "checkpoint runs/sync-1/step-00000020.pt" in out.stdout
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["ps-2", "sync-1"]  # no run dir made on resume
+    assert [e["step"] for e in _events(sync / "metrics.jsonl") if e["event"] == "step"] == [10, 15, 20]
+
+
+def test_a_new_run_is_numbered_after_every_run_in_runs_whatever_its_strategy(tmp_path):
+    from phalanx.train.rundir import next_number
+
+    assert next_number(tmp_path / "runs") == 1  # no runs/ yet
+    for name in ("sync-1", "local-sgd-3", "notes", "ps-x"):  # a folder of the user's own is not a run
+        (tmp_path / "runs" / name).mkdir(parents=True)
+    (tmp_path / "runs" / "fsdp-9").touch()  # a file, not a run's directory
+    assert next_number(tmp_path / "runs") == 4

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from helpers import phalanx_cmd, run_cli
+from helpers import only_run, phalanx_cmd, run_cli
 from phalanx.errors import PhalanxError
 from phalanx.launch_env import (SLURM_DEFAULT_PORT, expand_hostlist, expand_tasks_per_node, joined,
                                 slurm_default_port)
@@ -182,7 +182,7 @@ def test_slurm_tasks_compute_what_phalanx_spawned_workers_compute(slurm_run, tmp
     spawned = run_cli(*TRAIN, "--workers", "2", cwd=tmp_path)
     assert spawned.returncode == 0, spawned.stderr[-2000:]
     a = torch.load(cwd / "checkpoints" / "step-00000006.pt", weights_only=True)["model"]
-    b = torch.load(tmp_path / "checkpoints" / "step-00000006.pt", weights_only=True)["model"]
+    b = torch.load(only_run(tmp_path) / "step-00000006.pt", weights_only=True)["model"]
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-7)

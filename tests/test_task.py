@@ -15,7 +15,7 @@ from helpers import run_cli, run_main
 from phalanx import TrainConfig, Trainer
 from phalanx.errors import PhalanxError
 
-#: A user's own file, as the README shows it: a model, scikit-learn data (float64), a loss, an optimizer.
+#: A user's own file, as docs/your-model.md shows it: a model, scikit-learn data (float64), a loss, an optimizer.
 MODULE = '''
 import numpy as np
 import torch

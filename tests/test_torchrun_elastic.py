@@ -77,7 +77,7 @@ def test_torchrun_elastic_shrinks_when_a_node_dies_and_completes_on_the_survivor
 
 
 def _store(port):
-    """The rendezvous store in a process of its own, as the README's elastic section runs it."""
+    """The rendezvous store in a process of its own, as docs/multi-node.md's elastic section runs it."""
     import socket
     import time
 
@@ -94,7 +94,7 @@ def _store(port):
 
 
 def _agent_of_job(cwd, port, log):
-    """One agent as the README's elastic section starts it: the store hosted apart (``is_host=0``), and a job id
+    """One agent as docs/multi-node.md's elastic section starts it: the store hosted apart (``is_host=0``), and a job id
     that every agent shares (``--rdzv-id``: a restarted attempt continues the run whichever agent claimed its
     checkpoint directory; with torchrun's default id, ``none``, a run is its claiming agent's)."""
     conf = "is_host=0,last_call_timeout=1,join_timeout=120,read_timeout=300"
@@ -110,7 +110,7 @@ def _agent_of_job(cwd, port, log):
 @pytest.mark.slow
 def test_with_the_store_in_a_process_of_its_own_the_job_survives_the_agent_that_would_host_it(tmp_path):
     # An agent that hosts the store takes it along when it dies: the other agent exits 1 within seconds
-    # (RendezvousConnectionError), so the README says which agent must live, or to host the store apart.
+    # (RendezvousConnectionError), so docs/multi-node.md says which agent must live, or to host the store apart.
     port = _free_port()
     store = _store(port)
     logs = [open(tmp_path / f"agent{i}.log", "w+") for i in range(2)]

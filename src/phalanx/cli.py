@@ -96,8 +96,6 @@ def config_from_args(args: argparse.Namespace):
 
     fields = [f.name for f in declared(TrainConfig) if f.name != "strategy"]
     values = given(args, fields)
-    if values.get("resume") == "":  # --resume alone: the newest checkpoint in the checkpoint directory
-        values["resume"] = values.get("checkpoint_dir", TrainConfig.__dataclass_fields__["checkpoint_dir"].default)
     return TrainConfig(strategy=strategy_from_args(args), **values)
 
 

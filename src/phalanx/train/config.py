@@ -164,11 +164,13 @@ class TrainConfig:
                                               "learning rate, examples/s, every metric, staleness, gradients "
                                               "dropped; compare: one run per SCENARIO/STRATEGY-rN in it); needs "
                                               "pip install 'phalanx[tensorboard]'", argparse_extra={"metavar": "DIR"})
-    checkpoint_dir: str = option("checkpoints", "where step-*.pt checkpoints go: one run per directory")
+    checkpoint_dir: Optional[str] = option(None, "where step-*.pt checkpoints and the metrics go: one run per "
+                                                 "directory", show="a new runs/STRATEGY-N for each run")
     checkpoint_every: int = option(100, "save every N steps (0: only at the end)")
     keep_checkpoints: int = option(3, "keep the K checkpoints written last")
-    resume: Optional[str] = option(None, "continue from a checkpoint file, or (alone) the newest in "
-                                         "--checkpoint-dir", argparse_extra={"nargs": "?", "const": ""})
+    resume: Optional[str] = option(None, "continue from a checkpoint file or a directory's newest; alone (or "
+                                         "'last'): the newest in --checkpoint-dir, or without it the newest run's "
+                                         "newest under runs/", argparse_extra={"nargs": "?", "const": "last"})
     init_from: Optional[str] = option(None, "start from a checkpoint's model weights (a file, or the newest in a "
                                             "directory) with a fresh optimizer, step 0 and a fresh schedule: "
                                             "fine-tuning", argparse_extra={"metavar": "PATH"})
@@ -221,7 +223,7 @@ class TrainConfig:
             raise PhalanxError(f"strategy must be a name ({', '.join(STRATEGIES)}) or options such as "
                                f"phalanx.Sync(), got {type(self.strategy).__name__}")
         self._check_recompute()
-        if self.metrics is None:
+        if self.metrics is None and self.checkpoint_dir is not None:  # else named with the run's directory
             self.metrics = f"{self.checkpoint_dir}/metrics.jsonl"
 
     def _check_recompute(self) -> None:
@@ -238,7 +240,7 @@ class TrainConfig:
         """An empty path would mean the current directory (or nothing): never what was meant."""
         for name in ("checkpoint_dir", "metrics", "data_dir", "resume", "tensorboard", "init_from"):
             value = getattr(self, name)
-            if name == "checkpoint_dir" or value is not None:
+            if value is not None:  # no --checkpoint-dir: each run gets its own (rundir.placed)
                 if not isinstance(value, str) or not value.strip():
                     raise PhalanxError(f"{_flag(name)} is empty ({value!r}); give a path, e.g. "
                                        f"{_PATH_EXAMPLES[name]}")

@@ -19,6 +19,10 @@ in every checkpoint (``run_id``), in the directory's record (``.phalanx-run.json
 
 Only the process that writes checkpoints (launcher rank 0) refuses or removes anything; under
 torchrun the other ranks read the same directory and follow.
+
+Without ``--checkpoint-dir`` each new run gets a directory of its own, ``runs/<strategy>-<n>`` (as
+Lightning's ``lightning_logs/version_N``), so that runs one after another in one folder never meet the
+rules above; see :func:`placed`.
 """
 
 from __future__ import annotations
@@ -26,13 +30,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import socket
 import uuid
 from pathlib import Path
 from typing import Mapping, Optional
 
 from ..errors import PhalanxError
-from ..launcher import launcher_rank
+from ..launcher import in_torchrun, launcher_rank
 from . import checkpoint as ckpt
 from .config import TrainConfig
 
@@ -55,6 +60,61 @@ class Claim:
     resume: Optional[str]  #: what to resume from: the user's --resume, or the directory a restart continues
     restarted: bool  #: a torchrun attempt continuing its own run (finding it complete is success)
     remove: tuple[Path, ...] = ()  #: --overwrite: another run's files, removed once the directory is locked
+
+
+#: where runs go without --checkpoint-dir, each in runs/<strategy>-<n>
+RUNS = "runs"
+#: --resume alone, or --resume last (Lightning's word): the newest checkpoint of the newest run
+NEWEST = "last"
+#: a joined job's default: every rank on every node, and every restarted attempt, must name the same
+#: directory without asking each other, which a count of what runs/ holds cannot promise
+JOINED_DEFAULT = "checkpoints"
+_RUN_NAME = re.compile(r"^[\w.-]+-(\d+)$")  # local-sgd-3 too
+
+
+def placed(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with its checkpoint directory and metrics file named; ``--resume`` alone made a path.
+
+    ``--checkpoint-dir X`` is kept as given. Without it: a new run takes the next ``runs/<strategy>-<n>``
+    (n counts every run in ``runs/``, so the numbers say which started last, and a name says what ran;
+    a timestamp would say neither at a glance, and two runs in one second would share it); a resume
+    continues in the directory that holds its checkpoint (a run never writes into another's); under
+    torchrun or srun the directory is ``checkpoints`` (see ``JOINED_DEFAULT``).
+    """
+    directory, resume = cfg.checkpoint_dir, cfg.resume
+    if directory is None:
+        if in_torchrun():
+            directory = JOINED_DEFAULT
+        elif resume == NEWEST:
+            directory = resume = str(newest_run(Path(RUNS)))
+        elif resume is not None:
+            directory = resume if Path(resume).is_dir() else str(Path(resume).parent)
+        else:
+            directory = str(Path(RUNS) / f"{cfg.strategy.name}-{next_number(Path(RUNS))}")
+    if resume == NEWEST:
+        resume = directory
+    metrics = cfg.metrics if cfg.metrics is not None else f"{directory}/metrics.jsonl"
+    return dataclasses.replace(cfg, checkpoint_dir=directory, resume=resume, metrics=metrics)
+
+
+def next_number(runs: Path) -> int:
+    """One more than the highest n of any ``<name>-<n>`` in ``runs`` (1 in a folder without runs)."""
+    numbers = [int(m.group(1)) for p in _entries(runs) if (m := _RUN_NAME.match(p.name))]
+    return max(numbers, default=0) + 1
+
+
+def newest_run(runs: Path) -> Path:
+    """The run directory under ``runs`` whose newest checkpoint was written last (``--resume`` alone)."""
+    held = [(ckpt.list_checkpoints(p)[-1].stat().st_mtime, int(m.group(1)), p)
+            for p in _entries(runs) if (m := _RUN_NAME.match(p.name)) and ckpt.list_checkpoints(p)]
+    if not held:
+        raise PhalanxError(f"--resume: no run in {runs}/ holds a checkpoint yet; start one with phalanx train, or "
+                           "give the checkpoint to continue (--resume PATH) or its --checkpoint-dir")
+    return max(held)[2]
+
+
+def _entries(runs: Path) -> list[Path]:
+    return [p for p in runs.iterdir() if p.is_dir()] if runs.is_dir() else []
 
 
 def restart_attempt(env: Optional[Mapping[str, str]] = None) -> int:

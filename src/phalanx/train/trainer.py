@@ -103,7 +103,7 @@ class Trainer:
         the run began (for its start-up marks; default: now)."""
         began = time.time() if began is None else began
         task = self.task
-        cfg = self.config.resolved(task.model_name)
+        cfg = rundir.placed(self.config.resolved(task.model_name))  # the run's directory named, once, here
         facts = checks.data_facts(cfg, task.data)
         torch.manual_seed(cfg.seed)
         model = task.make_model(facts.input_shape, facts.num_classes)
@@ -154,6 +154,7 @@ class Trainer:
             return {"steps": done.step, "checkpoint": done.path, "already_complete": True}
         cfg = plan.config
         created = not Path(cfg.checkpoint_dir).exists()
+        made_runs = Path(cfg.checkpoint_dir).parent == Path(rundir.RUNS) and not Path(rundir.RUNS).exists()
         ckpt.ensure_writable(cfg.checkpoint_dir)
         # One job per checkpoint directory: the process that writes the checkpoints holds the lock.
         lock = ckpt.DirectoryLock(cfg.checkpoint_dir) if launcher_rank() == 0 else None
@@ -169,6 +170,8 @@ class Trainer:
         except PhalanxError:
             if created and lock is not None and lock.fd is not None:
                 _remove_if_empty(Path(cfg.checkpoint_dir))  # leave nothing behind for a run that never started
+                if made_runs and not any(Path(rundir.RUNS).iterdir()):
+                    Path(rundir.RUNS).rmdir()  # (runs/ too, where this run made it)
             raise
         finally:
             if lock is not None:
