@@ -21,7 +21,7 @@ import torch
 from helpers import REPO, run_in_process
 from phalanx import Pipeline, TrainConfig, Trainer
 from phalanx.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, tensors
-from test_sharded_checkpoint import TOL, assert_same
+from test_sharded_checkpoint import assert_same
 
 sys.path.insert(0, str(REPO / "examples"))
 import gpt  # noqa: E402  (the example, importable here and in the spawned workers)
