@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import REPO, gather, run_cli, run_in_process, run_workers
+from test_pipeline_bn import BasicBlock  # torchvision's, as written there (in-place ReLUs, out += identity)
 from phalanx.errors import PhalanxError
 from phalanx.metrics import add_up
 from phalanx.pipeline.trace import candidate_points, check_points, segment_params
@@ -49,29 +50,6 @@ def gpt_batches(n: int = K) -> list:
     g = torch.Generator().manual_seed(1)
     return [(torch.randint(0, VOCAB, (8, 16), generator=g), torch.randint(0, VOCAB, (8, 16), generator=g))
             for _ in range(n)]
-
-
-class BasicBlock(nn.Module):
-    """torchvision's BasicBlock, as written there: in-place ReLUs and ``out += identity``."""
-
-    def __init__(self, inplanes: int, planes: int, stride: int = 1):
-        super().__init__()
-        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride=stride, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(planes, planes, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.downsample = None
-        if stride != 1 or inplanes != planes:
-            self.downsample = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride=stride, bias=False),
-                                            nn.BatchNorm2d(planes))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.downsample is None else self.downsample(x)
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out += identity
-        return self.relu(out)
 
 
 class ResNet(nn.Module):

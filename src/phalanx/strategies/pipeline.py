@@ -265,14 +265,11 @@ class PipelineRuntime(Runtime):
         barrier = dist.barrier if self.ctx.distributed else None
         mine = time_pieces(model, build.step, parts, points, self.ctx.device, self.options.profile_repeats,
                            schedule=profile_order(self.options.schedule, self.ctx.device), barrier=barrier)
-        rows = [mine.seconds]
-        if self.ctx.distributed:
-            rows = [None] * self.ctx.world_size
-            dist.all_gather_object(rows, mine.seconds)
-        plan.seconds, plan.output_bytes = agree(rows), mine.output_bytes
+        plan.seconds, ranks = self._agreed(mine.seconds)
+        plan.output_bytes = mine.output_bytes
         firsts = [flat_tensors(part)[0][0] for part in parts]  # (what describe counts a micro-batch's examples in)
         plan.conditions = describe(self.ctx.device, firsts, self.options.schedule, self.options.profile_repeats,
-                                   len(rows), self.ctx.distributed)
+                                   ranks, self.ctx.distributed)
 
     def _traced_stage(self, model: nn.Module, build: Build, points: tuple[str, ...]) -> TracedStage:
         if build.example is None:
@@ -352,18 +349,23 @@ class PipelineRuntime(Runtime):
         barrier = dist.barrier if self.ctx.distributed else None
         mine = time_blocks(blocks, parts, self.ctx.device, self.options.profile_repeats,
                            schedule=profile_order(self.options.schedule, self.ctx.device), barrier=barrier)
-        rows = [mine.seconds]
-        if self.ctx.distributed:
-            rows = [None] * self.ctx.world_size
-            dist.all_gather_object(rows, mine.seconds)
-        plan.seconds, plan.output_bytes = agree(rows), mine.output_bytes
+        plan.seconds, ranks = self._agreed(mine.seconds)
+        plan.output_bytes = mine.output_bytes
         plan.conditions = describe(self.ctx.device, parts, self.options.schedule, self.options.profile_repeats,
-                                   len(rows), self.ctx.distributed)
+                                   ranks, self.ctx.distributed)
         if self.stages > 1:
             pipeline = [stage * self.replicas + self.replica for stage in range(self.stages)]
             sizes, seconds = time_messages(mine.output_bytes[:-1], pipeline, self.stage_index, self.ctx.device,
                                            self.pipe_group)
             plan.message = [interpolate(sizes, seconds, n) for n in mine.output_bytes]
+
+    def _agreed(self, seconds: list[float]) -> tuple[list[float], int]:
+        """The median over every rank of each piece's ``seconds`` (an all-gather), and the ranks counted."""
+        rows: list = [seconds]
+        if self.ctx.distributed:
+            rows = [None] * self.ctx.world_size
+            dist.all_gather_object(rows, seconds)
+        return agree(rows), len(rows)
 
     @property
     def is_first(self) -> bool:
