@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from typing import Optional
 from pathlib import Path
 
 import torch
@@ -121,10 +122,15 @@ def perplexity(model: gpt.GPT, test: tuple, batch: int = 256) -> float:
     return math.exp(total / count)
 
 
-def phalanx_run(strategy: str, steps: int, batch_size: int, workers: int, seed: int) -> float:
-    """The test perplexity of ``phalanx train`` with ``strategy`` (its summary in the metrics file)."""
+def phalanx_run(strategy: str, steps: int, batch_size: int, workers: int, seed: int,
+                sync_every: Optional[int] = None) -> float:
+    """The test perplexity of ``phalanx train`` with ``strategy`` (its summary in the metrics file); ``sync_every``
+    replaces the example's local steps between averages (local-sgd, diloco)."""
+    own = STRATEGIES[strategy]
+    if sync_every is not None and own:
+        own = ["--sync-every", str(sync_every)]
     with tempfile.TemporaryDirectory() as folder:
-        cmd = ["phalanx", "train", *FLAGS, "--strategy", strategy, *STRATEGIES[strategy], "--workers", str(workers),
+        cmd = ["phalanx", "train", *FLAGS, "--strategy", strategy, *own, "--workers", str(workers),
                "--batch-size", str(batch_size // workers), "--steps", str(steps), "--seed", str(seed),
                "--checkpoint-dir", folder, "--checkpoint-every", "0", "--progress", "none"]
         done = subprocess.run(cmd, cwd=EXAMPLES, capture_output=True, text=True)
@@ -142,6 +148,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the plain loop")
     p.add_argument("--workers", type=int, default=2, help="phalanx's training processes (ps: and a server)")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated, of " + ", ".join(STRATEGIES))
+    p.add_argument("--sync-every", type=int, default=None, help="local-sgd and diloco: local steps between "
+                                                                 "averages (default: the example's 8)")
     p.add_argument("--plain-only", action="store_true", help="the reference loop alone")
     p.add_argument("--stale", action="store_true", help="also the plain loop with gradients one update stale, as "
                                                         "ps applies them (--workers updates a step)")
@@ -160,7 +168,7 @@ def main() -> None:
                                                                             args.workers, seed), test))
             print(f"seed {seed}: plain PyTorch, gradients one update stale {runs['plain-stale'][-1]:.3f}", flush=True)
         for name in names:
-            runs[name].append(phalanx_run(name, args.steps, args.batch_size, args.workers, seed))
+            runs[name].append(phalanx_run(name, args.steps, args.batch_size, args.workers, seed, args.sync_every))
             print(f"seed {seed}: phalanx {name} {runs[name][-1]:.3f}", flush=True)
     medians = {name: statistics.median(v) for name, v in runs.items()}
     ratios = {name: medians[name] / medians["plain"] for name in runs}
@@ -169,6 +177,8 @@ def main() -> None:
     for name, values in runs.items():
         print(f"  {name:<11} {medians[name]:7.3f} ({min(values):.3f}-{max(values):.3f})  ratio {ratios[name]:.3f}")
     name = "gpt_quality-stale" if args.stale and args.plain_only else "gpt_quality"  # (the strategies' kept apart)
+    if args.sync_every is not None:
+        name += f"-h{args.sync_every}"
     save_result(name, args, baselines=base, perplexity=runs, medians=medians, ratios=ratios)
 
 
