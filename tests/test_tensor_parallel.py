@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from helpers import REPO, run_cli, run_in_process, run_workers
+from test_meta_init import adamw, batch  # the same 8 windows split over the ranks, the same AdamW
 from phalanx import FSDP, PhalanxError, Sync
 from phalanx.strategies import Job, runtime_for, tensor_parallel
 from phalanx.strategies.fsdp import shard_units
@@ -82,17 +83,6 @@ def test_hugging_face_gpt2s_conv1d_layers_are_refused_by_name():
 
 
 # --------------------------------------------------------------------------- gloo workers against one process
-
-
-def batch(part: int, parts: int):
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randint(0, 32, (8, 8), generator=g), torch.randint(0, 32, (8, 8), generator=g)
-    n = 8 // parts
-    return x[part * n:(part + 1) * n], y[part * n:(part + 1) * n]
-
-
-def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2)
 
 
 def train(ctx, options, groups: int) -> dict:
