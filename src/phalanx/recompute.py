@@ -33,6 +33,7 @@ class Recomputed:
     count: int
     saved_without: Optional[int] = None  #: bytes autograd keeps for backward in one forward, plain
     saved_with: Optional[int] = None  #: the same with every block checkpointed
+    unmeasured: str = ""  #: why nothing was measured, where the line should say so
 
     def line(self) -> str:
         measured = ""
@@ -42,6 +43,8 @@ class Recomputed:
         elif self.saved_with is not None:  # the plain forward did not fit: what checkpointing is for
             measured = (f"; kept for backward in one forward of this rank's batch: {_mb(self.saved_with)} (without "
                         "checkpointing the forward did not fit the device)")
+        elif self.unmeasured:
+            measured = f" (what it saves not measured: {self.unmeasured})"
         return (f"activation checkpointing: {self.count} blocks ({self.blocks}) keep only their input and run "
                 f"their forward again in backward{measured}")
 
@@ -50,7 +53,7 @@ class Recomputed:
 
 
 def checkpoint_blocks(model: nn.Module, units: list[tuple[str, nn.Module]],
-                      measure: Optional[Callable[[], Any]] = None) -> Recomputed:
+                      measure: Optional[Callable[[], Any]] = None, unmeasured: str = "") -> Recomputed:
     """Checkpoint every unit of ``model`` in place; ``measure``: one forward of a batch (and its loss), run before
     and after to count what is kept for backward. The model's state (buffers, random generators) is as before."""
     from torch.distributed._composable import checkpoint
@@ -65,7 +68,7 @@ def checkpoint_blocks(model: nn.Module, units: list[tuple[str, nn.Module]],
     for module in modules:
         checkpoint(module)  # non-reentrant: hooks around the block's forward, the model's names unchanged
     with_ = saved_bytes(model, modules, measure) if measure is not None else None
-    return Recomputed(describe_blocks(units), len(units), without, with_)
+    return Recomputed(describe_blocks(units), len(units), without, with_, unmeasured)
 
 
 def saved_bytes(model: nn.Module, blocks: list[nn.Module], forward: Callable[[], Any]) -> int:

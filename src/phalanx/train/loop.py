@@ -162,6 +162,8 @@ class WorkerRun:
         """--activation-checkpointing on the strategy's blocks; rank 0 measures what it saves on its first
         micro-batch (two forwards, nothing changed: see recompute.py)."""
         units = self.cfg.strategy.units(model)
+        if any(p.is_meta for p in model.parameters()):  # (--init-device meta: nothing to run a forward on yet)
+            return checkpoint_blocks(model, units, None, unmeasured="the model is built on the meta device")
         if not self.ctx.is_main or example is None:
             return checkpoint_blocks(model, units, None)
         batch = to_device(split(example, self.cfg.accumulate)[0], self.ctx.device)
