@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx
+from phalanx.train.checkpoint import load_checkpoint, tensors
 
 import char_lm  # the example beside this one: its corpus reader, the stdlib's source as byte windows
 
@@ -284,7 +285,8 @@ def run(args: argparse.Namespace) -> dict:
     print(f"gpt: {args.strategy}, test perplexity {got['perplexity']:.2f} (unigram {base['unigram']:.2f}, "
           f"uniform {vocab}) after {summary['steps']} steps")
     if args.sample:
-        model.load_state_dict(torch.load(summary["checkpoint"], weights_only=False)["model"])
+        # (phalanx's reader: under fsdp or a pipeline on 2+ workers the checkpoint is a sharded directory)
+        model.load_state_dict(tensors(load_checkpoint(summary["checkpoint"]))["model"])
         symbols = torch.unique(torch.frombuffer(bytearray(char_lm.corpus_text()), dtype=torch.uint8))
         print(f"sample: def {sample(model, b'def ', symbols, args.sample)}")
     return {**summary, "baselines": base}
