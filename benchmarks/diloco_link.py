@@ -32,7 +32,7 @@ from pathlib import Path
 
 from torch import nn
 
-from phalanx.shaped_link import LinkUnavailable, parse_rate, probe
+from phalanx.comm.shaped_link import LinkUnavailable, parse_rate, probe
 
 from _common import RESULTS, parser, result_path, save_result
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from phalanx import TrainConfig, Trainer
 from phalanx.data import load_data
-from phalanx.models import build_model
+from phalanx.task.models import build_model
 
 from _common import parser, print_medians, save_result
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx
-from phalanx.models import build_model
+from phalanx.task.models import build_model
 
 from _common import parser, print_medians, save_result
 

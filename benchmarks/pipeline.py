@@ -45,7 +45,7 @@ from torch import nn
 from phalanx import Pipeline
 from phalanx.strategies import runtime_for
 from phalanx.launcher import launch
-from phalanx.pipeline.balance import ideal_bubble
+from phalanx.strategies.balance import ideal_bubble
 
 from _common import parser, machine_info, result_path, spread
 

@@ -15,13 +15,12 @@ round; each timed update starts from a freshly received-like vector (a new buffe
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 from torch.nn.utils import parameters_to_vector
 
-from phalanx.models import build_model
+from phalanx.task.models import build_model
 from phalanx.strategies.ps.server import apply_gradients
 
 from _common import parser, print_medians, save_result

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.launcher import launch
-from phalanx.reduce import HierarchicalState, WireBuffers, degenerate
+from phalanx.comm.reduce import HierarchicalState, WireBuffers, degenerate
 
 from _common import parser, save_result
 

@@ -76,7 +76,7 @@ from torch import nn
 from phalanx import FSDP, Pipeline, Sync
 from phalanx.launcher import launch
 from phalanx.memory import Held, held, size
-from phalanx.models import cifar10
+from phalanx.task.models import cifar10
 from phalanx.strategies import runtime_for
 
 from _common import parser, save_result, spread

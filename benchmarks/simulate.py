@@ -34,8 +34,8 @@ from phalanx.compare.cli import CompareOptions, setup_from
 from phalanx.compare.results import RunResult
 from phalanx.compare.runner import check, run_all
 from phalanx.estimate.overhead import FIGURES
-from phalanx.simulate.compare import beside, simulate_compare, target_config
-from phalanx.simulate.problem import build_problem
+from phalanx.compare.simulated import beside, simulate_compare, target_config
+from phalanx.compare.simulated_problem import build_problem
 from phalanx.simulate.options import SimulateOptions
 
 from _common import parser, save_result

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from phalanx import TrainConfig, Trainer
 from phalanx.data import load_synthetic
 from phalanx.launcher import launch
-from phalanx.models import build_model
+from phalanx.task.models import build_model
 
 from _common import parser, print_medians, save_result
 

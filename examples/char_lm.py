@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 import phalanx
-from phalanx.models import RowLSTM  # one LSTM layer, (N, T, F) -> (N, T, hidden)
+from phalanx.task.models import RowLSTM  # one LSTM layer, (N, T, F) -> (N, T, hidden)
 
 #: The modules read, in this order: long-lived pure-Python modules, present from Python 3.8 to 3.13.
 CORPUS = ("argparse.py", "bisect.py", "calendar.py", "contextlib.py", "csv.py", "dataclasses.py", "difflib.py",

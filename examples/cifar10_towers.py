@@ -39,7 +39,7 @@ from torch import nn
 import phalanx
 from phalanx.data import ArrayDataset, DataBundle, ShardedBatches, eval_batches, load_cifar10
 from phalanx.data.datasets import CIFAR_CROP, cifar_augment_params, cifar_eval_transform, cifar_train_transform
-from phalanx.models import build_model
+from phalanx.task.models import build_model
 
 
 def gratings(size: int = 2048, seed: int = 0) -> DataBundle:

@@ -18,7 +18,7 @@ import sys
 import torch
 
 import phalanx
-from phalanx import models
+from phalanx.task import models
 
 
 def main() -> None:

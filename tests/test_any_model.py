@@ -28,8 +28,8 @@ from phalanx.data import batch as batches
 from phalanx.data.columns import Columns
 from phalanx.data.user import as_arrays
 from phalanx.errors import PhalanxError
-from phalanx.metrics import ACCURACY, LOSS, Totals, add_up, user_metric
-from phalanx.step import DefaultStep, UserStep, causal_lm
+from phalanx.task.metrics import ACCURACY, LOSS, Totals, add_up, user_metric
+from phalanx.task.step import DefaultStep, UserStep, causal_lm
 from phalanx.strategies import runtime_for
 
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -539,7 +539,7 @@ def test_the_prefetcher_hands_over_dict_batches_whole(depth):
 
 
 def test_a_stragglers_calibration_times_the_step_on_a_dict_batch_in_micro_batches():
-    from phalanx.train.straggle import calibrate
+    from phalanx.scenarios.straggle import calibrate
 
     torch.manual_seed(0)
     model = KeywordNet()

@@ -25,7 +25,7 @@ from phalanx import Sync, TrainConfig, Trainer
 from phalanx.costs import Link
 from phalanx.errors import PhalanxError
 from phalanx.simulate import simulated_rule
-from phalanx.simulate.problem import build_problem
+from phalanx.compare.simulated_problem import build_problem
 from phalanx.simulate.world import World
 from phalanx.task import user_task
 from phalanx.train.checkpoint import load_checkpoint

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from phalanx.pipeline import messages
-from phalanx.pipeline.plan import StagePlan
-from phalanx.pipeline.profile import agree, describe, profile_order, time_blocks
+from phalanx.strategies.pipeline import messages
+from phalanx.strategies.pipeline.plan import StagePlan
+from phalanx.strategies.pipeline.profile import agree, describe, profile_order, time_blocks
 
 
 def small_model() -> nn.Sequential:

@@ -16,7 +16,7 @@ from torch import nn
 from helpers import REPO
 from phalanx import TrainConfig
 from phalanx.errors import PhalanxError
-from phalanx.metrics import PERPLEXITY, SEQUENCE, Totals, add_up, cross_entropy
+from phalanx.task.metrics import PERPLEXITY, SEQUENCE, Totals, add_up, cross_entropy
 from phalanx.task import task_from
 from phalanx.train import checks
 from phalanx.train.checkpoint import load_checkpoint, tensors

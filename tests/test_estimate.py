@@ -17,13 +17,16 @@ from helpers import run_cli, run_workers
 from phalanx.cli import main
 from phalanx.errors import PhalanxError
 from phalanx.estimate import Compute, Link, ModelFacts, Network, fit_ring
-from phalanx.costs import (Op, allreduce, gather_or_scatter, predict_fsdp, predict_local_sgd,
-                                    predict_pipeline, predict_ps, predict_sync, schedule, simulate,
-                                    steady_state)
+from phalanx.costs import Op, allreduce, gather_or_scatter, schedule
+from phalanx.strategies.fsdp.costs import predict_fsdp
+from phalanx.strategies.local_sgd.costs import predict_local_sgd
+from phalanx.strategies.pipeline.costs import predict_pipeline
+from phalanx.strategies.ps.costs import predict_ps, simulate, steady_state
+from phalanx.strategies.sync.costs import predict_sync
 from phalanx.estimate.facts import ddp_buckets, model_facts
 from phalanx.estimate.link import gpu_link, ring_terms
 from phalanx.estimate.profile import Conditions, summarise
-from phalanx.estimate.units import (fmt_bandwidth, fmt_bytes, fmt_seconds, parse_bandwidth, parse_duration,
+from phalanx.units import (fmt_bandwidth, fmt_bytes, fmt_seconds, parse_bandwidth, parse_duration,
                                    parse_workers)
 
 MS = 1e-3
@@ -264,7 +267,7 @@ def test_a_meetings_wait_is_measured_after_meeting_after_steps_and_grows_with_th
 
 
 def test_diloco_amortises_a_fragments_round_over_its_turn_and_int8_sends_a_quarter():
-    from phalanx.costs import predict_diloco
+    from phalanx.strategies.diloco.costs import predict_diloco
 
     net = Network(link(10, 0.0), link(10, 0.0), per_node=8)
     c = compute(slowest=35 * MS)
@@ -336,7 +339,7 @@ def test_a_one_stage_pipeline_is_never_faster_than_the_step_it_runs():
 
 def test_pipeline_chooses_the_most_stages_that_divide_the_workers():
     """Seen: 8 workers on a 5-block model refused ('8 workers do not make whole 5-stage pipelines')."""
-    from phalanx.costs import PipelineCost
+    from phalanx.strategies.pipeline.costs import PipelineCost
     from phalanx.strategies import Job, Pipeline
 
     cost = PipelineCost()
@@ -373,7 +376,9 @@ def test_estimate_plans_rows_through_each_strategys_layout(tmp_path, monkeypatch
 
 
 def test_every_estimated_strategy_owns_a_cost_model_registered_by_its_options_class():
-    from phalanx.costs import COSTS, ParameterServerCost, SyncCost, cost_model
+    from phalanx.costs import COSTS, cost_model
+    from phalanx.strategies.ps.costs import ParameterServerCost
+    from phalanx.strategies.sync.costs import SyncCost
     from phalanx.estimate.options import ESTIMATED
     from phalanx.strategies import SSP, STRATEGIES, Backup, Hogwild, LocalSGD, ParameterServer, Pipeline, Sync
 

@@ -35,7 +35,7 @@ from phalanx import FSDP, Pipeline, Sync, TrainConfig, Trainer
 from phalanx.errors import PhalanxError
 from phalanx.launcher import WorkerContext
 from phalanx.memory import held
-from phalanx.models import MODELS, build_model, cnn
+from phalanx.task.models import MODELS, build_model, cnn
 from phalanx.strategies import runtime_for
 from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, tensors
 

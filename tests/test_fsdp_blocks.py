@@ -24,7 +24,7 @@ from torch import nn
 from helpers import REPO, run_cli, run_in_process
 from phalanx import FSDP, DiLoCo, LocalSGD, Sync, TrainConfig, Trainer
 from phalanx.errors import PhalanxError
-from phalanx.models import build_model, describe_blocks, model_units
+from phalanx.task.models import build_model, describe_blocks, model_units
 from phalanx.precision import Precision
 from phalanx.train.checkpoint import load_checkpoint, tensors
 from phalanx.recompute import checkpoint_blocks

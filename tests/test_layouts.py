@@ -6,7 +6,7 @@ from torch import nn
 
 from phalanx import FSDP, SSP, Backup, DiLoCo, Hogwild, LocalSGD, ParameterServer, Pipeline, Sync
 from phalanx.errors import PhalanxError
-from phalanx.models import lstm
+from phalanx.task.models import lstm
 from phalanx.strategies import STRATEGIES, Job
 from phalanx.strategies.ps.gate import Gate
 

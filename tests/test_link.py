@@ -19,7 +19,7 @@ from helpers import phalanx_cmd, run_cli, run_workers
 from phalanx import PhalanxError
 from phalanx.cli import main
 from phalanx.compare.tokens import parse_scenarios
-from phalanx.shaped_link import parse_rate, shaped
+from phalanx.comm.shaped_link import parse_rate, shaped
 
 SIZE_BYTES = 2 * 1024 * 1024  #: the all-reduced tensor: 2 MiB of float32
 REPEATS = 3

@@ -13,7 +13,7 @@ from phalanx import TrainConfig, Trainer
 from phalanx.data import eval_batches
 from phalanx.data.user import Examples
 from phalanx.errors import PhalanxError
-from phalanx.metrics import (ACCURACY, LOSS, MAE, MSE, PERPLEXITY, Target, Totals, add_up, check_target, mse_loss,
+from phalanx.task.metrics import (ACCURACY, LOSS, MAE, MSE, PERPLEXITY, Target, Totals, add_up, check_target, mse_loss,
                              parse_target)
 from phalanx.strategies import Sync
 from phalanx.strategies.base import runtime_for

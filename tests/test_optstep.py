@@ -30,7 +30,7 @@ from helpers import run_cli, run_main, run_workers
 from phalanx import FSDP, LocalSGD, Pipeline, Sync, TrainConfig, Trainer
 from phalanx.errors import PhalanxError
 from phalanx.launcher import WorkerContext
-from phalanx.models import cnn
+from phalanx.task.models import cnn
 from phalanx.strategies import runtime_for
 from phalanx.task import call_model_factory, call_optimizer_factory
 from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, tensors

@@ -15,10 +15,12 @@ import dataclasses
 import pytest
 
 from helpers import run_workers
-from phalanx.costs import Compute, Link, ModelFacts, Network, allreduce, predict_ps, predict_sync
-from phalanx.costs.ps import round_trip_fixed
+from phalanx.costs import Compute, Link, ModelFacts, Network, allreduce
+from phalanx.strategies.ps.costs import predict_ps
+from phalanx.strategies.sync.costs import predict_sync
+from phalanx.strategies.ps.costs import round_trip_fixed
 from phalanx.costs.inputs import MEETING_AFTER
-from phalanx.costs.sync import ddp_fixed
+from phalanx.strategies.sync.costs import ddp_fixed
 from phalanx.estimate.overhead import FIGURES, MIN_STEPS, STEPS, WARMUP, fixed_costs
 from phalanx.estimate.profile import Conditions, summarise
 
@@ -144,7 +146,8 @@ def test_ps_adds_the_protocols_fixed_waiting_to_every_workers_cycle_less_its_fou
 def test_a_periodic_round_pays_the_measured_wake_once_less_the_all_reduce_it_prices():
     """local SGD's averaging and DiLoCo's outer round follow H steps of compute: each adds the parameters'
     all-reduce measured after a real step, less that all-reduce's price, once per round (so 1/H per step)."""
-    from phalanx.costs import predict_diloco, predict_local_sgd
+    from phalanx.strategies.diloco.costs import predict_diloco
+    from phalanx.strategies.local_sgd.costs import predict_local_sgd
     from phalanx.costs.inputs import wake
 
     price = allreduce(NET, 2, FACTS.param_bytes)

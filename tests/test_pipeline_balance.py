@@ -6,7 +6,7 @@ import random
 import pytest
 
 from phalanx.errors import PhalanxError
-from phalanx.pipeline.balance import (
+from phalanx.strategies.balance import (
     bounds, check_counts, ideal_bubble, parse_balance, partition, predicted_bubble, predicted_step, stage_costs,
 )
 

@@ -163,7 +163,7 @@ def test_replicas_write_one_copy_between_them(tmp_path):
 def test_a_stage_optimizer_with_other_param_groups_than_the_checkpoints_is_refused_in_one_line():
     """Pure: a stage maps the saved groups onto its own by position; another count cannot be mapped."""
     from phalanx.errors import PhalanxError
-    from phalanx.pipeline.state import from_names
+    from phalanx.strategies.pipeline.state import from_names
 
     net = torch.nn.Linear(2, 2)
     saved = {"state": {}, "param_groups": [{"lr": 0.1, "params": ["weight"]}, {"lr": 0.1, "params": ["bias"]}]}

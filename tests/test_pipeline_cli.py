@@ -13,8 +13,8 @@ from helpers import REPO, only_run, run_in_process
 from phalanx import Pipeline, TrainConfig, Trainer
 from phalanx.errors import PhalanxError
 from phalanx.strategies import Job
-from phalanx.models import lstm
-from phalanx.pipeline import model_blocks
+from phalanx.task.models import lstm
+from phalanx.strategies.pipeline.split import model_blocks
 from phalanx.train.checkpoint import load_checkpoint, tensors
 
 
@@ -145,7 +145,7 @@ def test_model_with_no_sequential_structure_fails_before_the_workers_start_with_
 
 
 def test_pipeline_blocks_protocol_splits_a_plain_module():
-    from phalanx.pipeline import model_blocks
+    from phalanx.strategies.pipeline.split import model_blocks
 
     class Net(nn.Module):
         def __init__(self):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from helpers import gather, only_run, run_cli, run_in_process, run_workers
 from phalanx.launcher import WorkerContext
-from phalanx.models import cnn
+from phalanx.task.models import cnn
 from phalanx.strategies import Pipeline, runtime_for
 from phalanx.train.checkpoint import load_checkpoint, tensors
 import test_pipeline_bn as bn

@@ -14,7 +14,7 @@ from torch import nn
 
 from helpers import gather, run_workers
 from phalanx.launcher import WorkerContext
-from phalanx.models import lstm
+from phalanx.task.models import lstm
 from phalanx.strategies import Pipeline, runtime_for
 
 K = 3  # SGD steps compared

@@ -22,9 +22,9 @@ from torch import nn
 from helpers import REPO, gather, run_cli, run_in_process, run_workers
 from test_pipeline_bn import BasicBlock  # torchvision's, as written there (in-place ReLUs, out += identity)
 from phalanx.errors import PhalanxError
-from phalanx.metrics import add_up
-from phalanx.pipeline.trace import candidate_points, check_points, segment_params
-from phalanx.step import DefaultStep, UserStep
+from phalanx.task.metrics import add_up
+from phalanx.strategies.pipeline.trace import candidate_points, check_points, segment_params
+from phalanx.task.step import DefaultStep, UserStep
 from phalanx.task import call_optimizer_factory
 from phalanx.strategies import Pipeline, runtime_for
 from phalanx.strategies.base import COUNT_CORRECT, Job
@@ -128,7 +128,7 @@ class Branchy(nn.Module):
 
 
 def test_a_model_torch_export_cannot_follow_is_one_line_naming_the_way_out():
-    from phalanx.pipeline.trace import Traced
+    from phalanx.strategies.pipeline.trace import Traced
 
     batch, model = (torch.randn(4, 4), torch.randint(0, 4, (4,))), Branchy()
     with pytest.raises(PhalanxError, match=r"^--strategy pipeline cannot trace Branchy with torch.export \(\w+: .*\); "

@@ -16,8 +16,8 @@ from torch import nn
 
 from helpers import gather, run_workers
 from phalanx.launcher import WorkerContext
-from phalanx.pipeline.split import StageModule
-from phalanx.pipeline.stage import stage_examples
+from phalanx.strategies.pipeline.split import StageModule
+from phalanx.strategies.pipeline.stage import stage_examples
 from phalanx.strategies import Pipeline, runtime_for
 from test_pipeline_bn import TOL, assert_state_equal, make_optimizer, micro_steps
 

@@ -9,7 +9,7 @@ import pytest
 
 from helpers import run_cli
 from phalanx import TrainConfig, Trainer
-from phalanx.models import RECIPES
+from phalanx.task.models import RECIPES
 
 PAIRS = [(m, s) for m in RECIPES for s in ("sync", "pipeline") if (m, s) != ("cnn", "sync")]
 

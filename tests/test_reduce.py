@@ -10,13 +10,13 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from phalanx.errors import PhalanxError
-from phalanx.reduce import (
+from phalanx.comm.reduce import (
     HierarchicalState,
     apply_reduction,
     choose_reduction,
     validate_islands,
 )
-from phalanx.wire import metering
+from phalanx.comm.wire import metering
 
 ISLANDS = [[0, 1], [2, 3]]
 
@@ -124,7 +124,7 @@ def test_degenerate_islands_are_one_flat_all_reduce():
 
 
 def test_wire_buffers_are_kept_from_step_to_step():
-    from phalanx.reduce import WireBuffers
+    from phalanx.comm.reduce import WireBuffers
 
     wire = WireBuffers(torch.bfloat16)
     first = wire.cast(torch.ones(10))
@@ -172,7 +172,7 @@ def test_a_flat_reduction_runs_ddps_own_reducer_and_counts_what_the_hook_counted
 def test_a_compressed_buckets_failed_all_reduce_fails_the_step(monkeypatch):
     """A peer lost mid all-reduce: DDP must see the error, not take the bucket as reduced (seen: under torchrun
     the survivor then trained on, alone and on unreduced gradients, until some other collective failed)."""
-    from phalanx.reduce import CompressState, WireBuffers, compress_hook
+    from phalanx.comm.reduce import CompressState, WireBuffers, compress_hook
 
     class Failed:
         def get_future(self):

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from helpers import run_main
-from phalanx.costs import Compute, Link, ModelFacts, Network, SyncCost, cost_model, predict_sync
+from phalanx.costs import Compute, Link, ModelFacts, Network, cost_model
+from phalanx.strategies.sync.costs import SyncCost, predict_sync
 from phalanx.errors import PhalanxError
 from phalanx.simulate import LOCKSTEP, simulated_rule
 from phalanx.strategies import STRATEGIES, Job, Sync, register, strategy_class, unregister

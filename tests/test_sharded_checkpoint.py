@@ -25,7 +25,7 @@ import torch
 from helpers import REPO, run_in_process
 from phalanx import TrainConfig, Trainer, evaluate
 from phalanx.errors import PhalanxError
-from phalanx.models import cnn
+from phalanx.task.models import cnn
 from phalanx.train.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint, read_run,
                                      remove_stale_temporaries, tensors)
 

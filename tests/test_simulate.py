@@ -25,11 +25,11 @@ from helpers import run_main
 from phalanx import SSP, Backup, DiLoCo, ParameterServer, Sync, TrainConfig, Trainer
 from phalanx.costs import Link
 from phalanx.simulate import simulated_rule
-from phalanx.simulate.problem import build_problem
+from phalanx.compare.simulated_problem import build_problem
 from phalanx.simulate.versions import Versions
 from phalanx.simulate.world import World
 from phalanx.train.checkpoint import load_checkpoint
-from phalanx.train.straggle import Slowness
+from phalanx.scenarios.straggle import Slowness
 
 LINK = Link(1e-5, 1e-9, "given")
 
@@ -300,7 +300,7 @@ def test_a_simulated_evaluation_is_a_real_evaluation_of_the_same_parameters(regr
 
 def test_a_loss_target_stops_the_simulation_where_the_real_evaluation_reaches_it(regression):
     from phalanx.compare.cli import CompareOptions, setup_from
-    from phalanx.simulate.compare import simulate_compare
+    from phalanx.compare.simulated import simulate_compare
     from phalanx.simulate.options import SimulateOptions
 
     # Between the real loss at step 4 and at step 8: reached at the evaluation of step 8, not before.
@@ -320,7 +320,7 @@ def test_a_loss_target_stops_the_simulation_where_the_real_evaluation_reaches_it
 def test_a_server_beside_the_workers_is_read_from_the_layouts():
     # compare --simulate then measures a parameter server's round trip with it, as the estimate does
     from phalanx.compare.cli import CompareOptions, setup_from
-    from phalanx.simulate.compare import beside
+    from phalanx.compare.simulated import beside
 
     train = TrainConfig(model="mlp", devices="cpu", batch_size=16)
     for strategies, expected in (("sync,local-sgd:4,diloco:4", 0), ("sync,ps,backup:1", 1)):

@@ -14,7 +14,7 @@ import torch
 
 from helpers import only_run, phalanx_cmd, run_cli
 from phalanx.errors import PhalanxError
-from phalanx.launch_env import (SLURM_DEFAULT_PORT, expand_hostlist, expand_tasks_per_node, joined,
+from phalanx.launcher.env import (SLURM_DEFAULT_PORT, expand_hostlist, expand_tasks_per_node, joined,
                                 slurm_default_port)
 
 SRUN_ONE_NODE = {"SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "node[01-03,07],gpu5", "SLURM_JOB_ID": "123456",

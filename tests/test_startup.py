@@ -28,7 +28,7 @@ def test_a_worker_has_the_parents_environment_and_output_of_now_not_the_servers(
 
 
 def test_the_cli_imports_no_torch_before_it_starts_the_worker_server():
-    code = ("import sys; import phalanx, phalanx.cli, phalanx.forkserver, phalanx.launch_env; "
+    code = ("import sys; import phalanx, phalanx.cli, phalanx.launcher.forkserver, phalanx.launcher.env; "
             "print(sorted(m for m in ('torch', 'sklearn', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out

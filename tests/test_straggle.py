@@ -13,7 +13,7 @@ from helpers import gather, run_workers
 from phalanx import SSP, Backup, Hogwild, LocalSGD, ParameterServer, Sync
 from phalanx.errors import PhalanxError
 from phalanx.strategies import Job, runtime_for
-from phalanx.train.straggle import Slowness, Straggle, calibrate, parse_slowness, pause_factor
+from phalanx.scenarios.straggle import Slowness, Straggle, calibrate, parse_slowness, pause_factor
 
 CPU = torch.device("cpu")
 

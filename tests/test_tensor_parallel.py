@@ -15,7 +15,8 @@ from torch import nn
 from helpers import REPO, run_cli, run_in_process, run_workers
 from test_meta_init import adamw, batch  # the same 8 windows split over the ranks, the same AdamW
 from phalanx import FSDP, PhalanxError, Sync
-from phalanx.strategies import Job, runtime_for, tensor_parallel
+from phalanx.strategies import Job, runtime_for
+from phalanx.strategies.fsdp import tensor_parallel
 from phalanx.strategies.fsdp import shard_units
 
 sys.path.insert(0, str(REPO / "examples"))

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from helpers import run_cli, run_workers
-from phalanx.shaped_link import loopback_counters, parse_rate, shaped
-from phalanx.wire import Meter, metering, traffic
+from phalanx.comm.shaped_link import loopback_counters, parse_rate, shaped
+from phalanx.comm.wire import Meter, metering, traffic
 
 MIB4 = 1 << 20  #: float32 elements in 4 MiB
 TOLERANCE = 0.10  #: the issue's bound on phalanx's count against the link's

@@ -20,7 +20,7 @@ _WHERE = {
     "Topology": "topology", "detect_topology": "topology",
     "Schedule": "train", "TrainConfig": "train", "Trainer": "train",
     "ArrayDataset": "data",
-    "evaluate": "evaluation",
+    "evaluate": "train.evaluate",
 }
 
 #: subpackages that are also callable: ``phalanx.compare(model=...)``, ``phalanx.estimate(model=...)``

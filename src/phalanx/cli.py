@@ -19,7 +19,8 @@ import time
 import warnings
 from typing import Callable, Optional, Sequence
 
-from . import __version__, startup
+from . import __version__
+from .launcher import startup
 from .errors import PhalanxError, Stopped, TrainingDiverged, WorkerFailed
 from .options import add_flags, declared, field_flag, given
 
@@ -118,7 +119,7 @@ Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Na
 
 
 def commands() -> dict[str, Command]:
-    from . import evaluation
+    from .train import evaluate as evaluation
     from .compare import cli as compare_cli
     from .estimate import cli as estimate_cli
     from .topology import cli as topology_cli
@@ -187,11 +188,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _start_worker_server(argv: list[str]) -> None:
     """A command that will start worker processes starts their fork server first, so that its import
-    of torch runs while this process imports torch and plans (see :mod:`phalanx.forkserver`). Not
+    of torch runs while this process imports torch and plans (see :mod:`phalanx.launcher.forkserver`). Not
     under torchrun or srun (this process is a worker: nothing to start), nor for help or a simulated
     comparison (no process runs)."""
-    from .forkserver import start_early
-    from .launch_env import joined
+    from .launcher.forkserver import start_early
+    from .launcher.env import joined
 
     wanted = os.environ.get("PHALANX_START_METHOD", "forkserver") == "forkserver"
     idle = {"-h", "--help", "--simulate"} & set(argv)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .models import describe_blocks
+from .task.models import describe_blocks
 
 
 @dataclasses.dataclass(frozen=True)

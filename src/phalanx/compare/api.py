@@ -36,7 +36,7 @@ def compare(*, model: Any = None, train_data: Any = None, test_data: Any = None,
             simulate_workers: Union[str, Iterable[int], None] = None, **settings: Any):
     """Which strategy reaches the target first on this problem; prints what ``phalanx compare`` prints and
     returns a :class:`~phalanx.compare.outcome.Comparison` (``simulate=True``: a
-    :class:`~phalanx.simulate.compare.SimulatedComparison`) with ``tables``, ``answer``, ``runs``,
+    :class:`~phalanx.compare.simulated.SimulatedComparison`) with ``tables``, ``answer``, ``runs``,
     ``table`` and ``save(dir)``.
 
     ``model``: an ``nn.Module`` (every run trains a copy of it, so every run starts from its weights)
@@ -70,7 +70,7 @@ def compare(*, model: Any = None, train_data: Any = None, test_data: Any = None,
             raise PhalanxError(f"workers={workers} is a real comparison's worker count; a simulation compares "
                                "several: give simulate_workers=(8, 64, 256)")
         if simulate_workers is not None:
-            from ..estimate.units import parse_workers
+            from ..units import parse_workers
 
             counts = parse_workers(_listed(simulate_workers, "simulate_workers"))
     elif simulate_workers is not None:

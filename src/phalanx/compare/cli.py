@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..errors import PhalanxError, Stopped
-from ..metrics import parse_target
+from ..task.metrics import parse_target
 from ..options import add_flags, declared, given, option
 from ..task import named_optimizer, user_task
 from ..train import TrainConfig
@@ -104,7 +104,7 @@ def shared_fields() -> list[str]:
 
 
 def add_compare_flags(p: argparse.ArgumentParser) -> None:
-    from ..estimate.units import parse_workers
+    from ..units import parse_workers
     from ..options import _argparse_type
     from ..simulate.options import SimulateOptions
 
@@ -189,7 +189,7 @@ def compare(options: CompareOptions, train: TrainConfig, command: Optional[str] 
     event simulation at the worker counts ``workers`` instead (``phalanx.simulate``). ``objects``: the
     Python API's model, data, loss, optimizer and metrics (see :func:`setup_from`)."""
     if simulation is not None and simulation.simulate:
-        from ..simulate.compare import compare_simulated
+        from .simulated import compare_simulated
 
         return compare_simulated(options, train, simulation, workers, command, objects)
     setup = setup_from(options, train, objects)

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ..metrics import Target
-from ..wire import size
+from ..task.metrics import Target
+from ..comm.wire import size
 from .results import Figures, RunResult, figures, rank
 from .runner import Checked, Setup
 from .tokens import Scenario

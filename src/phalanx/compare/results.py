@@ -30,7 +30,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..metrics import Target, parse_target
+from ..task.metrics import Target, parse_target
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ run from the shared training flags (batch, recipe, devices: the same for every r
 and the scenario; checks every (strategy, scenario) before the first run starts (a token
 that cannot run is one line, nothing trained); then trains the runs one after another through
 ``Trainer.fit``, each with fresh workers forked by this process's fork server (warm after the first
-run: a run's start-up is milliseconds of forking, then its rendezvous; :mod:`phalanx.forkserver`).
+run: a run's start-up is milliseconds of forking, then its rendezvous; :mod:`phalanx.launcher.forkserver`).
 A run stops at the first evaluation that reaches the target (``stop_at``: ``accuracy>=0.95``,
 ``loss<=0.3``) or after ``max_steps``; its figures are read back from the metrics
 file its loop wrote (``results.py``).
@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 from ..errors import PhalanxError, Stopped, TrainingDiverged
 from ..train import TrainConfig, Trainer
-from ..metrics import Target
+from ..task.metrics import Target
 from ..task import Task
 from .results import RunResult, from_events, read_events
 from .tokens import Scenario, StrategyToken

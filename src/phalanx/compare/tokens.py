@@ -6,7 +6,7 @@ colon: ``sync``, ``ps``, ``ssp:2`` (staleness), ``local-sgd:8`` and ``diloco:20`
 own validation, so ``ssp:-1`` fails with the message ``--staleness -1`` would.
 
 A scenario is ``none``, ``slow:RANK:FACTOR`` or ``pauses:P:FACTOR``: a
-:class:`~phalanx.train.straggle.Slowness`, the same as ``phalanx train --straggler`` takes; or
+:class:`~phalanx.scenarios.straggle.Slowness`, the same as ``phalanx train --straggler`` takes; or
 ``link:RATE``: every run on a real link of RATE, the same as ``phalanx train --link RATE``.
 """
 
@@ -18,9 +18,9 @@ from typing import Any, Optional
 
 from ..errors import PhalanxError
 from ..options import declared, flag_name
-from ..shaped_link import LinkRate, parse_rate
+from ..comm.shaped_link import LinkRate, parse_rate
 from ..strategies import STRATEGIES, Options
-from ..train.straggle import Slowness
+from ..scenarios.straggle import Slowness
 
 
 @dataclasses.dataclass(frozen=True)

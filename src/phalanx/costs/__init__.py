@@ -14,19 +14,11 @@ inputs and asks): nothing here imports torch or starts a process.
 - ``prediction.py``: :class:`Prediction`, one row of the report.
 """
 
-from .diloco import DiLoCoCost, predict_diloco
-from .fsdp import FSDPCost, predict_fsdp
 from .inputs import Compute, ModelFacts, Network, allreduce, gather_or_scatter
 from .link import Link
-from .local_sgd import LocalSGDCost, predict_local_sgd
 from .model import COSTS, Alternative, CostModel, cost_model
-from .pipeline import PipelineCost, predict_pipeline, stage_plan
 from .prediction import Prediction
-from .ps import ParameterServerCost, predict_ps, simulate, steady_state
-from .sync import SyncCost, predict_sync
 from .timeline import Op, finish, schedule
 
-__all__ = ["COSTS", "Alternative", "Compute", "CostModel", "DiLoCoCost", "FSDPCost", "Link", "LocalSGDCost", "ModelFacts", "Network",
-           "Op", "ParameterServerCost", "PipelineCost", "Prediction", "SyncCost", "allreduce", "cost_model", "finish",
-           "gather_or_scatter", "predict_diloco", "predict_fsdp", "predict_local_sgd", "predict_pipeline", "predict_ps", "predict_sync",
-           "schedule", "simulate", "stage_plan", "steady_state"]
+__all__ = ["COSTS", "Alternative", "Compute", "CostModel", "Link", "ModelFacts", "Network", "Op", "Prediction",
+           "allreduce", "cost_model", "finish", "gather_or_scatter", "schedule"]

@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from ..errors import PhalanxError
-from ..forkserver import GUARD
+from ..launcher.forkserver import GUARD
 from . import batch as batches
 from .columns import check_targets
 
@@ -255,7 +255,7 @@ def ignore_sigterm(worker_id: int) -> None:
 def loader_context(module: str) -> Any:
     """The fork server the loader workers start from: in a rank, its own, with torch and the Dataset's
     ``module`` imported once; in the launching process (a one-process run), phalanx's (``phalanx/forkserver.py``)."""
-    from ..forkserver import PRELOAD
+    from ..launcher.forkserver import PRELOAD
 
     inside_a_rank = multiprocessing.parent_process() is not None
     multiprocessing.set_forkserver_preload(LOADER_PRELOAD + [module] if inside_a_rank else PRELOAD)

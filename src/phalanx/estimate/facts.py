@@ -18,7 +18,7 @@ from torch import nn
 
 from ..costs import ModelFacts
 from ..data import batch as batches
-from ..pipeline.split import blocks_or_whole
+from ..strategies.pipeline.split import blocks_or_whole
 from ..train.step_checks import first_line_of_failure
 
 MIB = 2 ** 20

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..costs.link import Link, ring_terms
 from ..errors import PhalanxError
-from .units import fmt_bandwidth, fmt_seconds
+from ..units import fmt_bandwidth, fmt_seconds
 
 
 def describe_link(link: Link) -> str:

@@ -15,7 +15,7 @@ from ..costs import cost_model
 from ..errors import PhalanxError
 from ..options import option
 from ..strategies import STRATEGIES
-from .units import check_link_pair, parse_bandwidth, parse_duration, parse_workers
+from ..units import check_link_pair, parse_bandwidth, parse_duration, parse_workers
 
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from ..costs import Compute, Prediction
-from .units import fmt_seconds
+from ..units import fmt_seconds
 
 #: a speed-up over N workers beyond N times this is implausible (up to it: threads used better, noise)
 SUPERLINEAR = 1.25

@@ -31,9 +31,9 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ..data import batch as trees  # (``batches`` names the sharded batches in probe)
 from ..launcher import launch
-from ..pipeline.split import blocks_or_whole
+from ..strategies.pipeline.split import blocks_or_whole
 from ..costs import Compute
-from ..step import DefaultStep
+from ..task.step import DefaultStep
 from .overhead import FIGURES, fixed_costs
 
 WARMUP_STEPS = 5
@@ -87,7 +87,7 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
 
     from ..data import Prefetcher, ShardedBatches, load_data
     from ..data.loader import prefetch_depth
-    from ..wire import metering
+    from ..comm.wire import metering
     from ..data.user import cast_to_model
     from ..task import task_from
 
@@ -140,7 +140,7 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
     def ddp_step() -> Callable[[], None]:  # the same step of a DDP copy of the model (every worker makes it at once)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        from ..reduce import apply_reduction
+        from ..comm.reduce import apply_reduction
 
         replica = DDP(copy.deepcopy(model), bucket_cap_mb=spec.bucket_mb)
         # as sync builds it: DDP's own reducer, its bytes counted on the wire meter as each backward is armed
@@ -247,7 +247,7 @@ def time_stage_blocks(blocks, x, micro_batches: int, device, repeats: int = OP_R
     another, their gradients accumulating in the parameters (cleared once per step, as the
     optimizer's ``zero_grad`` does), and the first block's input needs no gradient (it is data).
     That is how a pipeline stage and a whole step run; timing each micro-batch with fresh
-    gradients instead (``phalanx.pipeline.profile``, which only ranks blocks against each other)
+    gradients instead (``phalanx.strategies.pipeline.profile``, which only ranks blocks against each other)
     would charge a large layer the first touch of its gradient on every micro-batch. The blocks
     are private copies; the median over ``repeats`` steps after one warm-up is returned.
 

@@ -8,7 +8,7 @@ from ..costs import cost_model
 from ..costs.inputs import MEETING_AFTER
 from ..errors import PhalanxError
 from .run import Estimate
-from .units import fmt_bytes, fmt_seconds
+from ..units import fmt_bytes, fmt_seconds
 
 
 def describe(est: Estimate) -> str:

@@ -21,7 +21,7 @@ from ..costs import Compute, CostModel, ModelFacts, Network, Prediction, cost_mo
 from ..devices import resolve_devices
 from ..errors import PhalanxError
 from ..launcher import available_cores
-from ..step import UserStep
+from ..task.step import UserStep
 from ..data import batch as batches
 from ..data.user import cast_to_model
 from ..task import Task, named_optimizer, task_from, user_task

@@ -4,13 +4,29 @@
 - :mod:`.local`: starting and watching the workers of a job on one machine (:func:`launch`);
 - :mod:`.joined`: a worker of a job torchrun or srun started, and how it leaves;
 - :mod:`.stopping`: how the launcher takes a stop request (SIGTERM, SIGINT), wherever it arrived;
-(:mod:`phalanx.launch_env` reads which launcher started this process: pure, and free of torch.)
+- the process's life: :mod:`.env` (which launcher started this process: pure, free of torch), :mod:`.startup`
+  (the marks of a run's start-up), :mod:`.forkserver` and :mod:`.forkserver_signals` (the server every worker
+  forks from), :mod:`.watch` (a hung or dead peer).
 """
 
-from .context import (DEFAULT_TIMEOUT_S, WorkerContext, available_cores, in_torchrun, launcher_rank,
-                      launcher_world_size, local_world_size, threads_per_worker, world_size)
-from .joined import joined_a_group, leave
-from .local import launch
+import importlib
 
-__all__ = ["DEFAULT_TIMEOUT_S", "WorkerContext", "available_cores", "in_torchrun", "joined_a_group", "launch",
-           "launcher_rank", "launcher_world_size", "leave", "local_world_size", "threads_per_worker", "world_size"]
+#: public name -> the submodule that defines it. Imported when first used (PEP 562): the CLI starts the worker
+#: server (forkserver.py) and reads the launcher's environment (env.py) before torch is imported, and the
+#: other submodules import torch.
+_WHERE = {
+    **{name: "context" for name in ("DEFAULT_TIMEOUT_S", "WorkerContext", "available_cores", "in_torchrun",
+                                    "launcher_rank", "launcher_world_size", "local_world_size",
+                                    "threads_per_worker", "world_size")},
+    "joined_a_group": "joined", "leave": "joined",
+    "launch": "local",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value

@@ -1,7 +1,7 @@
 """A worker's place in the job, and how a worker joins it (whoever started the process).
 
 How many workers, how many on this machine, and how many cores each: phalanx's own numbers when it
-starts the workers, the launcher's under torchrun or srun (:mod:`phalanx.launch_env` reads which it was).
+starts the workers, the launcher's under torchrun or srun (:mod:`phalanx.launcher.env` reads which it was).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from ..devices import backend_for
-from ..watch import Progress, enable_flight_recorder
-from ..launch_env import joined
+from .watch import Progress, enable_flight_recorder
+from .env import joined
 
 #: How long a collective may wait for a peer before gloo/NCCL gives up. A dead peer is normally
 #: noticed much sooner, by the parent seeing the process exit.

@@ -1,7 +1,7 @@
 """Join a job that torchrun or Slurm's srun started: this process is one of its workers.
 
 There is nothing to start: the launcher's environment says this process's rank and where the job
-rendezvouses (:mod:`phalanx.launch_env`), and the process leaves through :func:`leave`.
+rendezvouses (:mod:`phalanx.launcher.env`), and the process leaves through :func:`leave`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from .context import init_worker, shutdown
 from ..errors import PeerLost
-from ..launch_env import Joined
-from ..watch import say_raised
+from .env import Joined
+from .watch import say_raised
 
 #: How gloo says the other end of a connection went away (reading from it, writing to it, reconnecting)
 #: and how NCCL says a remote rank did; said by gloo or NCCL (a data loader's broken pipe is no lost peer).

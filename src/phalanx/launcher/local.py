@@ -2,7 +2,7 @@
 
 The parent process owns a ``TCPStore`` on 127.0.0.1 with a port the kernel chose (never a fixed
 port, so two jobs never collide) and starts one process per worker, forked by a fork server that
-imported torch once (:mod:`phalanx.forkserver`); every worker joins the process group through that
+imported torch once (:mod:`phalanx.launcher.forkserver`); every worker joins the process group through that
 store.
 
 Failure: the parent polls its children; the first one that raises or dies takes the job down
@@ -34,10 +34,10 @@ import torch.multiprocessing as mp
 
 from .. import errors
 from ..errors import JobHung, PhalanxError, WorkerFailed
-from ..forkserver import start_method
-from ..watch import PREFIX, Progress, Watcher, say_raised, store_client
+from .forkserver import start_method
+from .watch import PREFIX, Progress, Watcher, say_raised, store_client
 from .context import DEFAULT_TIMEOUT_S, init_worker, local_world_size, shutdown, threads_per_worker
-from ..launch_env import joined
+from .env import joined
 from .joined import collect_before_exit, run_joined
 from .stopping import STOP_CODES, Forward, signals_to
 
@@ -197,7 +197,7 @@ def launch(
     """Run ``fn(ctx, *args)`` on one worker per entry of ``devices``; return rank 0's result.
 
     ``fn`` and ``args`` must be picklable: workers start as forks of the fork server (see
-    :mod:`phalanx.forkserver`), which imported torch and phalanx but not this caller's objects.
+    :mod:`phalanx.launcher.forkserver`), which imported torch and phalanx but not this caller's objects.
     Inside torchrun or srun this process is the worker: ``devices`` is indexed by its local rank.
     A rank for which ``tolerate(rank)`` holds may die without ending the job. With
     ``hang_timeout_s`` > 0 the parent watches every rank's progress and ends a job in which no

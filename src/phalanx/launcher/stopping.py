@@ -6,10 +6,10 @@ at one step and saves it; exit 143 or 130):
 - the launcher gets the signal (``kill PID``): :class:`Forward` passes it on to every worker;
 - the whole process group gets it (a terminal's Ctrl-C, Slurm, Kubernetes): the workers have it
   already, and the launcher's copy is the same request (a worker counts signals within
-  :data:`~phalanx.watch.SAME_REQUEST_S` as one);
+  :data:`~phalanx.launcher.watch.SAME_REQUEST_S` as one);
 - one worker gets it: past its first step it publishes the request in the job's store (see
   ``train/loop.py``); before it, it ends at once with status 128 + the signal
-  (:meth:`phalanx.watch.Progress.handle_signals`), and the launcher reads that exit as the job's
+  (:meth:`phalanx.launcher.watch.Progress.handle_signals`), and the launcher reads that exit as the job's
   request (:meth:`Forward.worker_stopped`), not as a failure: the others may have failed in a
   collective with it by then, and their gloo tracebacks would blame a rank nobody signalled.
 """
@@ -24,7 +24,7 @@ import time
 from typing import Callable, Optional
 
 from ..errors import Stopped
-from ..watch import SAME_REQUEST_S
+from .watch import SAME_REQUEST_S
 
 #: The exit status of a worker that took a stop signal before its first step and ended at once.
 STOP_CODES = {128 + int(s): s.name for s in (signal.SIGTERM, signal.SIGINT)}

@@ -23,8 +23,6 @@ This ``__init__`` imports only the registry and the rules: the strategies import
 """
 
 from .lockstep import LOCKSTEP
-from .periodic import DILOCO, LOCAL_SGD
 from .registry import RULES, SimulatedRule, simulated_rule
-from .server import SERVER
 
-__all__ = ["DILOCO", "LOCAL_SGD", "LOCKSTEP", "RULES", "SERVER", "SimulatedRule", "simulated_rule"]
+__all__ = ["LOCKSTEP", "RULES", "SimulatedRule", "simulated_rule"]

@@ -31,7 +31,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.utils import _pytree as pytree
 
 from ..data import batch as batches
-from ..step import DefaultStep
+from ..task.step import DefaultStep
 
 CHUNK = 64  #: workers per vmapped call (bounds the memory of stacked parameters and activations)
 

@@ -10,7 +10,7 @@ import dataclasses
 from typing import Optional
 
 from ..errors import PhalanxError
-from ..estimate.units import check_link_pair, parse_bandwidth, parse_duration
+from ..units import check_link_pair, parse_bandwidth, parse_duration
 from ..options import option
 
 

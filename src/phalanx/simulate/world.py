@@ -10,8 +10,8 @@ The rule advances the simulated clock and reports each global step (:meth:`World
 world evaluates when a real run would and says when to stop (the target reached, or the last step).
 
 An evaluation is a real run's: the task's metrics (accuracy, loss, perplexity, mse, a user's own),
-each batch's (sum, count) added up by :func:`~phalanx.metrics.add_up` with the run's
-:class:`~phalanx.metrics.Totals`, on the simulated parameters copied into the model; so the values
+each batch's (sum, count) added up by :func:`~phalanx.task.metrics.add_up` with the run's
+:class:`~phalanx.task.metrics.Totals`, on the simulated parameters copied into the model; so the values
 at a step are those a real one-process evaluation of the same parameters reports.
 """
 
@@ -29,11 +29,11 @@ from torch import nn
 from ..costs import Prediction, cost_model
 from ..data import ShardedBatches, eval_batches
 from ..errors import PhalanxError
-from ..metrics import Target, Totals, add_up
-from ..strategies.staleness import StalenessStats
+from ..task.metrics import Target, Totals, add_up
+from ..comm.staleness import StalenessStats
 from ..task import label, names_parameter
-from ..train.schedules import Schedule
-from ..train.straggle import Slowness, unit_draw
+from ..task.schedules import Schedule
+from ..scenarios.straggle import Slowness, unit_draw
 from .gradients import Gradients
 from .problem import Problem
 from .versions import Versions

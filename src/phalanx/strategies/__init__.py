@@ -43,5 +43,5 @@ def takers(field: str) -> list[str]:
 
 
 __all__ = ["Backup", "Build", "DiLoCo", "FSDP", "Hogwild", "Job", "Layout", "LocalSGD", "Options", "ParameterServer", "Pipeline",
-           "RankPlan", "Report", "Runtime", "SSP", "STRATEGIES", "Sync", "register", "runtime_for", "strategy_class", "takers",
+           "RankPlan", "Report", "Runtime", "SSP", "STRATEGIES", "Sync", "nonfinite_values", "register", "runtime_for", "strategy_class", "takers",
            "unregister"]

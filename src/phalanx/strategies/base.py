@@ -34,10 +34,10 @@ from torch import nn
 from ..data import batch as batches
 from ..errors import PhalanxError
 from ..launcher import WorkerContext
-from ..metrics import ACCURACY, Totals, add_up
-from ..models import model_units
+from ..task.metrics import ACCURACY, Totals, add_up
+from ..task.models import model_units
 from ..precision import Precision
-from ..step import DefaultStep, StepResult
+from ..task.step import DefaultStep, StepResult
 
 #: called with the module the strategy steps (see ``task.call_optimizer_factory``: a factory of the user's gets
 #: the model where its first parameter is named ``model``, else its parameters)
@@ -402,7 +402,7 @@ def runtime_for(options: Options, ctx: WorkerContext, model: nn.Module, make_opt
 
     import torch.nn.functional as F
 
-    from ..step import step_for
+    from ..task.step import step_for
     from ..task import call_optimizer_factory  # (the task layer: how a factory of the user's is called)
 
     loss_fn = loss_fn or F.cross_entropy

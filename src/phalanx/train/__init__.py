@@ -1,7 +1,7 @@
 """The training loop and what it needs: config, schedules, checkpoints, reporting."""
 
 from .config import TrainConfig
-from .schedules import Schedule, scaled_lr
+from ..task.schedules import Schedule, scaled_lr
 from .trainer import Trainer
 
 __all__ = ["Schedule", "TrainConfig", "Trainer", "scaled_lr"]

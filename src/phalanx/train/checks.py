@@ -25,9 +25,9 @@ from ..data import DataBundle, load_data
 from ..data.datasets import DATASETS, CIFAR_CROP, cifar10_sizes, check_cifar10_files
 from ..data import batch as batches
 from ..errors import PhalanxError
-from ..metrics import Metric, Totals
-from ..step import DefaultStep, logits_of, own_loss
-from ..models import MODELS
+from ..task.metrics import Metric, Totals
+from ..task.step import DefaultStep, logits_of, own_loss
+from ..task.models import MODELS
 from ..strategies import STRATEGIES, Layout
 from ..task import Task, label
 from . import checkpoint as ckpt

@@ -1,7 +1,7 @@
 """The training run's configuration: one validated dataclass; the CLI flags are made from its fields.
 
 Fields left at ``None`` mean "not given": the optimizer, learning rate and steps then come from
-the model's recipe (:data:`phalanx.models.RECIPES`), and options that only apply to one setting
+the model's recipe (:data:`phalanx.task.models.RECIPES`), and options that only apply to one setting
 (``momentum`` to SGD, ``lr_decay_*`` to the exponential schedule, ``data_dir`` to CIFAR-10,
 ``synthetic_*`` to synthetic data) take their defaults there, or are refused anywhere else:
 a flag that does nothing is an error, not a surprise. :meth:`TrainConfig.resolved` fills them in,
@@ -17,14 +17,14 @@ from typing import Any, Optional, Union
 
 from ..data.datasets import DATASETS
 from ..errors import PhalanxError
-from ..metrics import Target, parse_target
-from ..models import MODELS, RECIPES, USER_RECIPE, Recipe
+from ..task.metrics import Target, parse_target
+from ..task.models import MODELS, RECIPES, USER_RECIPE, Recipe
 from ..options import option
 from ..precision import PRECISIONS
-from ..shaped_link import LinkRate, parse_rate
+from ..comm.shaped_link import LinkRate, parse_rate
 from ..strategies import STRATEGIES, Options, strategy_class
-from .schedules import SCHEDULES
-from .straggle import Slowness, parse_slowness
+from ..task.schedules import SCHEDULES
+from ..scenarios.straggle import Slowness, parse_slowness
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 PROGRESS = ("auto", "bar", "lines", "none", "silent")

@@ -21,24 +21,24 @@ from ..data.loader import Position, advance, prefetch_depth
 from ..errors import TrainingDiverged
 from ..launcher import WorkerContext
 from ..memory import Held, describe, held, largest
-from ..metrics import Totals, said
-from ..shaped_link import loopback_bytes
-from ..wire import Meter, metering, summary_fields, summary_line
+from ..task.metrics import Totals, said
+from ..comm.shaped_link import loopback_bytes
+from ..comm.wire import Meter, metering, summary_fields, summary_line
 from ..task import is_import_path, resolve
 from ..data.batch import split, to_device
 from ..precision import Precision, compile_blocks
 from ..recompute import Recomputed, checkpoint_blocks
 from ..shard_read import ALIASES
-from ..startup import Marks
+from ..launcher.startup import Marks
 from ..strategies import Build, meta_init, nonfinite_values
 from . import checkpoint as ckpt
 from .losses import LossWindow, first_non_finite
 from .step_errors import explained
 from .report import Reporter, step_line
 from .resume import check_fits, data_position, restore_settings, resume_config, settings_line, settings_of
-from .schedules import Schedule
+from ..task.schedules import Schedule
 from .sharded import ShardWriter
-from .straggle import Straggle
+from ..scenarios.straggle import Straggle
 from .trainer import Plan
 
 #: How often (in steps) every rank reads the job's stop request from the store at first; at least 2, so

@@ -27,7 +27,7 @@ from ..data.loader import Position, advance
 from ..errors import PhalanxError
 from .checkpoint import shapes
 from .config import OWN_SCHEDULE, SETTINGS, TrainConfig, _flag
-from .schedules import scaled_lr
+from ..task.schedules import scaled_lr
 
 
 @dataclasses.dataclass

@@ -10,8 +10,8 @@ from torch import nn
 
 from ..data import batch as batches
 from ..errors import PhalanxError
-from ..metrics import Metric, Totals
-from ..step import UserStep
+from ..task.metrics import Metric, Totals
+from ..task.step import UserStep
 
 
 def first_line_of_failure(call: Callable[[], Any], what: str, fix: str) -> Any:

@@ -19,7 +19,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .. import shaped_link, startup
+from ..launcher import startup
+from ..comm import shaped_link
 from ..data import DataBundle
 from ..devices import backend_for, resolve_devices
 from ..errors import JobHung, PhalanxError, Stopped, WorkerFailed
@@ -63,7 +64,7 @@ class Trainer:
     output with a ``loss`` (a Hugging Face ``ModelOutput``) is the loss (see ``step.py``);
     ``training_step``: your ``step(model, batch) -> loss | (loss, outputs)`` for anything else.
     ``metrics``: names (``"mae"``), functions ``(outputs, targets) -> (sum, count)`` (``(outputs, batch)``
-    where the second parameter is named ``batch``) or :class:`~phalanx.metrics.Metric` (see ``metrics.py``);
+    where the second parameter is named ``batch``) or :class:`~phalanx.task.metrics.Metric` (see ``metrics.py``);
     the loss is always reported too.
     ``optimizer``: a picklable ``params -> torch.optim.Optimizer`` (module level, not a lambda, when
     workers are spawned), or ``model -> torch.optim.Optimizer`` where its first parameter is named

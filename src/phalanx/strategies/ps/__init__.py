@@ -31,12 +31,12 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from ...costs import ParameterServerCost
-from ...simulate import SERVER as SIMULATED_SERVER
+from .costs import ParameterServerCost
+from .simulated import SERVER as SIMULATED_SERVER
 from ...errors import PhalanxError
 from ...options import option
-from ...watch import has_raised
-from ...metrics import Totals, add_up
+from ...launcher.watch import has_raised
+from ...task.metrics import Totals, add_up
 from ..base import COUNT_CORRECT, Build, Job, Layout, Options, RankPlan, Report, Runtime
 from ..registry import register
 from ..sync import Sync

@@ -45,8 +45,8 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from ...errors import WorkerFailed
-from ...watch import STARTUP_S
-from ..staleness import StalenessStats
+from ...launcher.watch import STARTUP_S
+from ...comm.staleness import StalenessStats
 from . import protocol
 from .aggregate import Rule
 from .gate import Gate

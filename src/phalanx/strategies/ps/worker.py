@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from torch.nn.utils import vector_to_parameters
 
-from ...metrics import Totals
+from ...task.metrics import Totals
 from ..base import COUNT_CORRECT, Build, Runtime, as_batch, nonfinite_values
 from .protocol import WorkerChannel, buffer_count, buffers_to_vector, vector_to_buffers
 

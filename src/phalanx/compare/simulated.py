@@ -1,0 +1,268 @@
+"""``phalanx compare --simulate``: the comparison of ``phalanx compare``, at worker counts this machine lacks.
+
+The same strategies, scenarios, target, repeats and report as a real comparison (``compare/``),
+run by the simulation instead of by processes: for every worker count, every repeat, scenario and
+strategy, one :class:`~phalanx.simulate.world.World` played by the strategy's simulated rule.
+Repeat r uses seed + r, as real runs do. The target is any metric a real comparison takes
+(``accuracy>=0.95``, ``loss<=0.3``, ``perplexity<=5``, a ``--metric`` of the user's), evaluated as
+a real run evaluates (``world.py``). Checked first, in one line each, before anything runs: a
+strategy without a simulated rule, a ``link:RATE`` scenario (a real link; here the link is
+``--link-bandwidth``), a worker count a strategy's layout refuses, a target no reported metric
+reaches (the real check: ``task.py``), a global batch larger than the data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import sys
+from typing import Callable, Optional
+
+import torch
+
+from ..costs import Link
+from ..errors import PhalanxError
+from ..strategies import Job
+from ..train import TrainConfig
+from .simulated_problem import Problem, build_problem
+from ..simulate.registry import RULES, simulated_rule
+from ..simulate.world import World, stacked_copies, takes_the_model
+
+
+@dataclasses.dataclass(frozen=True)
+class SimRun:
+    workers: int
+    strategy: object  #: compare's StrategyToken
+    scenario: object  #: compare's Scenario
+    repeat: int
+    seed: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.strategy.token} under {self.scenario.token} at {self.workers} workers, repeat {self.repeat + 1}"
+
+
+def check(setup, workers: tuple[int, ...]) -> None:
+    """Every (strategy, scenario, worker count) before anything runs; one line for the first that cannot.
+    (The task's metrics were checked against the target when the comparison was set up.)"""
+    if setup.train.tensorboard is not None:
+        raise PhalanxError(f"--tensorboard {setup.train.tensorboard} draws real runs' curves, and --simulate runs no "
+                           "process: drop --tensorboard, or compare for real without --simulate")
+    for scenario in setup.scenarios:
+        if scenario.link is not None:
+            raise PhalanxError(f"--scenarios {scenario.token} is a real shaped link and --simulate runs no process: "
+                               "give the simulated link with --link-bandwidth and --link-latency (e.g. 50Mb/s, 100us)")
+    simulated = ", ".join(sorted({cls.name for cls in RULES}))
+    factory = setup.task.make_optimizer
+    for strategy in setup.strategies:
+        rule = simulated_rule(strategy.options)
+        if rule is None:
+            raise PhalanxError(f"{strategy.token} has no simulated rule yet (--simulate covers {simulated}); drop it "
+                               "from --strategies, or compare it for real without --simulate")
+        if takes_the_model(factory) and not rule.steps_a_module:
+            raise PhalanxError(stacked_copies(factory, strategy.options.name))
+        for n in workers:
+            try:
+                strategy.options.layout(Job((torch.device("cpu"),) * n, setup.train.batch_size))
+            except PhalanxError as e:
+                raise PhalanxError(f"{strategy.token} at {n} workers: {e}") from None
+    for scenario in setup.scenarios:
+        s = scenario.slowness
+        if s is not None and s.kind == "slow" and s.rank > max(workers):
+            raise PhalanxError(f"--scenarios {scenario.token}: rank {s.rank} does not exist at {max(workers)} workers")
+
+
+def target_config(setup) -> TrainConfig:
+    """The shared training flags with the comparison's target and evaluations, as every real run gets them
+    (``compare/runner.config_for``): the task's metrics then include the target's, or refuse it."""
+    return dataclasses.replace(setup.train, stop_at=str(setup.target), stop_at_accuracy=None,
+                               eval_every=setup.eval_every)
+
+
+def beside(setup, workers: tuple[int, ...]) -> int:
+    """The most processes any strategy runs beside its workers (a parameter server), as its layout says
+    (at the largest count, which every layout accepted in :func:`check`)."""
+    job = Job((torch.device("cpu"),) * max(workers), setup.train.batch_size)
+    return max((s.options.layout(job).world_size - job.workers for s in setup.strategies), default=0)
+
+
+def default_strategies(text: str) -> str:
+    """compare's default strategies, less those with no simulated rule (hogwild shares one machine's memory)."""
+    from .tokens import parse_strategy
+
+    return ",".join(t for t in text.split(",") if simulated_rule(parse_strategy(t).options) is not None)
+
+
+def schedule(setup, workers: tuple[int, ...]) -> list[SimRun]:
+    """Every run: worker counts outermost, then repeats, scenarios, strategies (the real comparison's order)."""
+    return [SimRun(n, strategy, scenario, r, setup.train.seed + r)
+            for n in workers for r in range(setup.repeats) for scenario in setup.scenarios
+            for strategy in setup.strategies]
+
+
+def run_one(problem: Problem, setup, run: SimRun):
+    """Simulate one run and read it back as a real run's :class:`~phalanx.compare.results.RunResult`."""
+    from .results import RunResult
+
+    options = run.strategy.options
+    target = setup.target
+    world = World(problem, options, run.workers, run.scenario.slowness, run.seed, setup.max_steps,
+                  setup.eval_every, target)
+    simulated_rule(options).run(options, world)
+    out = world.finish()
+    first = next((p for p, values in zip(out.curve, out.values) if target.reached(values)), None)
+    examples = None
+    if first is not None:  # the run stopped there: what it applied by then (the server counts it)
+        batch = setup.train.batch_size
+        examples = out.applied * batch if out.applied is not None else first["step"] * batch * run.workers
+    staleness = None
+    if world.staleness is not None and world.staleness.total:
+        s = world.staleness.to_dict()
+        staleness = {"mean": s["staleness_mean"], "p95": s["staleness_p95"], "max": s["staleness_max"],
+                     "histogram": s["staleness_histogram"]}
+    dropped = None
+    if out.dropped is not None and (out.dropped or out.drops):
+        dropped = {"total": out.dropped, "of": out.dropped + (out.applied or 0), "by_worker": out.dropped_by}
+    accuracies = [v["accuracy"] for v in out.values if "accuracy" in v]
+    seen = [v[target.metric] for v in out.values if not math.isnan(v.get(target.metric, math.nan))]
+    return RunResult(
+        strategy=run.strategy.token, scenario=run.scenario.token, repeat=run.repeat, seed=run.seed,
+        reached=first is not None, diverged=out.diverged, steps_to_target=first["step"] if first else None,
+        seconds_to_target=first["seconds"] if first else None, examples_to_target=examples,
+        best_accuracy=max(accuracies, default=None), final_accuracy=accuracies[-1] if accuracies else None,
+        steps=out.steps, train_seconds=out.seconds, eval_seconds=0.0, wall_seconds=out.wall_seconds,
+        startup_seconds=0.0, examples_per_sec=out.examples / max(out.seconds, 1e-12), staleness=staleness,
+        dropped=dropped, calibrated_compute_s={}, curve=out.curve,
+        metrics=f"simulated at {run.workers} workers (peak {out.peak_versions} parameter versions held)",
+        metric=target.metric, higher=target.higher, best=(max if target.higher else min)(seen, default=None),
+        final=out.values[-1].get(target.metric) if out.values else None)
+
+
+def simulate_compare(setup, workers: tuple[int, ...], sim, say: Callable[[str], None],
+                     progress: Optional[Callable[[int, int, SimRun, object], None]] = None) -> tuple[Problem, dict]:
+    """Every run of the comparison, simulated; returns the problem and ``{workers: [RunResult]}``."""
+    check(setup, workers)
+    link = Link(sim.link_latency, 1.0 / sim.link_bandwidth, "given by --link-bandwidth and --link-latency") \
+        if sim.link_bandwidth is not None else None
+    problem = build_problem(target_config(setup), workers, sim.per_node, sim.step_time, link, say, setup.task,
+                            beside(setup, workers))
+    size = len(problem.data(setup.train.seed).train)
+    if setup.train.batch_size * max(workers) > size:
+        raise PhalanxError(f"global batch {setup.train.batch_size * max(workers)} ({setup.train.batch_size} per worker x "
+                           f"{max(workers)} workers) is larger than the {size} training examples; use a smaller "
+                           "--batch-size, or data large enough for the largest worker count")
+    runs = schedule(setup, workers)
+    results: dict[int, list] = {n: [] for n in workers}
+    with _threads(setup.train.threads):
+        for i, run in enumerate(runs):
+            result = run_one(problem, setup, run)
+            results[run.workers].append(result)
+            if progress is not None:
+                progress(i, len(runs), run, result)
+    return problem, results
+
+
+@contextlib.contextmanager
+def _threads(given: Optional[int]):
+    """torch threads for the simulation: --threads, else half the cores. Its many small element-wise ops
+    (an update, a version's copy) run ~7x slower split over threads that other processes keep waiting
+    (measured on a shared 2-core machine: 240 us against 34 us for an 85 k-element add)."""
+    from ..launcher import available_cores
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(given or max(1, available_cores() // 2))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def print_progress(i: int, total: int, run: SimRun, result) -> None:
+    outcome = (f"reached the target at step {result.steps_to_target} ({result.seconds_to_target:.3g} s simulated)"
+               if result.reached else f"not reached (best {result.metric} {_number(result.best)})")
+    print(f"run {i + 1}/{total}: {run.label}: {outcome}; simulated in {result.wall_seconds:.1f} s",
+          file=sys.stderr, flush=True)
+
+
+def _number(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+DEFAULT_WORKERS = (8, 64, 256)
+
+
+@dataclasses.dataclass
+class SimulatedComparison:
+    """What ``phalanx.compare(..., simulate=True)`` returns; ``save(dir)`` writes what ``--out`` writes."""
+
+    setup: object  #: compare's Setup, marked simulated
+    problem: Problem
+    runs: dict  #: worker count -> every simulated run (compare's RunResult)
+    table: dict  #: worker count -> scenario -> one ranked row per strategy
+    command: Optional[str] = None
+
+    @property
+    def answer(self) -> str:
+        from . import simulated_report as report
+
+        return "Simulated: " + " ".join(report.crossover(self.setup, self.table))
+
+    @property
+    def tables(self) -> str:
+        from . import simulated_report as report
+
+        return report.terminal(self.setup, self.table)
+
+    def __str__(self) -> str:
+        return f"{self.tables}\n\n{self.answer}"
+
+    def save(self, out) -> list:
+        """report.md and report.json (the scaling report), the scaling plot, and one real-comparison report
+        per worker count in ``workers-N/``; returns the top-level report.md's path first."""
+        from pathlib import Path
+
+        from .outcome import writable
+        from . import simulated_report as report
+
+        out = Path(out)
+        writable(out)
+        return report.write(out, self.setup, self.problem, self.runs, self.table, self.command)
+
+
+def compare_simulated(options, train, sim, workers: Optional[tuple[int, ...]], command: Optional[str],
+                      objects: Optional[dict] = None) -> SimulatedComparison:
+    """``phalanx compare --simulate``: check, simulate every run, print the tables and the answer, write the report."""
+    from pathlib import Path
+
+    from .cli import setup_from
+    from .report import target_words
+    from .cli import default_strategies as real_defaults
+    from .outcome import writable
+    from . import simulated_report as report
+
+    if options.strategies is None:
+        options = dataclasses.replace(options, strategies=default_strategies(real_defaults(train)))
+    setup = dataclasses.replace(setup_from(options, train, objects), simulated=True)
+    workers = tuple(workers or DEFAULT_WORKERS)
+    check(setup, workers)
+    total = len(schedule(setup, workers))
+    print(f"phalanx compare --simulate: {len(setup.strategies)} strategies x {len(setup.scenarios)} scenarios x "
+          f"{setup.repeats} repeats x {len(workers)} worker counts ({', '.join(map(str, workers))}) = {total} "
+          f"simulated runs, each to {target_words(setup.target)} or {setup.max_steps} steps (evaluated every "
+          f"{setup.eval_every}); {setup.task.model_name} on {setup.task.data_name}", flush=True)
+    out = Path(options.out) if options.out is not None else None
+    if out is not None:
+        writable(out)
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    problem, results = simulate_compare(setup, workers, sim, say, print_progress)
+    result = SimulatedComparison(setup, problem, results, report.tables(setup, results), command)
+    for note in problem.clock_notes:
+        print(f"clock: {note}")
+    print("\n" + result.tables + "\n")
+    print(result.answer)
+    if out is not None:
+        written = result.save(out)
+        print(f"\nreport {written[0]}, {written[1].name}; plot {out / report.SCALING_PLOT}; one report per worker "
+              f"count in {out}/workers-N/")
+    return result

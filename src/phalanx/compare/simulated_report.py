@@ -1,0 +1,141 @@
+"""What ``compare --simulate`` tells the user: a real comparison's tables at every worker count, marked
+simulated, time to target against worker count, and where the fastest strategy changes.
+
+Each worker count gets the very report a real comparison writes (``compare/report.py`` and
+``compare/plots.py``, in ``workers-N/``), computed from the simulated runs; the top-level report.md
+and report.json hold what only several counts show: the median time to target of every strategy
+at every count, the plot of it, and the crossover in words (``from 64 workers on, diloco:20
+reaches 0.95 first``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from . import plots, report
+from .results import Figures
+from .runner import Checked
+
+SCALING_PLOT = "time-to-target-vs-workers.png"
+
+
+def checked_at(setup, workers: int) -> Checked:
+    batch = setup.train.batch_size
+    return Checked({s.token: batch * workers for s in setup.strategies}, batch, workers)
+
+
+def tables(setup, results: dict[int, list]) -> dict[int, dict[str, list[Figures]]]:
+    """worker count -> scenario -> one ranked :class:`Figures` per strategy (the real comparison's tables)."""
+    return {n: report.tables(setup, runs) for n, runs in results.items()}
+
+
+def crossover(setup, by_workers: dict[int, dict[str, list[Figures]]]) -> list[str]:
+    """One sentence per scenario: which strategy reaches the target first at which worker counts."""
+    counts = sorted(by_workers)
+    goal = report.short(setup.target)
+    sentences = []
+    for scenario in setup.scenarios:
+        winners = [next((f.strategy for f in by_workers[n][scenario.token] if f.winner), None) for n in counts]
+        last = winners[-1]
+        first = len(winners) - 1
+        while first > 0 and winners[first - 1] == last:
+            first -= 1
+        where = f"under {scenario.token}"
+        if last is None:
+            sentences.append(f"{where.capitalize()}, no strategy reached {goal} at {counts[-1]} workers.")
+            continue
+        if first == 0:
+            span = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
+            sentences.append(f"{where.capitalize()}, {last} reaches {goal} first at every worker count "
+                             f"simulated ({span}).")
+            continue
+        before = ", ".join(f"{w or 'none'} at {n}" for n, w in zip(counts[:first], winners[:first]))
+        sentences.append(f"{where.capitalize()}, from {counts[first]} workers on, {last} reaches {goal} "
+                         f"first (before that: {before}).")
+    return sentences
+
+
+def terminal(setup, by_workers) -> str:
+    blocks = []
+    for n, table in sorted(by_workers.items()):
+        blocks.append(f"=== {n} workers (simulated) ===\n" + report.terminal(setup, checked_at(setup, n), table))
+    return "\n\n".join(blocks)
+
+
+def scaling_plot(setup, by_workers, out: Path) -> dict[str, Any]:
+    """Median time to target against worker count, one panel per scenario, one line per strategy
+    (x on the line's count axis where it was not reached)."""
+    plots._pyplot()  # (matplotlib with its file backend, before the panels)
+    colours = plots._colours(setup)
+    counts = sorted(by_workers)
+    fig, axes = plots._panels(len(setup.scenarios))
+    for ax, scenario in zip(axes, setup.scenarios):
+        for strategy in setup.strategies:
+            rows = {n: next(f for f in by_workers[n][scenario.token] if f.strategy == strategy.token) for n in counts}
+            xs = [n for n in counts if not math.isinf(rows[n].median_seconds)]
+            ax.plot(xs, [rows[n].median_seconds for n in xs], marker="o", ms=4, lw=1.5, color=colours[strategy.token],
+                    label=strategy.token)
+            missed = [n for n in counts if math.isinf(rows[n].median_seconds)]
+            if missed:
+                ax.plot(missed, [0] * len(missed), ls="none", marker="x", ms=8, mew=2, color=colours[strategy.token],
+                        clip_on=False)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [str(n) for n in counts])
+        ax.set_ylim(bottom=0)
+        ax.set_title(scenario.token)
+        ax.set_xlabel("workers")
+        ax.set_ylabel(f"simulated time to {report.short(setup.target)} (s)")
+        ax.grid(alpha=0.3)
+    axes[-1].legend(fontsize=8)
+    fig.suptitle("simulated: time to target against worker count (x at 0: not reached)")
+    return plots._save(fig, out / SCALING_PLOT, "simulated time to target against worker count")
+
+
+def figures_table(setup, by_workers) -> list[str]:
+    """Markdown: one row per (scenario, strategy), one column per worker count: median simulated time."""
+    counts = sorted(by_workers)
+    lines = ["| scenario | strategy | " + " | ".join(f"{n} workers" for n in counts) + " |",
+             "|" + "---|" * (2 + len(counts))]
+    for scenario in setup.scenarios:
+        for strategy in setup.strategies:
+            cells = []
+            for n in counts:
+                f = next(f for f in by_workers[n][scenario.token] if f.strategy == strategy.token)
+                cell = report.time_cell(f)
+                cells.append(f"**{cell}**" if f.winner else cell)
+            lines.append(f"| {scenario.token} | {strategy.token} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def write(out: Path, setup, problem, results: dict[int, list], by_workers, command: Optional[str]) -> list[Path]:
+    """Every worker count's report in ``workers-N/``, and the scaling report at the top; returns report.md's path first."""
+    written = []
+    for n, table in sorted(by_workers.items()):
+        folder = out / f"workers-{n}"
+        folder.mkdir(parents=True, exist_ok=True)
+        drawn = plots.draw(setup, table, results[n], folder)
+        written.append(report.write(folder, setup, checked_at(setup, n), table, results[n], drawn, command)[0])
+    picture = scaling_plot(setup, by_workers, out)
+    sentences = crossover(setup, by_workers)
+    lines = ["# phalanx compare --simulate: which strategy reaches the target first, by worker count", "",
+             " ".join(sentences), "",
+             f"Every figure is simulated: {setup.task.model_name} on {setup.task.data_name}, target "
+             f"{report.target_words(setup.target)}, medians of {setup.repeats} repeat{'s' * (setup.repeats != 1)}, "
+             "the simulated training time "
+             "(fastest in bold).", ""] + figures_table(setup, by_workers)
+    lines += ["", f"![{picture['title']}]({picture['file']})", "", "## The clock", ""]
+    lines += [f"- {note}" for note in problem.clock_notes]
+    lines += ["", "## Each worker count", ""] + [f"- [{p.parent.name}]({p.parent.name}/report.md)" for p in written]
+    lines += ["", "## Setup", "", f"    {command}" if command else ""]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    data = {"simulated": True, "command": command, "workers": sorted(by_workers), "answer": sentences,
+            "clock": list(problem.clock_notes), "setup": report.setup_dict(setup, checked_at(setup, max(by_workers)),
+                                                                          command),
+            "figures": {str(n): {s: [f.to_dict() for f in rows] for s, rows in table.items()}
+                        for n, table in by_workers.items()},
+            "plot": picture, "machine": report.machine()}
+    (out / "report.json").write_text(json.dumps(data, indent=1) + "\n")
+    return [out / "report.md", out / "report.json", *written]

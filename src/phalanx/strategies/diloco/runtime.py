@@ -1,0 +1,211 @@
+"""DiLoCo's runtime: inner steps on the local weights, outer rounds on the global ones (see ``__init__``)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..base import COUNT_CORRECT, Build, Report, Runtime
+from ..replicas import average_buffers, verify_replicas
+from .outer import average, due, fragment_bounds, fragment_offsets, wire_bytes
+
+if TYPE_CHECKING:
+    from . import DiLoCo
+
+
+def _to_cpu(value: Any) -> Any:
+    """State with every tensor on the CPU (gathered objects are unpickled on rank 0's device otherwise)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+class DiLoCoRuntime(Runtime):
+    """One worker: inner steps on its local weights; a collective only on the steps a fragment syncs.
+
+    Communication: every rank takes every step (lockstep), and at a sync step every rank sends the
+    same fragment's pseudo-gradient (one all-reduce, or two all-gathers for int8); no collective at
+    log steps. Invariant: the global weights and the outer optimizer's momentum are equal on every
+    rank, because every rank applies the same averaged pseudo-gradient with the same outer step.
+    """
+
+    def __init__(self, build: Build, options: DiLoCo):
+        super().__init__(build, description=options.describe(), notes=options.header_notes(build.ctx.world_size))
+        self.options = options
+        if self.ctx.distributed:
+            verify_replicas(self.model, self.ctx)
+        self.params = list(self.model.parameters())  # the local weights: what the inner optimizer steps
+        self.fragments = fragment_bounds([p.numel() for p in self.params], options.fragments)
+        self.offsets = fragment_offsets(options.sync_every, options.fragments)
+        pin = self.ctx.device.type == "cuda"
+        self.global_params = [self._global_copy(p, pin) for p in self.params]
+        # The buffers, and the global model's (the mean at fragment 0's last round), on their own device.
+        named = list(self.model.named_buffers())
+        self.buffer_names, self.buffers = [n for n, _ in named], [b for _, b in named]
+        self.global_buffers = [b.detach().clone() for b in self.buffers]
+        #: fragments with local steps since their last round (every rank the same: they step together)
+        self.unsynced: set[int] = set()
+        self.outer = torch.optim.SGD(self.global_params, lr=options.outer_lr, momentum=options.outer_momentum,
+                                     nesterov=options.outer_momentum > 0)  # torch refuses Nesterov without momentum
+        self.steps = 0  # inner steps taken: the loop's global step (restored from checkpoints)
+        self.syncs = 0  # fragment syncs done
+        self.bytes_sent = 0  # the pseudo-gradients' bytes this rank handed to the collectives
+
+    @staticmethod
+    def _global_copy(p: nn.Parameter, pin: bool) -> torch.Tensor:
+        copy = p.detach().to("cpu", copy=True, dtype=torch.float32)
+        return copy.pin_memory() if pin else copy
+
+    def train_step(self, batch: Any, y: Optional[torch.Tensor] = None, parts: Optional[int] = None) -> torch.Tensor:
+        loss = super().train_step(batch, y, parts)
+        index, self.steps = self.steps, self.steps + 1
+        fragments = due(index, self.options.sync_every, self.offsets)
+        self._rounds(fragments)
+        self.unsynced = set(range(len(self.fragments))) - set(fragments)
+        return loss
+
+    def finish(self) -> bool:
+        """The last outer round, of every fragment with local steps since its own last round: the run's
+        global model holds every step's work, and every rank holds it (evaluated and saved as it is)."""
+        super().finish()
+        if not self.unsynced:
+            return False
+        self._rounds(sorted(self.unsynced))
+        self.unsynced = set()
+        return True
+
+    def _rounds(self, fragments: Sequence[int]) -> None:
+        """One outer round of these fragments (one collective), and of the buffers with fragment 0's."""
+        if not fragments:
+            return
+        self._sync([i for f in fragments for i in range(*self.fragments[f])])
+        self.syncs += len(fragments)
+        if 0 in fragments:
+            self._sync_buffers()
+
+    @torch.no_grad()
+    def _sync_buffers(self) -> None:
+        """Every rank's buffers (and the global model's) become their mean over the ranks."""
+        if self.ctx.distributed:
+            average_buffers(self.buffers)
+        for g, b in zip(self.global_buffers, self.buffers):
+            g.copy_(b)
+
+    @torch.no_grad()
+    def _sync(self, indices: list[int]) -> None:
+        """One outer round for the parameter tensors ``indices`` (one or more whole fragments)."""
+        local = [self.params[i] for i in indices]
+        glob = [self.global_params[i] for i in indices]
+        device = self.ctx.device
+        pseudo = [g.to(device, non_blocking=True) - p.float() for g, p in zip(glob, local)]
+        mean = average(pseudo, self.options.outer_precision, self.ctx.world_size, self.ctx.distributed)
+        self.bytes_sent += wire_bytes((p.numel() for p in pseudo), self.options.outer_precision)
+        # The copy to the CPU waits for the device, so the non-blocking copies out of the pinned
+        # global weights above are done before the outer step below writes into them.
+        for g, m in zip(glob, mean):
+            g.grad = m.to("cpu")
+        self.outer.step()  # only these tensors have a gradient: SGD leaves the others (and their momentum) alone
+        self.outer.zero_grad(set_to_none=True)
+        for g, p in zip(glob, local):
+            p.copy_(g, non_blocking=True)
+
+    def global_losses(self, losses: torch.Tensor) -> torch.Tensor:
+        # No collective: that would put a sync point at every log step (as local-sgd).
+        return losses
+
+    @contextlib.contextmanager
+    def _global_weights(self) -> Iterator[None]:
+        """The module holds the global model inside, weights and buffers (this rank's local ones again after)."""
+        mine = self.params + self.buffers
+        with torch.no_grad():
+            local = [t.detach().clone() for t in mine]
+            for t, g in zip(mine, self.global_params + self.global_buffers):
+                t.copy_(g)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for t, saved in zip(mine, local):
+                    t.copy_(saved)
+
+    def evaluate(self, batches, totals=COUNT_CORRECT):
+        # The model DiLoCo trains is the global one; between syncs each rank's local weights differ.
+        with self._global_weights():
+            return super().evaluate(batches, totals)
+
+    # ---- checkpoints ----
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        """Rank 0's checkpoint: ``model`` is the global model (what ``phalanx evaluate`` and other
+        strategies load), ``optimizer`` rank 0's inner optimizer, and ``diloco`` the outer optimizer
+        and every rank's local model and inner optimizer, gathered (a collective), so a resume is
+        exact at any step, not only at sync steps. The other ranks return None."""
+        mine = _to_cpu(super().state_dict())
+        workers: list = [None] * self.ctx.world_size if self.ctx.is_main else None
+        if self.ctx.distributed:
+            dist.gather_object(mine, workers, dst=0)
+        else:
+            workers = [mine]
+        if not self.ctx.is_main:
+            return None
+        return {**mine, "model": self._global_state(mine["model"]),
+                "diloco": {"outer_optimizer": self.outer.state_dict(), "workers": workers,
+                           "unsynced": sorted(self.unsynced)}}
+
+    def _global_state(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's model state with the global model's weights and buffers in it."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        state = dict(local)
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            state[name] = self.global_params[index[id(p)]].clone()
+        for name, g in zip(self.buffer_names, self.global_buffers):
+            if name in state:  # (a non-persistent buffer is in no state dict)
+                state[name] = g.detach().cpu().clone()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("diloco")
+        if saved is not None and len(saved["workers"]) == self.ctx.world_size:
+            super().load_state_dict(saved["workers"][self.ctx.rank])  # this rank's local model and inner optimizer
+        else:
+            # Another strategy's checkpoint, or another world size: every rank starts a round from the global model.
+            super().load_state_dict(state)
+        names = dict(self.module.named_parameters())
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for name, p in names.items():
+            self.global_params[index[id(p)]].copy_(state["model"][name])
+        for name, g in zip(self.buffer_names, self.global_buffers):
+            if name in state["model"]:
+                g.copy_(state["model"][name])
+        if saved is not None:
+            self.outer.load_state_dict(saved["outer_optimizer"])
+        self.steps = int(state.get("step", 0))
+        # Which fragments owe a round: as saved with the local models (none where every rank starts from
+        # the global model: another strategy's checkpoint, another world size).
+        mine = saved is not None and len(saved["workers"]) == self.ctx.world_size
+        self.unsynced = {f for f in saved.get("unsynced", ()) if f < len(self.fragments)} if mine else set()
+
+    def report(self, final: bool = False) -> Report:
+        per_sync = self.bytes_sent // self.syncs if self.syncs else 0
+        fields = {"outer_syncs": self.syncs, "outer_bytes_sent": self.bytes_sent, "outer_bytes_per_sync": per_sync,
+                  "outer_lr": self.options.outer_lr, "outer_momentum": self.options.outer_momentum}
+        if not final:
+            return Report(fields)
+        sizes = [sum(self.params[i].numel() for i in range(*b)) for b in self.fragments]
+        split = f" over {len(sizes)} fragments of {', '.join(f'{n:,}' for n in sizes)} parameters" \
+            if len(sizes) > 1 else ""
+        momentum = f"Nesterov momentum {self.options.outer_momentum:g}" if self.options.outer_momentum else \
+            "no momentum"
+        # The pseudo-gradient's own size; what it costs on the wire (the collective's algorithm, every
+        # rank) is the summary's "bytes on the wire" line.
+        line = (f"diloco: {self.syncs} fragment syncs{split}, a {per_sync:,}-byte {self.options.outer_precision} "
+                f"pseudo-gradient per sync per worker, outer SGD lr {self.options.outer_lr:g}, "
+                f"{momentum}")
+        return Report({**fields, "fragment_sizes": sizes}, [line])

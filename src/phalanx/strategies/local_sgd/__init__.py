@@ -1,0 +1,86 @@
+"""Local SGD: every worker steps on its own; parameters are averaged every H steps.
+
+Communication: none between averagings; every ``sync_every`` optimizer steps (after steps 1, H+1,
+2H+1, ...), torch's ``PeriodicModelAverager`` all-reduces the parameters (a mean over workers), and
+the floating buffers (BatchNorm's running statistics) are averaged with them (integer ones, step
+counts, taken from rank 0). Optimizer state (momentum) stays local to each worker and is not averaged,
+as in the usual post-local SGD. The run ends with a last averaging of whatever steps came after the
+previous one, so the model evaluated and saved is the one every rank holds, every step's work in it.
+With ``sync_every=1`` and plain SGD this computes exactly what ``sync`` computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+from torch.distributed.algorithms.model_averaging import utils as averaging
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+from .costs import LocalSGDCost
+from .simulated import LOCAL_SGD
+from ...options import option
+from ...errors import PhalanxError
+from ..base import Build, Options, Runtime
+from ..registry import register
+from ..replicas import average_buffers, verify_replicas
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalSGD(Options):
+    name: ClassVar[str] = "local-sgd"
+    checkpoints_activations: ClassVar[bool] = True
+    summary: ClassVar[str] = "local steps, parameters averaged every H steps; torch's PeriodicModelAverager"
+
+    sync_every: int = option(8, "average the parameters every H optimizer steps")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sync_every, int) or self.sync_every < 1:
+            raise PhalanxError(f"--sync-every must be at least 1 step, got {self.sync_every!r}")
+
+    def describe(self) -> str:
+        return f"local-sgd (parameters averaged every {self.sync_every} steps)"
+
+    def runtime(self, build: Build) -> Runtime:
+        return LocalSGDRuntime(build, self)
+
+
+# Its cost model, for phalanx estimate (costs/local_sgd.py); its simulated rule, for compare --simulate (simulate/periodic.py).
+register(LocalSGD, cost=LocalSGDCost(), simulated=LOCAL_SGD)
+
+
+class LocalSGDRuntime(Runtime):
+    def __init__(self, build: Build, options: LocalSGD):
+        super().__init__(build, description=options.describe())
+        self.params, self.buffers = list(self.model.parameters()), list(self.model.buffers())
+        self.since = 0  #: optimizer steps since the last averaging (every rank the same: they step together)
+        if self.ctx.distributed:
+            verify_replicas(self.model, self.ctx)
+            self.averager = PeriodicModelAverager(period=options.sync_every, warmup_steps=0)
+            # The optimizer stays the user's object; its step() now ends with the averager's turn.
+            self.optimizer.register_step_post_hook(lambda *_: self._after_step())
+
+    def _after_step(self) -> None:
+        # The averager's own rule (no warm-up): it averages when its count of steps is a multiple of H.
+        due = self.averager.step % self.averager.period == 0
+        self.averager.average_parameters(self.params)
+        if due:
+            average_buffers(self.buffers)
+        self.since = 0 if due else self.since + 1
+
+    def finish(self) -> bool:
+        """A last averaging of the steps since the previous one (parameters and buffers): every rank then
+        holds the model that is evaluated and saved. Returns whether it averaged (every rank alike)."""
+        super().finish()
+        if not self.ctx.distributed or not self.since:
+            return False
+        # torch's own averaging, without the averager's filter: after the step no parameter has a gradient.
+        averaging.average_parameters(iter(self.params), self.averager.process_group)
+        average_buffers(self.buffers)
+        self.since = 0
+        return True
+
+    def global_losses(self, losses: torch.Tensor) -> torch.Tensor:
+        # No collective: that would put the workers back in lockstep at every log step.
+        return losses
