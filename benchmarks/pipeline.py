@@ -13,7 +13,7 @@
    ≥ 1.3× the throughput of the equal split, and the speed-up the plan predicted (its predicted
    step for (5, 5) over its own, from the same measurements) within 10% of the measured one.
    For the MLP the same two plans also run on torch's own ``ScheduleGPipe`` (receives posted
-   just in time) beside phalanx's (receives posted ahead, ``phalanx/pipeline/schedule.py``), so
+   just in time) beside phalanx's (receives posted ahead, ``phalanx/strategies/pipeline/schedule.py``), so
    the run shows what the schedule costs a balanced pipeline.
 
 Variants are interleaved within every repeat (the machine's load drift hits all alike), each

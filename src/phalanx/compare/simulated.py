@@ -8,7 +8,7 @@ Repeat r uses seed + r, as real runs do. The target is any metric a real compari
 a real run evaluates (``world.py``). Checked first, in one line each, before anything runs: a
 strategy without a simulated rule, a ``link:RATE`` scenario (a real link; here the link is
 ``--link-bandwidth``), a worker count a strategy's layout refuses, a target no reported metric
-reaches (the real check: ``task.py``), a global batch larger than the data.
+reaches (the real check: ``task/``), a global batch larger than the data.
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """The cost model: pure functions from measured compute, the model's sizes and the network to a step time.
 
-Below the strategies (which register their cost models here) and the estimate (which measures the
-inputs and asks): nothing here imports torch or starts a process.
+An engine below the strategies: each strategy's cost model lives in its own package
+(``strategies/<name>/costs.py``) and registers here; the estimate measures the inputs and asks.
+Nothing here imports torch, starts a process or knows a strategy.
 
 - ``model.py``: :class:`CostModel`, what every strategy's cost model answers, and the registry
   keyed by the options class (:data:`COSTS`, :func:`cost_model`; filled by ``strategies.registry``);
 - ``link.py``: :class:`Link`, α and β; ``inputs.py``: :class:`Compute` (a worker's measured step),
   :class:`ModelFacts` (sizes), :class:`Network` (links, workers per node) and the collectives' costs;
 - ``timeline.py``: compute and communication streams, and what overlaps;
-- one module per strategy, its formulas and its :class:`CostModel`: ``sync.py`` (DDP buckets
-  overlapping backward), ``ps.py`` (an event simulation of workers and the server), ``local_sgd.py``,
-  ``pipeline.py``, ``fsdp.py``;
 - ``prediction.py``: :class:`Prediction`, one row of the report.
 """
 

@@ -144,7 +144,7 @@ class Network:
 def allreduce(net: Network, ranks: int, nbytes: float, hierarchical: bool = False) -> float:
     """Seconds for an all-reduce of ``nbytes`` over ``ranks`` (flat ring, or phalanx's hierarchical one).
 
-    Hierarchical (``--reduce hierarchical``, see ``phalanx/reduce.py``): reduce within each node
+    Hierarchical (``--reduce hierarchical``, see ``phalanx/comm/reduce.py``): reduce within each node
     onto its leader, all-reduce among the leaders, broadcast back within the node. A pipelined
     reduce or broadcast over K ranks costs (K−1)·α + S·β.
     """

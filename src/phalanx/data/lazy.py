@@ -39,7 +39,7 @@ from .columns import check_targets
 #: What the loader workers' fork server imports before it forks them (see the module docstring), besides
 #: the module defining the Dataset: each worker would otherwise import them again, seconds per worker.
 #: First the module that makes the server and its workers ignore SIGTERM (a stop sent to the whole process
-#: group is the rank's to handle: see ``phalanx/forkserver_signals.py``).
+#: group is the rank's to handle: see ``phalanx/launcher/forkserver_signals.py``).
 LOADER_PRELOAD = [GUARD, "__main__", "torch", __name__]
 
 
@@ -254,7 +254,7 @@ def ignore_sigterm(worker_id: int) -> None:
 
 def loader_context(module: str) -> Any:
     """The fork server the loader workers start from: in a rank, its own, with torch and the Dataset's
-    ``module`` imported once; in the launching process (a one-process run), phalanx's (``phalanx/forkserver.py``)."""
+    ``module`` imported once; in the launching process (a one-process run), phalanx's (``phalanx/launcher/forkserver.py``)."""
     from ..launcher.forkserver import PRELOAD
 
     inside_a_rank = multiprocessing.parent_process() is not None

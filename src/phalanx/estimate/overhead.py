@@ -36,7 +36,7 @@ competing as workers do), with the user's model and a real batch:
   step, while the other workers compute real steps: under contention, the server's threads wait for
   a core (its two messages each way are taken out by ``costs/ps.round_trip_fixed``); and
   ``round_trip_spread``, their standard deviation: how much a ps worker's cycle varies beyond its
-  compute, which decides who reaches the server first (``simulate/server.py``);
+  compute, which decides who reaches the server first (``strategies/ps/simulated.py``);
 
 These are means, not medians: a run's time is the sum of its steps, so a slow round (gloo's threads
 woken late, a core taken by the other process) costs it what it costs the mean. On the 2-core machine

@@ -9,17 +9,18 @@ are what the schedule makes them. The clock is the estimate's: the step measured
 ``--step-time``), the straggler scenario's pure pause schedule, and each strategy's cost model on
 the link (``--link-bandwidth/--link-latency``).
 
+This package is the engine and knows no strategy:
+
 - ``registry.py``: :class:`SimulatedRule` and the registry keyed by the options class (each strategy
   registers its rule with its cost model, in one call: ``strategies/registry.py``);
-- the rules: ``lockstep.py`` (sync, fsdp), ``server.py`` (ps, ssp, backup), ``periodic.py``
-  (local-sgd, diloco);
+- ``lockstep.py``: the rule every step averages by (sync, fsdp); the other rules live with their strategies
+  (``strategies/ps/simulated.py``, ``strategies/local_sgd/simulated.py``, ``strategies/diloco/simulated.py``);
 - ``gradients.py``: the model as a function of flat parameters, many workers' gradients at once;
   ``versions.py``: shared, reference-counted parameter versions; ``params.py``: flat vectors;
-- ``problem.py``: the task, the data and the clock's inputs, read once; ``world.py``: one run;
-- ``compare.py``: the comparison (worker counts x scenarios x strategies x repeats) and
-  ``report.py``: its report, marked simulated, with time to target against worker count.
+- ``problem.py``: the task, the data and the clock's inputs; ``world.py``: one run.
 
-This ``__init__`` imports only the registry and the rules: the strategies import it.
+The comparison that drives it (worker counts x scenarios x strategies x repeats) and its report are
+``compare --simulate``'s back end: ``compare/simulated.py``, ``compare/simulated_report.py``.
 """
 
 from .lockstep import LOCKSTEP

@@ -1,15 +1,17 @@
 """Strategies: how the towers/workers combine their work.
 
 Each is options (a frozen dataclass whose fields are its CLI flags), a pure layout computed in
-the parent, and a runtime built in every worker (see ``base.py``). One module per strategy:
+the parent, and a runtime built in every worker (see ``base.py``). One package per strategy, holding
+its options and layout (``__init__.py``, ending in its one registration), its runtime, its cost model
+(``costs.py``, for ``phalanx estimate``) and its simulated rule (``simulated.py``, for ``compare --simulate``):
 
-- ``sync.py``: :class:`Sync` (DDP); ``fsdp.py``: :class:`FSDP` (torch's ``fully_shard``);
+- ``sync/``: :class:`Sync` (DDP); ``fsdp/``: :class:`FSDP` (torch's ``fully_shard``, tensor parallelism);
 - ``ps/``: :class:`ParameterServer`, :class:`SSP` and :class:`Backup` (protocol, gate, aggregation rule,
   server, worker);
-- ``hogwild.py``: :class:`Hogwild`; ``local_sgd.py``: :class:`LocalSGD`; ``diloco.py``: :class:`DiLoCo`;
-- ``pipeline.py``: :class:`Pipeline` (engine helpers in ``phalanx/pipeline/``);
-- ``registry.py``: :data:`STRATEGIES` and :func:`register`, each strategy's one registration (its name,
-  cost model and simulated rule).
+- ``hogwild/``: :class:`Hogwild`; ``local_sgd/``: :class:`LocalSGD`; ``diloco/``: :class:`DiLoCo`;
+- ``pipeline/``: :class:`Pipeline` and its engine (split, trace, stages, schedule, checkpoint state);
+- shared: ``registry.py`` (:data:`STRATEGIES` and :func:`register`, each strategy's one registration: its
+  name, cost model and simulated rule), ``base.py``, ``replicas.py``, ``balance.py``, ``meta_init.py``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ over the fragment), its reduction on the wire in the outer precision, the outer 
 the global copy, and the copy back into the local weights (three more passes). The reduction is an
 all-reduce for fp32 and bf16 (bf16 halves the bytes), and an all-gather of int8 values for int8
 (a quarter of the bytes per rank, but W of them arrive: it pays up to about 8 workers; see
-``strategies/diloco.py``). As in local SGD, the workers meet only at a round, where the slowest
+``strategies/diloco/``). As in local SGD, the workers meet only at a round, where the slowest
 one's lead over the H steps is waited for.
 """
 

@@ -204,7 +204,7 @@ class FSDP(Options):
         return shard_units(model, self.blocks)
 
 
-# Its cost model, for phalanx estimate (costs/fsdp.py); each step computes what sync computes: simulated as sync
+# Its cost model, for phalanx estimate (costs.py); each step computes what sync computes: simulated as sync
 # (simulate/lockstep.py), timed as fsdp.
 register(FSDP, cost=FSDPCost(), simulated=LOCKSTEP)
 

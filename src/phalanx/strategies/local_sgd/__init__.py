@@ -46,7 +46,7 @@ class LocalSGD(Options):
         return LocalSGDRuntime(build, self)
 
 
-# Its cost model, for phalanx estimate (costs/local_sgd.py); its simulated rule, for compare --simulate (simulate/periodic.py).
+# Its cost model, for phalanx estimate (costs.py); its simulated rule, for compare --simulate (simulated.py).
 register(LocalSGD, cost=LocalSGDCost(), simulated=LOCAL_SGD)
 
 

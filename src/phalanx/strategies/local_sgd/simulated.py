@@ -11,7 +11,7 @@ are one batched call (:meth:`Gradients.each`). At a meeting:
   run's ``finish``, where H does not divide the steps);
 - DiLoCo: the pseudo-gradients (global - local) are averaged (in the outer precision on the wire),
   the outer Nesterov SGD steps the global copy, every local copy restarts from it; fragments meet at
-  their own staggered steps, and the run's last step syncs them all (``strategies/diloco.py``).
+  their own staggered steps, and the run's last step syncs them all (``strategies/diloco/``).
 
 Time: each worker's own steps (the measured step plus its straggler delays) until a meeting, where
 all wait for the slowest, plus the round's cost from the strategy's cost model. The measured step is

@@ -178,7 +178,7 @@ class Pipeline(Options):
         return PipelineRuntime(build, self)
 
 
-# Its cost model, for phalanx estimate (costs/pipeline.py); no simulated rule yet (compare --simulate refuses it).
+# Its cost model, for phalanx estimate (costs.py); no simulated rule yet (compare --simulate refuses it).
 register(Pipeline, cost=PipelineCost())
 
 

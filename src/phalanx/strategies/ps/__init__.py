@@ -147,9 +147,9 @@ class Backup(ParameterServer):
         return f"backup (parameter server, synchronous with {b} backup worker{'s' * (b != 1)})"
 
 
-# ps: its cost model, for phalanx estimate (costs/ps.py; the advice compares it with sync). ssp and backup have
+# ps: its cost model, for phalanx estimate (strategies/ps/costs.py; the advice compares it with sync). ssp and backup have
 # none yet: the registry is keyed by the exact class, so they do not inherit this one. One simulated rule for the
-# family (simulate/server.py): each asks its options for its gate and aggregation.
+# family (strategies/ps/simulated.py): each asks its options for its gate and aggregation.
 register(ParameterServer, cost=ParameterServerCost(instead=Sync), simulated=SIMULATED_SERVER)
 register(SSP, simulated=SIMULATED_SERVER)
 register(Backup, simulated=SIMULATED_SERVER)

@@ -3,7 +3,7 @@
 The strategy's own pure rules decide: its aggregation rule (``strategies/ps/aggregate.py``: which
 gradients make an update, weighed how; a late one dropped) and its SSP gate (``gate.py``: a worker
 leading the slowest by more than K waits for its reply). The events are the cost model's
-(``costs/ps.py``): a worker computes, pushes over the server's inbound link (one push at a time),
+(``strategies/ps/costs.py``): a worker computes, pushes over the server's inbound link (one push at a time),
 the server's main thread takes the pushes in arrival order, updates, and replies (a reply each,
 in turn); the worker copies the parameters in and computes again. Every duration is the cost
 model's, scaled by its CPU bound where the node's cores bound the step.
@@ -39,7 +39,7 @@ class Server(SimulatedRule):
         compute = problem.compute
         predicted = predict_ps(compute, problem.facts, problem.network, W)
         pace = predicted.step / max(predicted.parts["timeline"], 1e-30)  # >1 where the node's cores bound it
-        work = (worker_work(compute) + round_trip_fixed(compute, problem.network)) * pace  # as costs/ps.py's cycle
+        work = (worker_work(compute) + round_trip_fixed(compute, problem.network)) * pace  # as strategies/ps/costs.py's cycle
         apply = compute.apply * pace
         unpack, loop = compute.unpack * pace, compute.loop * pace
         message = [m * pace for m in message_seconds(compute, problem.facts, problem.network, W)]

@@ -84,7 +84,7 @@ class Sync(Options):
         return SyncRuntime(build, self)
 
 
-# Its cost model, for phalanx estimate (costs/sync.py); its simulated rule, for compare --simulate (simulate/lockstep.py).
+# Its cost model, for phalanx estimate (costs.py); its simulated rule, for compare --simulate (simulate/lockstep.py).
 register(Sync, cost=SyncCost(), simulated=LOCKSTEP)
 
 
