@@ -53,7 +53,9 @@ def run_worker(ctx: WorkerContext, plan: Plan) -> dict[str, Any]:
 
 
 class WorkerRun:
-    """One rank's share of the run."""
+    """One rank's share of the run, built in the order a worker needs it: the checkpoint's settings, the
+    data, the plain model, the straggler's calibration, the strategy's runtime, the checkpoint's state, the
+    learning rate, and what watches the steps; then :meth:`train`."""
 
     def __init__(self, ctx: WorkerContext, plan: Plan, meter: Optional[Meter] = None):
         self.ctx, self.plan, self.me = ctx, plan, plan.layout.ranks[ctx.rank]
