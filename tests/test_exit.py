@@ -214,17 +214,15 @@ def test_ranks_of_different_pace_agree_on_when_to_read_the_stop_request():
 
     import torch.distributed as dist
 
-    from phalanx.train.loop import PACE_STEPS, STOP_CHECK_EVERY, STOP_KEY, WorkerRun
+    from phalanx.train.stop import PACE_STEPS, STOP_CHECK_EVERY, STOP_KEY, StopAgreement
 
     store = dist.HashStore()
     began = time.perf_counter()
-    fast, slow = (SimpleNamespace(ctx=SimpleNamespace(store=store), plan=SimpleNamespace(layout=SimpleNamespace(
-        stop_rule="lockstep")), step=0, check_every=STOP_CHECK_EVERY, check_from=0, paced=False,
-        loop_began=began - seconds, stop_name=None) for seconds in (PACE_STEPS * 0.001, PACE_STEPS * 0.1))
+    fast, slow = (StopAgreement(SimpleNamespace(store=store), "agree") for _ in range(2))
+    fast.began, slow.began = began - PACE_STEPS * 0.001, began - PACE_STEPS * 0.1
 
     def due(rank, step):
-        rank.step = step
-        return WorkerRun._check_due(rank)
+        return rank.check_due(step)
 
     assert [s for s in range(PACE_STEPS) if due(fast, s)] == list(range(0, PACE_STEPS, STOP_CHECK_EVERY))
     assert due(fast, PACE_STEPS) and STOP_CHECK_EVERY < fast.check_every <= 50  # 1 ms steps: 50 (fewer if slowed)
@@ -232,5 +230,4 @@ def test_ranks_of_different_pace_agree_on_when_to_read_the_stop_request():
     after = [s for s in range(PACE_STEPS + 1, PACE_STEPS + 3 * fast.check_every) if due(slow, s)]
     assert after == [PACE_STEPS + fast.check_every, PACE_STEPS + 2 * fast.check_every]
     store.set(STOP_KEY, "SIGTERM")  # seen at a check step by one rank, at the one after by the other
-    fast.step, slow.step = after
-    assert WorkerRun._agree_on_stop(fast) == after[1] == WorkerRun._agree_on_stop(slow)  # where both check
+    assert fast.agree(after[0]) == after[1] == slow.agree(after[1])  # where both check

@@ -8,7 +8,7 @@ at one step and saves it; exit 143 or 130):
   already, and the launcher's copy is the same request (a worker counts signals within
   :data:`~phalanx.launcher.watch.SAME_REQUEST_S` as one);
 - one worker gets it: past its first step it publishes the request in the job's store (see
-  ``train/loop.py``); before it, it ends at once with status 128 + the signal
+  ``train/stop.py``); before it, it ends at once with status 128 + the signal
   (:meth:`phalanx.launcher.watch.Progress.handle_signals`), and the launcher reads that exit as the job's
   request (:meth:`Forward.worker_stopped`), not as a failure: the others may have failed in a
   collective with it by then, and their gloo tracebacks would blame a rank nobody signalled.

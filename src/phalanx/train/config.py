@@ -12,8 +12,7 @@ checkpoint's, and the others continue as the checkpoint has them (see ``resume.p
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from ..data.datasets import DATASETS
 from ..errors import PhalanxError
@@ -23,33 +22,9 @@ from ..options import option
 from ..precision import PRECISIONS
 from ..comm.shaped_link import LinkRate, parse_rate
 from ..strategies import STRATEGIES, Options, strategy_class
+from .config_checks import ONLY_FOR, OPTIMIZERS, PLAIN_DEFAULTS, PROGRESS, SETTINGS, check_fields, check_recompute
 from ..task.schedules import SCHEDULES
 from ..scenarios.straggle import Slowness, parse_slowness
-
-OPTIMIZERS = ("sgd", "adam", "adamw")
-PROGRESS = ("auto", "bar", "lines", "none", "silent")
-#: --steps beyond this is a typo, not a plan: a billion steps of a millisecond each already take 12 days
-MAX_STEPS = 10**9
-
-#: The optimisation settings: on --resume each one given wins over the checkpoint's (see resume.py).
-SETTINGS = ("optimizer", "lr", "momentum", "weight_decay", "lr_schedule", "lr_decay_every", "lr_decay_factor",
-            "staircase", "warmup_steps", "lr_base_batch", "lr_scheduler", "clip_grad_norm")
-#: phalanx's own schedule's settings, which a scheduler of the user's (--lr-scheduler) replaces
-OWN_SCHEDULE = ("lr_schedule", "lr_decay_every", "lr_decay_factor", "staircase", "warmup_steps")
-#: Settings whose default is the same for every model (None until resolved, so that giving one is seen).
-PLAIN_DEFAULTS: dict[str, Any] = {"weight_decay": 0.0, "lr_schedule": "constant", "warmup_steps": 0}
-
-#: field -> (the setting it belongs to, the values of that setting it applies to, its default there)
-ONLY_FOR: dict[str, tuple[str, tuple[str, ...], Any]] = {
-    "momentum": ("optimizer", ("sgd",), 0.9),
-    "lr_decay_every": ("lr_schedule", ("exponential",), 100),
-    "lr_decay_factor": ("lr_schedule", ("exponential",), 0.5),
-    "staircase": ("lr_schedule", ("exponential",), False),
-    "data_dir": ("data", ("cifar10",), None),
-    "synthetic_shape": ("data", ("synthetic",), (3, 24, 24)),
-    "synthetic_size": ("data", ("synthetic",), 4096),
-}
-
 
 #: How ``phalanx train --help`` groups the training flags (every TrainConfig field appears once).
 SECTIONS = {
@@ -208,13 +183,7 @@ class TrainConfig:
     _given: tuple = dataclasses.field(default=(), repr=False)
 
     def __post_init__(self) -> None:
-        self._check_paths()
-        self._check_names()
-        self._check_counts()
-        self._check_choices()
-        self._check_numbers()
-        if not self._resolved:
-            self._check_applicable()
+        check_fields(self)
         self.straggler = parse_slowness(self.straggler)
         self.link = None if self.link is None else parse_rate(self.link)
         if isinstance(self.strategy, str):
@@ -222,138 +191,9 @@ class TrainConfig:
         elif not isinstance(self.strategy, Options):
             raise PhalanxError(f"strategy must be a name ({', '.join(STRATEGIES)}) or options such as "
                                f"phalanx.Sync(), got {type(self.strategy).__name__}")
-        self._check_recompute()
+        check_recompute(self)
         if self.metrics is None and self.checkpoint_dir is not None:  # else named with the run's directory
             self.metrics = f"{self.checkpoint_dir}/metrics.jsonl"
-
-    def _check_recompute(self) -> None:
-        """--activation-checkpointing wraps the model's blocks before the strategy does: a strategy whose engine
-        traces or splits the model, or that has not been wired and tested for it, refuses it."""
-        if not isinstance(self.activation_checkpointing, bool):
-            raise PhalanxError(f"--activation-checkpointing is on or off, got {self.activation_checkpointing!r}")
-        if self.activation_checkpointing and not self.strategy.checkpoints_activations:
-            takes = ", ".join(name for name, cls in STRATEGIES.items() if cls.checkpoints_activations)
-            raise PhalanxError(f"--strategy {self.strategy.name} does not take --activation-checkpointing; use one of "
-                               f"{takes}, or drop the flag")
-
-    def _check_paths(self) -> None:
-        """An empty path would mean the current directory (or nothing): never what was meant."""
-        for name in ("checkpoint_dir", "metrics", "data_dir", "resume", "tensorboard", "init_from"):
-            value = getattr(self, name)
-            if value is not None:  # no --checkpoint-dir: each run gets its own (rundir.placed)
-                if not isinstance(value, str) or not value.strip():
-                    raise PhalanxError(f"{_flag(name)} is empty ({value!r}); give a path, e.g. "
-                                       f"{_PATH_EXAMPLES[name]}")
-        if self.overwrite and self.resume is not None:
-            raise PhalanxError("--overwrite starts a new run and --resume continues one: give one of them")
-        if self.init_from is not None and self.resume is not None:
-            raise PhalanxError("--init-from starts a new run from a checkpoint's weights and --resume continues a "
-                               "run with its optimizer and step: give one of them")
-
-    def _check_names(self) -> None:
-        """An empty name would fall back to the default silently: ``--metric ''`` is a typo, not a choice."""
-        for name, example in (("loss", "mymodule:my_loss"), ("metric", "accuracy")):
-            value = getattr(self, name)
-            if isinstance(value, str) and not value.replace(",", "").strip():
-                raise PhalanxError(f"{_flag(name)} is empty ({value!r}); name one, e.g. {_flag(name)} {example}, "
-                                   f"or drop {_flag(name)} for the default")
-
-    def _check_counts(self) -> None:
-        if self.steps is not None and not isinstance(self.steps, bool) and isinstance(self.steps, int) \
-                and self.steps > MAX_STEPS:
-            raise PhalanxError(f"--steps {self.steps} is more than a run can take (at most {MAX_STEPS:,}); give "
-                               "fewer, e.g. --steps 1000")
-        for name in ("batch_size", "accumulate", "log_every", "keep_checkpoints"):
-            _positive_int(name, getattr(self, name))
-        for name in ("steps", "lr_decay_every", "lr_base_batch", "synthetic_size"):
-            if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
-        for name in ("workers", "threads"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise PhalanxError(f"--{name} must be at least 1, got {value!r}")
-        for name in ("eval_every", "checkpoint_every", "warmup_steps", "seed", "max_restarts", "loader_workers",
-                     "prefetch"):
-            value = getattr(self, name)
-            if value is None and (name in PLAIN_DEFAULTS or name == "prefetch"):
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise PhalanxError(f"{_flag(name)} must be 0 or more, got {value!r}")
-        if self.batch_size % self.accumulate:
-            raise PhalanxError(
-                f"--batch-size {self.batch_size} does not split into --accumulate {self.accumulate} equal "
-                f"micro-batches ({self.batch_size} / {self.accumulate} = {self.batch_size / self.accumulate:g})"
-            )
-        if self.synthetic_shape is not None and (not self.synthetic_shape or any(s < 1 for s in self.synthetic_shape)):
-            raise PhalanxError(f"--synthetic-shape {tuple(self.synthetic_shape)}: every dimension must be at least 1")
-        if self.synthetic_size is not None and self.synthetic_size < 10:
-            raise PhalanxError(f"--synthetic-size {self.synthetic_size} is too small: a fifth is held out for "
-                               "testing; use at least 10")
-
-    def _check_choices(self) -> None:
-        for name, choices in (("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES), ("progress", PROGRESS),
-                              ("model", tuple(MODELS)), ("data", DATASETS), ("precision", PRECISIONS)):
-            value = getattr(self, name)
-            if name in ("optimizer", "model", "data") and isinstance(value, str) and ":" in value:
-                continue  # an import path, resolved (or refused in one line) when the task is built
-            if value is not None and value not in choices:
-                what = {"optimizer": "optimizer", "model": "model", "data": "data set"}.get(name, _flag(name))
-                raise PhalanxError(f"unknown {what} {value!r}: choose one of {', '.join(choices)}")
-
-    def _check_numbers(self) -> None:
-        if self.lr is not None and not (isinstance(self.lr, (int, float)) and 0 < self.lr < math.inf):
-            raise PhalanxError(f"--lr must be positive and finite, got {self.lr}")
-        if self.momentum is not None and not 0 <= self.momentum < 1:
-            raise PhalanxError(f"--momentum must be in [0, 1) (0.9 is usual), got {self.momentum}")
-        if self.weight_decay is not None and not 0 <= self.weight_decay < math.inf:
-            raise PhalanxError(f"--weight-decay must be 0 or a small positive number (e.g. 5e-4), "
-                               f"got {self.weight_decay}")
-        if self.validation_split is not None and not 0 < self.validation_split < 1:
-            raise PhalanxError(f"--validation-split must be a fraction in (0, 1), e.g. 0.1, got {self.validation_split}")
-        if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float))
-                                                    and 0 < self.clip_grad_norm < math.inf):
-            raise PhalanxError(f"--clip-grad-norm must be a positive, finite norm (e.g. 1.0), got {self.clip_grad_norm}")
-        if self.lr_scheduler is not None and not (isinstance(self.lr_scheduler, str) and ":" in self.lr_scheduler):
-            raise PhalanxError(f"--lr-scheduler {self.lr_scheduler}: write MODULE:CALLABLE, a function of the "
-                               "optimizer returning a torch LR scheduler (e.g. mymod:one_cycle)")
-        if self.lr_decay_factor is not None and not 0 < self.lr_decay_factor <= 1:
-            raise PhalanxError(f"--lr-decay-factor must be in (0, 1], got {self.lr_decay_factor}")
-        if self.stop_at_accuracy is not None:
-            if not (isinstance(self.stop_at_accuracy, (int, float)) and 0 < self.stop_at_accuracy <= 1):
-                raise PhalanxError(f"--stop-at-accuracy must be in (0, 1], e.g. 0.95, got {self.stop_at_accuracy}")
-            if self.stop_at is not None:
-                raise PhalanxError(f"--stop-at {self.stop_at} and --stop-at-accuracy {self.stop_at_accuracy:g} both "
-                                   "set a target: give one")
-        if self.target is not None and not self.eval_every:
-            flag = "--stop-at" if self.stop_at is not None else "--stop-at-accuracy"
-            raise PhalanxError(f"{flag} needs evaluations during training: add --eval-every N (e.g. 20)")
-        if not 0 < self.timeout_s < math.inf:
-            raise PhalanxError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
-        if not 0 <= self.hang_timeout_s < math.inf:
-            raise PhalanxError(f"--hang-timeout must be 0 (never) or a number of seconds, got {self.hang_timeout_s}")
-
-    def _check_applicable(self) -> None:
-        """A value given for an option that does nothing with the chosen setting is refused."""
-        if isinstance(self.optimizer, str) and ":" in self.optimizer:  # a factory sets its own lr and decay
-            for name in ("lr", "weight_decay", "lr_base_batch"):
-                if getattr(self, name) is not None:
-                    raise PhalanxError(f"{_flag(name)} applies to the built-in optimizers ({', '.join(OPTIMIZERS)}); "
-                                       f"--optimizer {self.optimizer} builds its own: set it there, or drop "
-                                       f"{_flag(name)}")
-        if self.lr_scheduler is not None:
-            for name in OWN_SCHEDULE:
-                if getattr(self, name) is not None:
-                    raise PhalanxError(f"--lr-scheduler {self.lr_scheduler} replaces phalanx's own schedule, and "
-                                       f"{_flag(name)} sets that one: drop {_flag(name)}, or --lr-scheduler")
-        for name, (setting, applies_to, _) in ONLY_FOR.items():
-            value = getattr(self, name)
-            chosen = getattr(self, setting)
-            chosen = PLAIN_DEFAULTS.get(setting) if chosen is None else chosen
-            if value is None or chosen is None or chosen in applies_to:
-                continue
-            raise PhalanxError(f"{_flag(name)} applies to {_flag(setting)} {' or '.join(applies_to)}, and this run "
-                               f"has {_flag(setting)} {chosen}; drop {_flag(name)} or set {_flag(setting)} "
-                               f"{applies_to[0]}")
 
     # ---- what a run uses ----
     @property
@@ -399,18 +239,3 @@ class TrainConfig:
 def recipe_name(cfg: TrainConfig, model: Optional[str]) -> str:
     name = model or cfg.model
     return f"{name} recipe" if name in RECIPES else "recipe for a model of your own"
-
-
-_PATH_EXAMPLES = {"checkpoint_dir": "--checkpoint-dir checkpoints", "metrics": "--metrics metrics.jsonl",
-                  "data_dir": "--data-dir cifar-10-batches-bin", "resume": "--resume checkpoints/step-00000100.pt",
-                  "tensorboard": "--tensorboard runs",
-                  "init_from": "--init-from pretrained/step-00000300.pt"}
-
-
-def _flag(name: str) -> str:
-    return {"timeout_s": "--timeout", "hang_timeout_s": "--hang-timeout"}.get(name, "--" + name.replace("_", "-"))
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise PhalanxError(f"{_flag(name)} must be a positive integer, got {value!r}")

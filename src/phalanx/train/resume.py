@@ -26,7 +26,8 @@ from torch import nn
 from ..data.loader import Position, advance
 from ..errors import PhalanxError
 from .checkpoint import shapes
-from .config import OWN_SCHEDULE, SETTINGS, TrainConfig, _flag
+from .config import TrainConfig
+from .config_checks import OWN_SCHEDULE, SETTINGS, flag
 from ..task.schedules import scaled_lr
 
 
@@ -95,7 +96,7 @@ def resume_config(cfg: TrainConfig, state: dict[str, Any], shards: int) -> Resum
     lines = [line for line in [_batch_line(run, state, shards)] if line]
     for name in cfg._given:
         if name in recorded and recorded[name] != getattr(run, name) and name != "optimizer":
-            lines.append(f"{_flag(name)} {_show(getattr(run, name))} replaces the checkpoint's "
+            lines.append(f"{flag(name)} {_show(getattr(run, name))} replaces the checkpoint's "
                          f"{_show(recorded[name])}")
     if fresh:
         lines.append(f"--optimizer {run.optimizer} replaces the checkpoint's {recorded['optimizer']}: {run.optimizer} "

@@ -21,7 +21,6 @@ from torch import nn
 
 from ..launcher import startup
 from ..comm import shaped_link
-from ..data import DataBundle
 from ..devices import backend_for, resolve_devices
 from ..errors import JobHung, PhalanxError, Stopped, WorkerFailed
 from ..launcher import in_torchrun, launch, launcher_rank, launcher_world_size
@@ -31,24 +30,8 @@ from ..strategies import Job, Layout, meta_init
 from . import checkpoint as ckpt
 from . import checks, rundir, tensorboard
 from .config import TrainConfig
-
-
-@dataclasses.dataclass
-class Plan:
-    """Everything a worker needs, checked in the parent and sent (pickled) to every worker."""
-
-    config: TrainConfig  #: resolved: every unset field filled from the recipe
-    layout: Layout
-    task: Task  #: the user's problem: model factory, loss, optimizer factory (its data travels as ``data``)
-    data: Optional[DataBundle]  #: the data, where small enough to send (else each worker loads it)
-    resume_path: Optional[str]
-    recipe: str  #: the recipe line of the header
-    workers: int  #: the workers the user asked for (a parameter server adds one process)
-    run_id: str = ""  #: the run this job is (written in every checkpoint and the metrics file)
-    remove: tuple = ()  #: --overwrite: another run's files, removed once the directory is locked
-    #: start-up marks: when the command began, and seconds from then until the plan was ready
-    began: float = 0.0
-    planned: float = 0.0
+from .loop import run_worker
+from .plan import Plan
 
 
 class Trainer:
@@ -185,8 +168,6 @@ class Trainer:
     def _run_restarting(self, plan: Plan) -> dict[str, Any]:
         """Launch; when a worker dies or the job hangs, start every worker again from the newest
         checkpoint (up to --max-restarts times): exact resume makes the result the uninterrupted one."""
-        from .loop import run_worker
-
         cfg, restarts = plan.config, 0
         while True:
             try:
