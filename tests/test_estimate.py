@@ -497,7 +497,7 @@ def test_a_super_linear_speedup_or_a_spread_that_swamps_the_mean_is_doubted():
 
 
 def test_stage_block_timer_leaves_the_model_alone_and_times_every_block():
-    from phalanx.estimate.profile import time_block_sizes, time_stage_blocks
+    from phalanx.estimate.timings import time_block_sizes, time_stage_blocks
 
     torch.manual_seed(0)
     blocks = [torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)]

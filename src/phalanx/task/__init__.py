@@ -8,17 +8,16 @@ plan, the workers' loop, the checkpoints) reads the Task and never asks whether 
 Spawned workers receive the Task by pickling: functions and classes travel by reference (module
 and name), so the module of an import path must be importable there too; :func:`importable_cwd`
 puts the current directory on the path of this process and of every process it starts.
+
+Here: the Task and how a run's Task is built. Import paths are resolved in ``import_paths.py``; the
+user's factories are called in ``factories.py``; the training step is ``step.py``'s, the metrics
+``metrics.py``'s, the built-in models ``models.py``'s.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
-import importlib
-import inspect
-import os
-import sys
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -26,6 +25,8 @@ from torch import nn
 
 from ..data import DataBundle
 from ..errors import PhalanxError
+from .factories import call_model_factory, call_optimizer_factory, copy_of, names_parameter
+from .import_paths import importable_cwd, is_import_path, label, resolve
 from .metrics import (BUILT_IN, CLASSIFICATION, REGRESSION, SEQUENCE, Metric, check_target, cross_entropy, mse_loss,
                       user_metric, with_loss)
 from .models import build_model
@@ -96,154 +97,6 @@ class Task:
             make = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
             return make(params, lr=lr, weight_decay=cfg.weight_decay)
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-
-
-def names_parameter(fn: Callable, name: str, first: bool = False) -> bool:
-    """Whether ``fn``'s signature names a parameter ``name`` (``first``: as its first one)."""
-    try:
-        params = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return False
-    return (params[:1] == [name]) if first else name in params
-
-
-def call_optimizer_factory(factory: Callable, model: Any) -> torch.optim.Optimizer:
-    """``factory(model)`` where its first parameter is named ``model`` (``def opt(model): return
-    model.configure_optimizers(...)``: parameter groups by name are the user's rule), else
-    ``factory(model.parameters())`` as torch's optimizers take them. ``model`` is the module the
-    strategy steps (see docs/strategies.md); parameters given instead are passed as they are."""
-    if not isinstance(model, nn.Module):
-        return factory(model)
-    return factory(model) if names_parameter(factory, "model", first=True) else factory(model.parameters())
-
-
-# --------------------------------------------------------------------------- import paths
-
-
-def is_import_path(name: Any) -> bool:
-    return isinstance(name, str) and ":" in name
-
-
-def importable_cwd() -> None:
-    """The current directory is importable, as with ``python -m``: here, and in every process this
-    one starts (spawned workers copy sys.path; others, e.g. a restarted job, read PYTHONPATH)."""
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)
-    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    if cwd not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([cwd] + [p for p in paths if p])
-
-
-def resolve(spec: str, flag: str, expected: str) -> Callable:
-    """``module:name`` (dots allowed in both) as the object it names, or one line naming what failed."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise PhalanxError(f"{flag} {spec}: write MODULE:CALLABLE, e.g. mymodels:Net")
-    importable_cwd()
-    obj: Any = _import(module_name, spec, flag)
-    for part in attr.split("."):
-        obj = _attribute(obj, part, module_name, attr, spec, flag)
-    if not callable(obj):
-        raise PhalanxError(f"{flag} {spec}: '{attr}' is a {type(obj).__name__}, not callable; expected {expected}")
-    return obj
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0][:160]
-
-
-def _import(module_name: str, spec: str, flag: str) -> Any:
-    """The module, or one line: where the module itself is not found, where to run from; where it (or an
-    import inside it) raised, the exception, since running elsewhere would not help."""
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        # Only this module (or a package above it) missing means it is not on the path; a module it
-        # imports that is missing is the user's environment, named as it is.
-        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise PhalanxError(f"{flag} {spec}: cannot import module '{module_name}' (ModuleNotFoundError: "
-                               f"{_first_line(e)}); "
-                               "run from the directory that holds it, or add it to PYTHONPATH") from None
-        raise PhalanxError(f"{flag} {spec}: importing module '{module_name}' failed (ModuleNotFoundError: "
-                           f"{_first_line(e)}); install what it imports") from None
-    except Exception as e:  # the user's module may raise anything while importing (SyntaxError included)
-        raise PhalanxError(f"{flag} {spec}: importing module '{module_name}' raised {type(e).__name__}: "
-                           f"{_first_line(e)}") from None
-
-
-def _attribute(obj: Any, part: str, module_name: str, attr: str, spec: str, flag: str) -> Any:
-    """``getattr(obj, part)``, or one line: a lazy module (transformers' ``_LazyModule``) imports on
-    attribute access and may raise anything there, not only AttributeError."""
-    try:
-        return getattr(obj, part)
-    except AttributeError:
-        raise PhalanxError(f"{flag} {spec}: module '{module_name}' has no attribute '{attr}'") from None
-    except Exception as e:
-        raise PhalanxError(f"{flag} {spec}: looking up '{attr}' in module '{module_name}' raised "
-                           f"{type(e).__name__}: {_first_line(e)}") from None
-
-
-def label(obj: Any) -> str:
-    """``module:qualname`` of a function or class (of an object: of its class)."""
-    target = obj if inspect.isfunction(obj) or inspect.isclass(obj) else type(obj)
-    if isinstance(obj, functools.partial):
-        target = obj.func
-    return f"{target.__module__}:{target.__qualname__}"
-
-
-# --------------------------------------------------------------------------- model factories
-
-
-def call_model_factory(factory: Callable, name: str, input_shape: tuple, num_classes: int) -> nn.Module:
-    """Call an imported model factory with what it can take, in the ecosystem's conventions: ``num_classes``
-    where a parameter is so named or through ``**kwargs`` (torchvision's builders pass it on to the model's
-    constructor), ``input_shape`` only where a parameter is so named (no constructor of the ecosystem takes it)."""
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        params = {}
-    takes_more = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    kwargs: dict[str, Any] = {}
-    if "input_shape" in params:
-        kwargs["input_shape"] = tuple(input_shape)
-    if "num_classes" in params or takes_more:
-        kwargs["num_classes"] = num_classes
-    try:
-        model = factory(**kwargs)
-    except Exception as e:
-        raise PhalanxError(f"--model {name}: calling it with {kwargs or 'no arguments'} failed "
-                           f"({type(e).__name__}: {_first_line(e)}); phalanx passes num_classes (named, or through "
-                           "**kwargs) and input_shape (named) only; wrap other arguments in a function of yours") \
-            from None
-    if not isinstance(model, nn.Module):
-        raise PhalanxError(f"--model {name}: returned {type(model).__name__}; expected a torch.nn.Module")
-    return model
-
-
-def copy_of(model: nn.Module, input_shape: tuple, num_classes: int) -> nn.Module:
-    """The factory of a model object given to the API: every worker trains a copy of it."""
-    try:
-        return copy.deepcopy(model)
-    except Exception as e:  # a lock, an open file, a thread: whatever the user's module holds
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise PhalanxError(f"the model cannot be copied for the workers ({type(e).__name__}: {first}"
-                           f"{_culprit(model)}); every worker trains its own copy of the model object: give its class "
-                           "a __getstate__ and __setstate__ that leave that attribute out and make it anew, or name "
-                           "a factory instead, TrainConfig(model='mymodule:Net')") from None
-
-
-def _culprit(model: nn.Module) -> str:
-    """`` in attribute 'encoder.lock'``: the first attribute of a submodule that cannot be copied ("" if none alone)."""
-    for prefix, module in model.named_modules():
-        for name, value in vars(module).items():
-            if name.startswith("_") or isinstance(value, (nn.Module, torch.Tensor)):
-                continue  # parameters, buffers and submodules live in underscored dicts, walked as modules
-            try:
-                copy.deepcopy(value)
-            except Exception:
-                return f" in attribute '{prefix + '.' if prefix else ''}{name}'"
-    return ""
 
 
 # --------------------------------------------------------------------------- building a Task
@@ -408,3 +261,8 @@ def _task_parts(model_name: str, optimizer_name: Optional[str], loss_name: Optio
     if optimizer is None and is_import_path(optimizer_name):
         optimizer = resolve(optimizer_name, "--optimizer", "a callable params -> torch.optim.Optimizer")
     return Task(make_model, name, loss_fn=loss_fn, make_optimizer=optimizer)
+
+
+__all__ = ["OptimizerFactory", "SchedulerFactory", "Task", "call_model_factory", "call_optimizer_factory", "copy_of",
+           "importable_cwd", "is_import_path", "label", "metric_of", "named_optimizer", "names_parameter", "resolve",
+           "task_from", "user_task"]

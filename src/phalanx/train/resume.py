@@ -1,7 +1,7 @@
 """What a resumed run takes from its checkpoint and what from its flags (pure: no processes).
 
 A checkpoint holds the whole model's ``state_dict``, the optimizer state in a plain optimizer's
-numbering (every strategy saves it so: see ``fsdp.by_index`` and ``pipeline/state.py``), the
+numbering (every strategy saves it so: see ``strategies/fsdp/state.by_index`` and ``strategies/pipeline/state.py``), the
 step, the position in the data (examples consumed) and the settings the run used. That is
 enough to continue on another worker count and under any other strategy. The rules:
 

@@ -23,7 +23,7 @@ random state is forked (a Dropout draws nothing from the training run's stream) 
 blocks run eagerly (compiling for meta tensors is slow and useless).
 
 The examples hold for one micro-batch shape: the runtime builds a stage per shape it is fed
-(``strategies/pipeline/``).
+(``runtime.py``).
 """
 
 from __future__ import annotations

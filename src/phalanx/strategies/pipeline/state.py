@@ -74,7 +74,7 @@ def split(whole: dict[str, Any], local_to_global: Sequence[int]) -> dict[str, An
     return {"state": state, "param_groups": groups}
 
 
-# ---- by name: a sharded checkpoint's layout (each stage writes its own part; see strategies/pipeline/) ----
+# ---- by name: a sharded checkpoint's layout (each stage writes its own part; see checkpoint.py) ----
 
 
 def group_names(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> list[list[str]]:

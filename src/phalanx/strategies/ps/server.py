@@ -59,7 +59,7 @@ def apply_gradients(params: list[torch.Tensor], optimizer: torch.optim.Optimizer
     the first is summed into and scaled in place), stepped by ``optimizer``. The parameters' gradients
     are views of that one vector: no pass over the bytes beyond the sum and the scaling, and no new
     buffer, whose first touch (page faults) costs more than the pass (the estimate prices this very
-    function: ``estimate/profile.py``). ``clip``: clips the gradients so set, before the step (the update's
+    function: ``estimate/timings.py``). ``clip``: clips the gradients so set, before the step (the update's
     gradient is the one ``--clip-grad-norm`` bounds)."""
     grad = grads[0]
     for other in grads[1:]:
