@@ -214,12 +214,13 @@ def test_ranks_of_different_pace_agree_on_when_to_read_the_stop_request():
 
     import torch.distributed as dist
 
+    from phalanx.strategies import StopRule
     from phalanx.train.loop import PACE_STEPS, STOP_CHECK_EVERY, STOP_KEY, WorkerRun
 
     store = dist.HashStore()
     began = time.perf_counter()
     fast, slow = (SimpleNamespace(ctx=SimpleNamespace(store=store), plan=SimpleNamespace(layout=SimpleNamespace(
-        stop_rule="lockstep")), step=0, check_every=STOP_CHECK_EVERY, check_from=0, paced=False,
+        stop_rule=StopRule.AGREE)), step=0, check_every=STOP_CHECK_EVERY, check_from=0, paced=False,
         loop_began=began - seconds, stop_name=None) for seconds in (PACE_STEPS * 0.001, PACE_STEPS * 0.1))
 
     def due(rank, step):

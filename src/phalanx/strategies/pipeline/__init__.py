@@ -57,8 +57,8 @@ from ...shard_read import ALIASES, model_aliases
 from ...data import batch as tree
 from ...task.step import DefaultStep
 from ...task.metrics import Totals
-from ..base import (COUNT_CORRECT, Batch, Build, Job, Layout, Options, RankPlan, Report, Runtime, as_batch,
-                   load_model_state, require_positive)
+from ..base import (COUNT_CORRECT, Batch, Build, Job, Layout, Options, RankPlan, Report, Role, Runtime,
+                   as_batch, load_model_state, require_positive)
 from ..registry import register
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -139,7 +139,7 @@ class Pipeline(Options):
                 check_counts(self.balance, blocks, stages)
         # Every stage of one replica reads the same batch (inputs for the first, labels for the
         # last): one data shard, and one part of the test set, per replica.
-        ranks = tuple(RankPlan("stage", mesh_label(rank, replicas), rank % replicas, (rank % replicas, replicas))
+        ranks = tuple(RankPlan(Role.STAGE, mesh_label(rank, replicas), rank % replicas, (rank % replicas, replicas))
                       for rank in range(processes))
         return Layout(ranks, tuple(job.devices), shards=replicas, lockstep=True)
 
