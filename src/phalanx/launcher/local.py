@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 from .. import errors
 from ..errors import JobHung, PhalanxError, WorkerFailed
 from ..kinds import Kind
+from ..log import show_on_streams, shown_on_streams
 from .forkserver import start_method
 from .watch import PREFIX, Progress, Watcher, say_raised, store_client
 from .context import DEFAULT_TIMEOUT_S, init_worker, local_world_size, shutdown, threads_per_worker
@@ -80,9 +81,12 @@ def _spawned_worker(
     results: Any,
     watched: bool = True,
     parents: Optional["_Parents"] = None,
+    shown: bool = False,
 ) -> None:
     if parents is not None:
         parents.adopt()
+    if shown:  # the parent shows phalanx's messages on its streams (the command line): so does its worker
+        show_on_streams()
     world_size = len(devices)
     progress = Progress(local_rank)
     progress.handle_signals()  # SIGTERM/SIGINT: stop at a step boundary, not a KeyboardInterrupt traceback
@@ -236,7 +240,7 @@ def launch(
     procs = mp.start_processes(
         _spawned_worker,
         args=(fn, args, list(devices), threads, addr, store.port, timeout_s, results, hang_timeout_s > 0,
-              _Parents()),
+              _Parents(), shown_on_streams()),
         nprocs=len(devices),
         join=False,
         start_method=method,
