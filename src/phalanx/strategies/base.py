@@ -147,7 +147,8 @@ class Options:
     name: ClassVar[str] = "base"
     #: one line for ``--strategy`` help and the README
     summary: ClassVar[str] = ""
-    # What it can do, for the code around the strategies, which asks instead of naming one (STYLE.md, 14):
+    # What it can do, for the code around the strategies, which asks instead of naming one (docs/architecture.md,
+    # "How the code reads"):
     #: compare's ratios are taken against it where a comparison runs it: the plain data parallelism the
     #: others depart from
     reference: ClassVar[bool] = False
