@@ -75,8 +75,8 @@ class WireBuffers:
     """Half-precision buffers kept from step to step, one per bucket shape.
 
     Casting a gradient bucket into a *fresh* tensor every step costs a page-faulting allocation
-    as large as the bucket (measured: 34 ms for a 64 MB bucket, more than the all-reduce saves);
-    copying into a buffer that stays costs only the conversion.
+    as large as the bucket, more than the all-reduce saves (the figure: benchmarks/README.md, "Figures
+    behind the code"); copying into a buffer that stays costs only the conversion.
     """
 
     def __init__(self, dtype: torch.dtype):
@@ -268,7 +268,8 @@ def apply_reduction(ddp_model, reduce: str, compress: Optional[str], islands: Op
 
 
 def _flat(ddp_model, compress: Optional[str], world_size: int) -> None:
-    """One all-reduce per bucket: half precision through a hook, or DDP's own reducer, its bytes counted as it is armed."""
+    """One all-reduce per bucket: half precision through a hook, or DDP's own reducer (its bytes counted as
+    each backward is armed)."""
     if compress is not None:
         ddp_model.register_comm_hook(CompressState(WireBuffers(COMPRESSIONS[compress]), world_size), compress_hook)
     else:

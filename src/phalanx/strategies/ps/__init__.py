@@ -158,8 +158,8 @@ register(Backup, simulated=SIMULATED_SERVER)
 def momentum_note(optimizer: torch.optim.Optimizer, workers: int) -> list[str]:
     """A header line where SGD momentum meets stale gradients. Asynchrony alone acts as a momentum of
     about 1 - 1/W (Mitliagkas et al., 2016, "Asynchrony begets momentum"); on top of an explicit 0.9
-    the sum can pass 1 and the loss climb (seen here: digits with ps, 1 run in 3). Said, not changed:
-    the user's setting stands."""
+    the sum can pass 1 and the loss climb (seen with digits: benchmarks/README.md, "Figures behind the
+    code"). Said, not changed: the user's setting stands."""
     momentum = max((group.get("momentum") or 0.0) for group in optimizer.param_groups)
     if momentum < 0.5:
         return []
