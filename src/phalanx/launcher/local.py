@@ -43,6 +43,7 @@ from .env import joined
 from .joined import collect_before_exit, run_joined
 from .stopping import STOP_CODES, Forward, signals_to
 
+
 class Sent(Kind):
     """Which of the three things a worker sends home a report is."""
 
@@ -59,7 +60,7 @@ RAISED = (Sent.CRASH, Sent.ERROR)
 class Report:
     """What a worker sends home: its result (rank 0), its own PhalanxError, or a crash's traceback."""
 
-    kind: Sent
+    kind: Sent  #: which of the three it is
     rank: int
     #: when (time.time()): when one worker crashes its peers crash next ("connection closed"), and
     #: the parent must name the first, not whichever it happened to notice
