@@ -6,8 +6,8 @@
 - the step (``step.py``): a pair calls ``model(x)``, a dict ``model(**batch)``, an output's own ``loss`` is the
   loss, a causal LM's metrics are shifted as its loss is; a user's step returns ``loss`` or ``(loss, outputs)``;
 - metrics: accuracy leaves ``-100`` out, the loss over a set is exact however it is cut into batches;
-- equivalence (DESIGN.md tier 3): dict batches through a model with keyword inputs and its own loss under sync
-  and fsdp on 2 workers == one process on the whole batch, parameters after K steps;
+- equivalence (test tier 3 of docs/architecture.md): dict batches through a model with keyword inputs and its
+  own loss under sync and fsdp on 2 workers == one process on the whole batch, parameters after K steps;
 - end to end: ``--training-step`` with a two-input model and an auxiliary loss; a pipeline refuses a dict batch
   in one line; Hugging Face ``GPT2LMHeadModel`` and ``BertForSequenceClassification`` built from small configs
   by a module-level factory train on dict batches with ``-100`` padding under sync, fsdp and ps (2 workers).

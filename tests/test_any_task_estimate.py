@@ -5,8 +5,8 @@
   and report (the estimate once crashed in ``model_facts`` on the tuple; the simulation refused the step);
 - a Hugging Face ``GPT2LMHeadModel`` on dict batches with ``-100`` padding, and a two-input model with a step of
   the user's, through the API;
-- equivalence (DESIGN.md tier 3, as test_simulate.py checks it for pairs): simulated sync on 2 workers ends with
-  the parameters of a real one-process run on the global batch, for dict batches through a model's own loss, and
+- equivalence (test tier 3 of docs/architecture.md, as test_simulate.py checks it for pairs): simulated sync on
+  2 workers ends with the parameters of a real one-process run on the global batch, for dict batches through a model's own loss, and
   for a step of the user's with an optimizer factory taking the model, clipping and the user's scheduler;
 - what cannot be: a factory taking the model under simulated local SGD, a pipeline of a dict batch, one line each.
 Link and step time are given where they can be, so each run measures little (one process alone at most).

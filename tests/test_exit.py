@@ -214,11 +214,12 @@ def test_ranks_of_different_pace_agree_on_when_to_read_the_stop_request():
 
     import torch.distributed as dist
 
+    from phalanx.strategies import StopRule
     from phalanx.train.stop import PACE_STEPS, STOP_CHECK_EVERY, STOP_KEY, StopAgreement
 
     store = dist.HashStore()
     began = time.perf_counter()
-    fast, slow = (StopAgreement(SimpleNamespace(store=store), "agree") for _ in range(2))
+    fast, slow = (StopAgreement(SimpleNamespace(store=store), StopRule.AGREE) for _ in range(2))
     fast.began, slow.began = began - PACE_STEPS * 0.001, began - PACE_STEPS * 0.1
 
     def due(rank, step):

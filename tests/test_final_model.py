@@ -1,5 +1,5 @@
-"""A printed number is the saved model's (STYLE.md, 17): for every strategy, the test metrics a run prints
-at its end are what ``phalanx evaluate`` finds in its final checkpoint.
+"""A printed number is the saved model's (docs/architecture.md, "How the code reads"): for every strategy, the test
+metrics a run prints at its end are what ``phalanx evaluate`` finds in its final checkpoint.
 
 Each case trains briefly through ``phalanx train`` (2 workers; 4 for pipeline x data parallel), with a checkpoint at the last step written inside the loop (``--checkpoint-every``) so that
 what the strategy's ``finish`` still owes the model after it (ps's gradients in flight, local SGD's last

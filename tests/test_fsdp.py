@@ -1,6 +1,6 @@
 """fsdp computes what one process computes on the whole batch, holds 1/W of it, and saves a plain model.
 
-DESIGN.md tier 3. One launch per worker count (2, then 3), each running every configuration
+Test tier 3 of docs/architecture.md. One launch per worker count (2, then 3), each running every configuration
 from the same seed against one process on the whole batch (worker start-up dominates):
 
 - parameters after K steps with SGD (momentum) and Adam, with and without resharding after

@@ -1,4 +1,4 @@
-"""Every strategy's layout and the SSP gate, as pure logic: no processes (DESIGN.md test tier 1)."""
+"""Every strategy's layout and the SSP gate, as pure logic: no processes (test tier 1 of docs/architecture.md)."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from torch import nn
 from phalanx import FSDP, SSP, Backup, DiLoCo, Hogwild, LocalSGD, ParameterServer, Pipeline, Sync
 from phalanx.errors import PhalanxError
 from phalanx.task.models import lstm
-from phalanx.strategies import STRATEGIES, Job
+from phalanx.strategies import STRATEGIES, Job, Layout, RankPlan, Role, StopRule
 from phalanx.strategies.ps.gate import Gate
 
 CPU = torch.device("cpu")
@@ -42,6 +42,19 @@ def test_parameter_server_layout_adds_a_server_that_reads_no_data_and_workers_th
     assert [r.expendable for r in layout.ranks] == [False] + [True] * workers
     assert layout.label(0) == "the parameter server (rank 0)" and layout.label(workers) == f"worker {workers}"
     assert layout.expendable(1) and not layout.expendable(0)
+
+
+def test_kinds_are_their_words_and_a_word_that_is_none_is_refused():
+    """A strategy of the user's may spell a kind as a word: it becomes the member; any other word is refused."""
+    plan = RankPlan("server", "the server", None, None)
+    layout = Layout((plan,), cpus(1), 1, False, stop_rule="each")
+    assert plan.role is Role.SERVER and layout.stop_rule is StopRule.EACH and f"{layout.stop_rule}" == "each"
+    assert ParameterServer().layout(Job(cpus(2))).stop_rule is StopRule.SERVER
+    assert Hogwild().layout(Job(cpus(2))).stop_rule is StopRule.EACH and Sync().layout(Job(cpus(2))).stop_rule is StopRule.AGREE
+    with pytest.raises(PhalanxError, match=r"^a layout's stop_rule 'lockstep' is not one of 'agree', 'server', 'each'$"):
+        Layout((plan,), cpus(1), 1, True, stop_rule="lockstep")
+    with pytest.raises(PhalanxError, match=r"^a rank's role 'replica' is not one of 'worker', 'server', 'stage'$"):
+        RankPlan("replica", "a replica", 0, None)
 
 
 def test_parameter_server_under_torchrun_counts_processes_not_workers():

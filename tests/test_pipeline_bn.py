@@ -1,4 +1,4 @@
-"""Buffers and in-place layers inside pipeline stages (DESIGN.md test tier 3, then the CLI end to end).
+"""Buffers and in-place layers inside pipeline stages (test tier 3 of docs/architecture.md, then the CLI end to end).
 
 BatchNorm normalises each micro-batch by its own statistics and takes each into its running
 statistics, so a pipeline of M micro-batches is compared with one process that runs the same M

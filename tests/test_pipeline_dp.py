@@ -1,4 +1,5 @@
-"""Pipeline x data parallel computes what the unsplit model computes on the whole batch (DESIGN.md tier 3).
+"""Pipeline x data parallel computes what the unsplit model computes on the whole batch (test tier 3 of
+docs/architecture.md).
 
 P = 2 stages x R = 2 replicas on 4 gloo workers (rank = stage x 2 + replica), and one stage on 4
 replicas (data parallelism through the pipeline strategy). Each replica reads its part of every

@@ -1,4 +1,4 @@
-"""A pipeline computes what the unsplit model computes (DESIGN.md test tier 3).
+"""A pipeline computes what the unsplit model computes (test tier 3 of docs/architecture.md).
 
 Every configuration runs inside one launch per stage count (worker start-up dominates), each
 from the same seed, against a single-process reference on the whole batch: the loss of every

@@ -2,7 +2,7 @@
 named points or between repeated blocks, tied weights kept on every stage that uses them.
 
 Each model is pipelined on 2 gloo workers (2 stages) for K steps and compared with one process on the same
-global batches (DESIGN.md test tier 3): parameters, buffers and losses. The GPT example keeps its tied
+global batches (test tier 3 of docs/architecture.md): parameters, buffers and losses. The GPT example keeps its tied
 embedding and output layer (AdamW in its own decay groups, clipped to 1.0): float64, so only the order of a
 sum differs. The torchvision-style ResNet is written as torchvision writes it (a class with conv1, bn1,
 ReLU(inplace=True), layer1.., avgpool, fc and ``torch.flatten`` in its forward); BatchNorm normalises each

@@ -4,7 +4,7 @@ First without processes: the examples of every stage equal what the real stages 
 micro-batch (shape, stride, dtype, ``requires_grad``), on meta tensors where the blocks run there and for
 real where a block reads a value on the host, and neither way changes a buffer of the model or
 the random stream. Then on 2 gloo workers: a BatchNorm model with such a block, fed batches of
-two shapes, equals the unsplit model run on the same micro-batches (DESIGN.md test tier 3).
+two shapes, equals the unsplit model run on the same micro-batches (test tier 3 of docs/architecture.md).
 """
 
 import copy

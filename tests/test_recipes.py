@@ -1,4 +1,4 @@
-"""Every built-in model trains with its own recipe: no flag besides --model (DESIGN.md test tier 4).
+"""Every built-in model trains with its own recipe: no flag besides --model (test tier 4 of docs/architecture.md).
 
 ``cnn`` with ``sync`` is the default run, tested in test_cli.py; the other seven pairs are here.
 """

@@ -19,7 +19,7 @@ import time
 import warnings
 from typing import Callable, Optional, Sequence
 
-from . import __version__
+from . import __version__, log
 from .launcher import startup
 from .errors import PhalanxError, Stopped, TrainingDiverged, WorkerFailed
 from .options import add_flags, declared, field_flag, given
@@ -167,6 +167,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .launcher import leave
 
     warnings.showwarning = _one_line_warnings
+    log.show_on_streams()  # the library's notes and warnings, as this command always printed them
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -34,7 +34,9 @@ import torch.distributed as dist
 
 from . import wire
 from ..errors import PhalanxError
+from ..kinds import Kind
 
+#: the words of --reduce (see :class:`Reduce`)
 REDUCTIONS = ("flat", "hierarchical", "auto")
 COMPRESSIONS = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -73,8 +75,8 @@ class WireBuffers:
     """Half-precision buffers kept from step to step, one per bucket shape.
 
     Casting a gradient bucket into a *fresh* tensor every step costs a page-faulting allocation
-    as large as the bucket (measured: 34 ms for a 64 MB bucket, more than the all-reduce saves);
-    copying into a buffer that stays costs only the conversion.
+    as large as the bucket, more than the all-reduce saves (the figure: benchmarks/README.md, "Figures
+    behind the code"); copying into a buffer that stays costs only the conversion.
     """
 
     def __init__(self, dtype: torch.dtype):
@@ -190,7 +192,45 @@ class CountedAllReduce:
             wire.count("all_reduce", self.nbytes, self.size)
 
 
-def choose_reduction(reduce: str, islands: Optional[list[list[int]]], cpu: bool = False) -> str:
+class Reduce(Kind):
+    """Which reduction a DDP model runs (``--reduce``)."""
+
+    FLAT = "flat"  #: one all-reduce over every rank
+    HIERARCHICAL = "hierarchical"  #: within islands, then across their leaders
+    AUTO = "auto"  #: hierarchical where the topology gives it something to win, else flat
+
+
+@dataclasses.dataclass(frozen=True)
+class Applied:
+    """What :func:`apply_reduction` registered on a DDP model; :attr:`phrase` is for display only."""
+
+    reduce: Reduce  #: what runs: FLAT or HIERARCHICAL (``auto`` resolved)
+    compress: Optional[str]  #: the gradients' dtype on the wire (None: their own)
+    islands: Optional[list[list[int]]] = None  #: the islands asked for (validated), where any were
+    #: why islands asked for run flat all the same (None: none were asked for, or they are used)
+    fallback: Optional[str] = None
+    cpu: bool = False  #: on CPU workers (gloo adds fp16 slowly there)
+
+    @property
+    def plain(self) -> bool:
+        """DDP as it comes: its own flat all-reduce in full precision, as asked (nothing for a header to add)."""
+        return self.reduce is Reduce.FLAT and self.compress is None and self.fallback is None
+
+    @property
+    def phrase(self) -> str:
+        """How the run header says it: ``hierarchical over islands [[0, 1], [2, 3]], bf16 on the wire``."""
+        if self.reduce is Reduce.HIERARCHICAL:
+            said = f"hierarchical over islands {self.islands}"
+        elif self.fallback is not None:
+            said = f"flat all-reduce (islands {self.islands}: {self.fallback}, nothing to reduce hierarchically)"
+        else:
+            said = "flat all-reduce"
+        if self.compress == "fp16" and self.cpu:
+            return said + ", fp16 on the wire (gloo adds fp16 slowly on the CPU: bf16 is faster there)"
+        return said + (f", {self.compress} on the wire" if self.compress else "")
+
+
+def choose_reduction(reduce: str, islands: Optional[list[list[int]]], cpu: bool = False) -> Reduce:
     """``auto`` picks hierarchical only where the topology gives it something to win.
 
     That is GPUs in several islands, one of which holds several ranks: the links between islands
@@ -199,36 +239,38 @@ def choose_reduction(reduce: str, islands: Optional[list[list[int]]], cpu: bool 
     """
     if reduce not in REDUCTIONS:
         raise PhalanxError(f"unknown --reduce {reduce!r}: choose one of {', '.join(REDUCTIONS)}")
-    if reduce != "auto":
-        return reduce
+    if reduce != Reduce.AUTO:
+        return Reduce(reduce)
     useful = not cpu and islands is not None and degenerate([list(i) for i in islands]) is None
-    return "hierarchical" if useful else "flat"
+    return Reduce.HIERARCHICAL if useful else Reduce.FLAT
 
 
 def apply_reduction(ddp_model, reduce: str, compress: Optional[str], islands: Optional[list[list[int]]],
-                    world_size: int, rank: int, cpu: bool = False) -> str:
+                    world_size: int, rank: int, cpu: bool = False) -> Applied:
     """Register the right communication hook on ``ddp_model`` (none for a flat all-reduce in full precision:
-    DDP's own reducer, counted by :class:`CountedAllReduce`); return a phrase for the run header."""
+    DDP's own reducer, counted by :class:`CountedAllReduce`); return what was registered."""
     if compress not in COMPRESSIONS:
         raise PhalanxError(f"unknown --compress {compress!r}: choose bf16 or fp16")
-    kind = choose_reduction(reduce, islands, cpu)
-    described = "flat all-reduce"
-    if kind == "hierarchical":
-        if islands is None:
-            raise PhalanxError("--reduce hierarchical needs islands: on GPUs they come from the topology "
-                               "(phalanx topology); in the API pass Sync(islands=[[0, 1], [2, 3]])")
-        islands = validate_islands(islands, world_size)
-        why = degenerate(islands)
-        if why is None:
-            state = HierarchicalState.build(islands, rank, world_size, COMPRESSIONS[compress])
-            ddp_model.register_comm_hook(state, hierarchical_hook)
-            described = f"hierarchical over islands {state.islands}"
-        else:
-            described = f"flat all-reduce (islands {islands}: {why}, nothing to reduce hierarchically)"
-    if described.startswith("flat") and compress is not None:
+    if choose_reduction(reduce, islands, cpu) is Reduce.FLAT:
+        _flat(ddp_model, compress, world_size)
+        return Applied(Reduce.FLAT, compress, cpu=cpu)
+    if islands is None:
+        raise PhalanxError("--reduce hierarchical needs islands: on GPUs they come from the topology "
+                           "(phalanx topology); in the API pass Sync(islands=[[0, 1], [2, 3]])")
+    islands = validate_islands(islands, world_size)
+    why = degenerate(islands)
+    if why is not None:
+        _flat(ddp_model, compress, world_size)
+        return Applied(Reduce.FLAT, compress, islands, why, cpu)
+    state = HierarchicalState.build(islands, rank, world_size, COMPRESSIONS[compress])
+    ddp_model.register_comm_hook(state, hierarchical_hook)
+    return Applied(Reduce.HIERARCHICAL, compress, state.islands, cpu=cpu)
+
+
+def _flat(ddp_model, compress: Optional[str], world_size: int) -> None:
+    """One all-reduce per bucket: half precision through a hook, or DDP's own reducer (its bytes counted as
+    each backward is armed)."""
+    if compress is not None:
         ddp_model.register_comm_hook(CompressState(WireBuffers(COMPRESSIONS[compress]), world_size), compress_hook)
-    elif described.startswith("flat"):  # DDP's own reducer, no hook: its bytes counted as it is armed
+    else:
         ddp_model.register_forward_pre_hook(CountedAllReduce(ddp_model))
-    if compress == "fp16" and cpu:
-        return described + ", fp16 on the wire (gloo adds fp16 slowly on the CPU: bf16 is faster there)"
-    return described + (f", {compress} on the wire" if compress else "")

@@ -45,7 +45,9 @@ UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
          "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
 MIN_BITS_PER_S = 1e3
 MTU = 1500  #: an Ethernet frame's payload: TCP segments the size a real network carries
-MIN_BURST_BYTES = 256 * 1024  #: measured: 100mbit with this burst gives 97 Mbit/s on a TCP stream
+#: a smaller burst leaves a TCP stream short of the rate (the figure: benchmarks/README.md, "Figures behind
+#: the code")
+MIN_BURST_BYTES = 256 * 1024
 BURST_SECONDS = 0.004  #: at high rates the bucket holds 4 ms of traffic, or tbf falls short of the rate
 LATENCY = "100ms"  #: how long a packet may wait in tbf's queue before it is dropped (TCP then backs off)
 

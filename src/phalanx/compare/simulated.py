@@ -166,8 +166,8 @@ def simulate_compare(setup, workers: tuple[int, ...], sim, say: Callable[[str], 
 @contextlib.contextmanager
 def _threads(given: Optional[int]):
     """torch threads for the simulation: --threads, else half the cores. Its many small element-wise ops
-    (an update, a version's copy) run ~7x slower split over threads that other processes keep waiting
-    (measured on a shared 2-core machine: 240 us against 34 us for an 85 k-element add)."""
+    (an update, a version's copy) run several times slower split over threads that other processes keep
+    waiting (the figure: benchmarks/README.md, "Figures behind the code")."""
     from ..launcher import available_cores
 
     before = torch.get_num_threads()

@@ -170,9 +170,9 @@ def meeting_wait(compute: Compute, steps_apart: float) -> float:
     """Seconds the workers wait, on average, for the slowest one's lead where they meet after ``steps_apart``
     steps on their own (local SGD's averaging, a DiLoCo round). Measured at :data:`MEETING_AFTER` steps
     (``compute.meeting_wait``) and scaled by the root of the steps: the lead is a sum of the steps' independent
-    jitter, which grows so (on the machine this was written on: 0.4–0.5 ms apart after 1 step, 1.0–1.5 ms after
-    8, 2.8 ms after 32). Where nothing was measured at a meeting: one step's spread (the slowest worker's
-    step over the mean step), scaled the same way."""
+    jitter, which grows so (as measured: benchmarks/README.md, "Figures behind the code"). Where nothing was
+    measured at a meeting: one step's spread (the slowest worker's step over the mean step), scaled the same
+    way."""
     apart = max(steps_apart, 1.0)
     if compute.meeting_wait > 0:
         return compute.meeting_wait * math.sqrt(apart / MEETING_AFTER)

@@ -9,7 +9,7 @@ options might help (:meth:`CostModel.alternatives`).
 
 Why a registry keyed by the options class, filled in the strategy's own module (its one
 registration, ``strategies/registry.py``): the strategy owns its cost model, as it owns its layout
-and runtime (DESIGN.md), and a new strategy is one new module plus its cost model, with no edit to
+and runtime, and a new strategy is one new module plus its cost model, with no edit to
 the estimate. Why the formulas
 live here and not beside each runtime: they are pure (no torch), both the strategies and the
 estimate import them, and the estimate's measuring code (which starts processes) stays out of the

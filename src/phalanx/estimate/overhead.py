@@ -6,9 +6,8 @@ pays more, and on a machine whose cores the workers fill it is milliseconds, not
 - a ``sync`` step runs DDP's machinery (its forward pre-work, a hook per gradient, the reducer's
   bookkeeping, launching and waiting for each bucket's all-reduce on gloo's threads), and its
   all-reduces meet gloo's threads idle after the backward pass: waking them costs more than the
-  message does back to back. On the 2-core machine this was written on, the digits cnn's 605 kB
-  all-reduce took 0.6–0.8 ms back to back and 1.3–3 ms right after a real step, and a DDP step of
-  the cnn took 3.5–6 ms more than its bare step where the back-to-back figures priced 1.2 ms;
+  message does back to back (several times as much, for a DDP step of the digits cnn: the figures are
+  in benchmarks/README.md, "Figures behind the code");
 - a periodic averaging (local SGD, DiLoCo) follows H steps of compute and meets the same idle threads;
 - a ``ps`` update runs the parameter server's protocol (a header message each way, the server's
   receiving thread handing the push to its main loop, the update's bookkeeping, the reply handed to
@@ -27,10 +26,9 @@ competing as workers do), with the user's model and a real batch:
   the rank that arrived last (it waited for no other's compute; ``costs/inputs.wake`` takes out its
   price); ``meeting_wait`` is what the ranks waited beyond it on average, for the slowest one's lead
   (a round's mean over the ranks less its least); each a mean over rounds. Gloo's threads sleep
-  through the steps between, so the same all-reduce right after one step is cheaper: on the machine
-  this was written on, the digits MLP's 0.34 MB all-reduce took 1.9 ms after one step and 2.2–2.9 ms
-  after 8, and the ranks' arrivals were 0.4–0.5 ms apart after one step, 1.0–1.5 ms after 8 and
-  2.8 ms after 32 (means; ``costs/inputs.meeting_wait`` scales the wait with the root of the steps);
+  through the steps between, so the same all-reduce right after one step is cheaper, and the ranks'
+  arrivals drift further apart the more steps they take alone (``costs/inputs.meeting_wait`` scales the
+  wait with the root of the steps; the figures are in the same table);
 - ``round_trip_tiny``: where a parameter server runs beside the workers, a ps worker's push-to-reply
   round trip of a 2-parameter model through the real server (``strategies/ps``), right after a real
   step, while the other workers compute real steps: under contention, the server's threads wait for
@@ -39,10 +37,9 @@ competing as workers do), with the user's model and a real batch:
   compute, which decides who reaches the server first (``strategies/ps/simulated.py``);
 
 These are means, not medians: a run's time is the sum of its steps, so a slow round (gloo's threads
-woken late, a core taken by the other process) costs it what it costs the mean. On the 2-core machine
-this was written on the tail is most of the difference: the digits MLP's DDP step had a median of
-2.4–2.9 ms and a mean of 3.0–3.5 ms, its parameters' all-reduce after a step 0.56 ms and 1.8 ms, and a
-real sync run of it took 3.5–4.3 ms a step.
+woken late, a core taken by the other process) costs it what it costs the mean, and on a machine whose
+cores the workers fill the tail is most of the difference between a median and a real run's step (the
+figures are in the same table).
 
 All need two processes or more; alone, a process measures none (0: nothing to add).
 """

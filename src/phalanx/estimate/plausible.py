@@ -1,9 +1,8 @@
 """Whether the measurements behind an estimate can be right, before a table is built on them.
 
 Pure: it reads measured figures and predicted speed-ups and says, in a line each, what cannot be
-true. Two things give a disturbed measurement away (seen: a 22.7x speed-up on 2 workers, measured
-while other work loaded the cores; on a loaded 2-core machine, one worker alone with both threads
-took 129 ms a step and each of two one-thread workers 2.2 ms, a "59x" speed-up):
+true. Two things give a disturbed measurement away (both seen while other work loaded the cores:
+benchmarks/README.md, "Figures behind the code"):
 
 - **a super-linear speed-up**: N workers on the same kind of device give at most N times one worker
   alone; a little more can be real (a smaller share of threads each can waste less), several times

@@ -68,9 +68,8 @@ def time_stage_blocks(blocks, x, micro_batches: int, device, repeats: int = OP_R
 
     Timing a block alone cuts the chain at its ends: its input is detached, and its backward is a
     call of autograd's engine of its own. A stage runs its blocks as one chain (one backward call
-    per micro-batch), so the cuts cost what no stage pays: on the reference machine the digits cnn's
-    4 blocks at 8 examples summed to 1.75-1.88 ms where the same chain uncut took 1.52-1.54, and its
-    first 2 blocks as one stage took 1.17 ms against 1.33-1.40 summed. So the same micro-batches also
+    per micro-batch), so the cuts cost what no stage pays (blocks timed one by one sum to more than
+    the chain uncut: benchmarks/README.md, "Figures behind the code"). So the same micro-batches also
     run through the chain uncut, and each block keeps its share of that time.
     """
     return time_block_sizes(blocks, x, (micro_batches,), device, repeats)[micro_batches]

@@ -86,7 +86,7 @@ def _slurm_local_world(env: Mapping[str, str]) -> int:
     else the tasks spread evenly over the nodes (SLURM_NNODES), else every task (one node).
 
     Never unknown: CPU tasks split this node's cores by it, and a task that took every core would
-    fight the others for them (12x slower, measured with 2 tasks on 2 cores).
+    fight the others for them (many times slower: benchmarks/README.md, "Figures behind the code").
     """
     for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         if env.get(name):

@@ -39,8 +39,8 @@ def _attempt_store(job: Joined, timeout_s: float) -> Optional[dist.Store]:
 
     torchrun serves every attempt's workers the same store without an attempt prefix, so after a
     restart a fast new rank could read the gloo addresses of the dead attempt and wait forever on
-    them (seen here, about one restart in three on a loaded machine). Keys of their own per attempt
-    make that impossible.
+    them (seen on a loaded machine: benchmarks/README.md, "Figures behind the code"). Keys of their
+    own per attempt make that impossible.
     """
     if job.launcher != "torchrun" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or job.world_size < 2:
         return None
@@ -101,9 +101,9 @@ def leave(code: int) -> int:
     collective's work drops Python tensors and takes the GIL to do so; during interpreter
     finalization that ``pthread_exit``s the thread inside a noexcept C++ destructor, and
     ``std::terminate`` aborts a finished run ("terminate called without an active exception",
-    SIGABRT; seen in 1 run of 5-15 under torchrun). Everything of ours is stopped and closed
-    before this point (the watch thread joined, the prefetcher joined, the process group
-    destroyed, the metrics file closed), so ending here loses nothing. The spawned workers end
+    SIGABRT; seen under torchrun: benchmarks/README.md, "Figures behind the code"). Everything of
+    ours is stopped and closed before this point (the watch thread joined, the prefetcher joined,
+    the process group destroyed, the metrics file closed), so ending here loses nothing. The spawned workers end
     the same way (see :func:`.local._spawned_worker`).
     """
     if not _joined_a_group:
@@ -118,6 +118,6 @@ def collect_before_exit() -> None:
     """Collect reference cycles before ``os._exit``, so that the finalizers of what they hold run: a
     DataLoader iterator, once its workers are ended, still holds its queues' semaphores, registered
     with the job's resource tracker, and left to ``os._exit`` they were reported at the job's end
-    ("There appear to be 4 leaked semaphore objects"; 1 of 4 runs stopped by SIGTERM with
-    ``--loader-workers 2``, seen in a rank: 4 live before the collection, 0 after)."""
+    ("There appear to be 4 leaked semaphore objects", seen with ``--loader-workers 2`` stopped by SIGTERM;
+    none after the collection: benchmarks/README.md, "Figures behind the code")."""
     gc.collect()

@@ -34,6 +34,8 @@ import torch.multiprocessing as mp
 
 from .. import errors
 from ..errors import JobHung, PhalanxError, WorkerFailed
+from ..kinds import Kind
+from ..log import show_on_streams, shown_on_streams
 from .forkserver import start_method
 from .watch import PREFIX, Progress, Watcher, say_raised, store_client
 from .context import DEFAULT_TIMEOUT_S, init_worker, local_world_size, shutdown, threads_per_worker
@@ -41,11 +43,24 @@ from .env import joined
 from .joined import collect_before_exit, run_joined
 from .stopping import STOP_CODES, Forward, signals_to
 
+
+class Sent(Kind):
+    """Which of the three things a worker sends home a report is."""
+
+    RESULT = "result"  #: rank 0's return value
+    ERROR = "error"  #: a PhalanxError of its own (bad input found inside it, or a failure it diagnosed)
+    CRASH = "crash"  #: anything else, with its traceback
+
+
+#: what a worker raised (the reports that name a failure, not a result)
+RAISED = (Sent.CRASH, Sent.ERROR)
+
+
 @dataclasses.dataclass(frozen=True)
 class Report:
     """What a worker sends home: its result (rank 0), its own PhalanxError, or a crash's traceback."""
 
-    kind: str  #: "result", "error" or "crash"
+    kind: Sent  #: which of the three it is
     rank: int
     #: when (time.time()): when one worker crashes its peers crash next ("connection closed"), and
     #: the parent must name the first, not whichever it happened to notice
@@ -67,9 +82,12 @@ def _spawned_worker(
     results: Any,
     watched: bool = True,
     parents: Optional["_Parents"] = None,
+    shown: bool = False,
 ) -> None:
     if parents is not None:
         parents.adopt()
+    if shown:  # the parent shows phalanx's messages on its streams (the command line): so does its worker
+        show_on_streams()
     world_size = len(devices)
     progress = Progress(local_rank)
     progress.handle_signals()  # SIGTERM/SIGINT: stop at a step boundary, not a KeyboardInterrupt traceback
@@ -83,18 +101,18 @@ def _spawned_worker(
                           progress=progress)
         value = fn(ctx, *args)
         if local_rank == 0:
-            results.put(Report("result", 0, value=_to_bytes(value)))
+            results.put(Report(Sent.RESULT, 0, value=_to_bytes(value)))
         progress.at(progress.step, "leaving")
         _leave_together(dist.PrefixStore(PREFIX, store), world_size)
     except PhalanxError as e:
         # Bad input found inside a worker (or a failure it diagnosed itself, such as a server that lost
         # every worker): send the message home, then fail so the rest stop too.
         text = e.detail if isinstance(e, WorkerFailed) else str(e)
-        results.put(Report("error", local_rank, time.time(), error=type(e).__name__, text=text))
+        results.put(Report(Sent.ERROR, local_rank, time.time(), error=type(e).__name__, text=text))
         say_raised(store, local_rank)
         code = 3
     except BaseException:
-        results.put(Report("crash", local_rank, time.time(), text=traceback.format_exc()))  # the parent says it
+        results.put(Report(Sent.CRASH, local_rank, time.time(), text=traceback.format_exc()))  # the parent says it
         say_raised(store, local_rank)  # (a parameter server must not take a bug for a lost worker)
         code = 1
     finally:
@@ -223,7 +241,7 @@ def launch(
     procs = mp.start_processes(
         _spawned_worker,
         args=(fn, args, list(devices), threads, addr, store.port, timeout_s, results, hang_timeout_s > 0,
-              _Parents()),
+              _Parents(), shown_on_streams()),
         nprocs=len(devices),
         join=False,
         start_method=method,
@@ -235,7 +253,7 @@ def launch(
     finally:
         _terminate(procs.processes)  # whatever happened, no worker outlives the launch
     for report in received:
-        if report.kind == "result":
+        if report.kind is Sent.RESULT:
             return torch.load(io.BytesIO(report.value), weights_only=False)
     return None
 
@@ -258,7 +276,7 @@ def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], b
         while alive:
             # Drain while waiting: a large result blocks its sender until the pipe is read.
             received += _drain(results)
-            if done_at is None and any(r.kind == "result" for r in received):
+            if done_at is None and any(r.kind is Sent.RESULT for r in received):
                 done_at = time.monotonic()
             mp_connection.wait([processes[r].sentinel for r in alive], timeout=0.2)
             for rank in _exited(processes, alive):
@@ -275,7 +293,7 @@ def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], b
                 _terminate([processes[r] for r in alive])
                 raise JobHung(f"the job made no progress for {watcher.timeout:g} s (--hang-timeout): {report}")
     received += _drain(results)
-    if forward.first is not None and not any(r.kind == "result" for r in received):
+    if forward.first is not None and not any(r.kind is Sent.RESULT for r in received):
         raise forward.stopped(watcher.steps_made())  # every worker ended before it could stop at a step
     return received
 
@@ -323,7 +341,7 @@ def _expendable_that_raised(processes: list, alive: set, reports: list[Report],
     death is the cause, and the exit check names it."""
     if tolerate is None:
         return None
-    raised = [r.rank for r in reports if r.kind in ("crash", "error") and tolerate(r.rank)]
+    raised = [r.rank for r in reports if r.kind in RAISED and tolerate(r.rank)]
     if not raised:
         return None
     needed = [processes[r] for r in alive if not tolerate(r)]
@@ -364,14 +382,14 @@ def _failure(reports: list[Report], first: tuple[int, str], killed: bool, last_s
     or one that stopped because a worker raised, which the worker's own traceback, earlier, explains);
     then whatever exited first.
     """
-    bad_input = min((r for r in reports if r.kind == "error" and r.error != "WorkerFailed"),
+    bad_input = min((r for r in reports if r.kind is Sent.ERROR and r.error != "WorkerFailed"),
                     key=lambda r: (r.at, r.rank), default=None)
     if bad_input is not None:
         return _rebuild_error(bad_input.rank, bad_input.error, bad_input.text)
-    earliest = min((r for r in reports if r.kind in ("crash", "error")), key=lambda r: (r.at, r.rank), default=None)
+    earliest = min((r for r in reports if r.kind in RAISED), key=lambda r: (r.at, r.rank), default=None)
     if earliest is not None and not killed:
         rank = earliest.rank
-        if earliest.kind == "error":
+        if earliest.kind is Sent.ERROR:
             return _rebuild_error(rank, earliest.error, earliest.text)
         return WorkerFailed(rank, earliest.text.rstrip(), step=last_step if rank == first[0] else None)
     return WorkerFailed(*first, step=last_step)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import PhalanxError
-from .base import Build, Job, Layout, Options, RankPlan, Report, Runtime, nonfinite_values, runtime_for
+from .base import Build, Job, Layout, Options, RankPlan, Report, Role, Runtime, StopRule, nonfinite_values, runtime_for
 from .registry import STRATEGIES, register, unregister
 
 # Each module registers its strategy as it is imported (registry.py), so this order is the order of
@@ -45,5 +45,5 @@ def takers(field: str) -> list[str]:
 
 
 __all__ = ["Backup", "Build", "DiLoCo", "FSDP", "Hogwild", "Job", "Layout", "LocalSGD", "Options", "ParameterServer", "Pipeline",
-           "RankPlan", "Report", "Runtime", "SSP", "STRATEGIES", "Sync", "nonfinite_values", "register", "runtime_for", "strategy_class", "takers",
-           "unregister"]
+           "RankPlan", "Report", "Role", "Runtime", "SSP", "STRATEGIES", "StopRule", "Sync", "nonfinite_values", "register",
+           "runtime_for", "strategy_class", "takers", "unregister"]

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..data import batch as batches
 from ..errors import PhalanxError
+from ..kinds import Kind
 from ..launcher import WorkerContext
 from ..task.metrics import ACCURACY, Totals, add_up
 from ..task.models import model_units
@@ -70,15 +71,34 @@ class Job:
         return len(self.devices)
 
 
+class Role(Kind):
+    """What one process of the job does."""
+
+    WORKER = "worker"  #: trains on its data shard (a data-parallel replica)
+    SERVER = "server"  #: holds the parameters and the optimizer; reads no data (a parameter server)
+    STAGE = "stage"  #: runs one slice of the network (a pipeline)
+
+
+class StopRule(Kind):
+    """How the ranks stop early when asked (SIGTERM, SIGINT)."""
+
+    AGREE = "agree"  #: on one step boundary they agree on (ranks in step with each other)
+    SERVER = "server"  #: rank 0 decides and tells the others (a parameter server's workers)
+    EACH = "each"  #: every rank at its own step (ranks that never wait for each other)
+
+
 @dataclasses.dataclass(frozen=True)
 class RankPlan:
     """One process of the job."""
 
-    role: str  #: "worker", "server" or "stage"
+    role: Role  #: what it does (a plain word from a strategy of the user's is converted here)
     label: str  #: how messages name it ("worker 2", "the parameter server (rank 0)")
     shard: Optional[int]  #: which of the layout's data shards it trains on (None: it reads no data)
     evaluates: Optional[tuple[int, int]]  #: (part, parts) of the test set it evaluates (None: none)
     expendable: bool = False  #: the job goes on if this process dies
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role.of(self.role, "a rank's role"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +110,8 @@ class Layout:
     shards: int  #: data shards per global step: the global batch is batch size x shards
     lockstep: bool  #: every rank takes every global step together (collectives are safe)
     islands: Optional[tuple[tuple[int, ...], ...]] = None  #: ranks grouped by direct links (topology)
-    #: how the ranks stop early when asked (SIGTERM, SIGINT): "agree" on one step boundary (ranks in
-    #: step with each other), "server" (rank 0 decides and tells the others), "each" (every rank at its own)
-    stop_rule: str = "agree"
+    #: how the ranks stop early when asked (SIGTERM, SIGINT); a plain word is converted here
+    stop_rule: StopRule = StopRule.AGREE
     #: the rank at one end of every message of the job (a parameter server), whose own bytes on the
     #: wire are the job's; None: no such rank
     hub: Optional[int] = None
@@ -100,6 +119,9 @@ class Layout:
     @property
     def world_size(self) -> int:
         return len(self.ranks)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_rule", StopRule.of(self.stop_rule, "a layout's stop_rule"))
 
     def label(self, rank: int) -> str:
         return self.ranks[rank].label if 0 <= rank < len(self.ranks) else f"rank {rank}"
@@ -111,7 +133,7 @@ class Layout:
 def data_parallel(job: Job, lockstep: bool = True) -> Layout:
     """The layout of every data-parallel strategy: rank r is worker r and reads shard r."""
     n = job.processes or job.workers
-    ranks = tuple(RankPlan("worker", f"worker {r}", r, (r, n)) for r in range(n))
+    ranks = tuple(RankPlan(Role.WORKER, f"worker {r}", r, (r, n)) for r in range(n))
     return Layout(ranks, tuple(job.devices), n, lockstep)
 
 
@@ -125,7 +147,8 @@ class Options:
     name: ClassVar[str] = "base"
     #: one line for ``--strategy`` help and the README
     summary: ClassVar[str] = ""
-    # What it can do, for the code around the strategies, which asks instead of naming one (STYLE.md, 14):
+    # What it can do, for the code around the strategies, which asks instead of naming one (docs/architecture.md,
+    # "How the code reads"):
     #: compare's ratios are taken against it where a comparison runs it: the plain data parallelism the
     #: others depart from
     reference: ClassVar[bool] = False

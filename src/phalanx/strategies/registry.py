@@ -6,7 +6,8 @@ the order of the help and of ``--strategy all``), its cost model the one ``phala
 (``costs.cost_model``), its simulated rule the one ``compare --simulate`` plays
 (``simulate.simulated_rule``). Its layout and runtime are methods of the options class. So a new
 strategy is one module ending in this call, plus the line in ``strategies/__init__.py`` that imports
-it; nothing that uses strategies names one (STYLE.md, habit 14).
+it; nothing that uses strategies names one: it asks the options what the strategy can do (docs/architecture.md,
+"How the code reads").
 
 Why the cost models and rules are still kept in dicts of their own layers (``costs.COSTS``,
 ``simulate.RULES``) rather than here: the cost model is below the strategies (the estimate and the

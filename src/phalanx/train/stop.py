@@ -12,13 +12,14 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
+from ..strategies import StopRule
+
 #: How often (in steps) every rank reads the job's stop request from the store at first; at least 2, so
 #: that ranks in step (at most one apart) never pass the stop step the first reader proposes.
 STOP_CHECK_EVERY = 4
 #: After PACE_STEPS steps the ranks agree on a new count of steps between reads, about STOP_CHECK_S
 #: seconds of steps (at least STOP_CHECK_EVERY, at most STOP_CHECK_MAX): a read is a round trip to the
-#: store, 100-220 us on 2 loaded cores. Measured on 2 such cores (the digits mlp, 2 workers, 4
-#: interleaved runs each): local SGD without averaging 0.838 -> 0.804 ms a step; sync unchanged.
+#: store, which a fast step must not pay every few steps (benchmarks/README.md, "Figures behind the code").
 PACE_STEPS, STOP_CHECK_S, STOP_CHECK_MAX = 32, 0.05, 256
 STOP_KEY, STOP_AT_KEY, CADENCE_KEY = "phalanx/stop", "phalanx/stop_at", "phalanx/stop_check_every"
 
@@ -29,7 +30,7 @@ class StopAgreement:
     ``stop_rule`` (the layout's): ranks in step agree on a step ahead of them all; an asynchronous rank
     stops where it reads the request; a parameter server's worker never reads it (the server tells it)."""
 
-    def __init__(self, ctx: Any, stop_rule: str):
+    def __init__(self, ctx: Any, stop_rule: StopRule):
         self.ctx, self.stop_rule = ctx, stop_rule
         self.stop_at: Optional[int] = None  #: the step every rank stops at, once a stop was requested
         self.stop_name: Optional[str] = None  #: the signal that asked for it (on whichever rank it reached)
@@ -87,12 +88,12 @@ class StopAgreement:
         """At a check step: the step to stop at, once any rank published a request (None: none yet, or
         this rank is told by another when to stop)."""
         rule, store = self.stop_rule, self.ctx.store
-        if rule == "server" and self.ctx.rank != 0:
+        if rule is StopRule.SERVER and self.ctx.rank != 0:
             return None  # a parameter server's worker stops when the server tells it
         if not store.check([STOP_KEY]):
             return None
         self.stop_name = store.get(STOP_KEY).decode()
-        if rule in ("each", "server"):
+        if rule in (StopRule.EACH, StopRule.SERVER):
             return step
         # In step with each other, ranks are at most a step apart: every rank is at this check step or
         # beside it, and none has passed the next one, the step proposed. A rank that read the store

@@ -10,8 +10,8 @@ then launches one process per rank of the layout, each running :func:`~phalanx.t
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -32,6 +32,8 @@ from . import checks, rundir, tensorboard
 from .config import TrainConfig
 from .loop import run_worker
 from .plan import Plan
+
+log = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -190,8 +192,8 @@ class Trainer:
                 restarts += 1
                 plan = dataclasses.replace(plan, resume_path=point["path"] if point else None)
                 where = f"checkpoint step {point['step']}" if point else "the start (no checkpoint yet)"
-                print(f"{_what_failed(e, plan.layout)}; restart {restarts} of {cfg.max_restarts} from {where}",
-                      file=sys.stderr, flush=True)
+                log.warning("%s; restart %s of %s from %s", _what_failed(e, plan.layout), restarts, cfg.max_restarts,
+                            where)
 
     @staticmethod
     def _restart_point(cfg: TrainConfig, run_id: str) -> Optional[dict[str, Any]]:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ...errors import PhalanxError
-from ..base import Job, Layout, RankPlan
+from ..base import Job, Layout, RankPlan, Role
 
 #: where a module keeps its head count, in the conventions of nanoGPT, torch and Hugging Face
 HEAD_ATTRIBUTES = ("n_head", "num_heads", "n_heads", "num_attention_heads")
@@ -44,7 +44,7 @@ def layout(job: Job, n: int) -> Layout:
     workers = job.processes or job.workers
     check_degree(n, workers)
     groups = workers // n
-    ranks = tuple(RankPlan("worker", f"worker {r}", r // n, (r // n, groups)) for r in range(workers))
+    ranks = tuple(RankPlan(Role.WORKER, f"worker {r}", r // n, (r // n, groups)) for r in range(workers))
     return Layout(ranks, tuple(job.devices), groups, True)
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import PhalanxError
-from ..base import Build, Job, Layout, Options, Report, Runtime, data_parallel
+from ..base import Build, Job, Layout, Options, Report, Runtime, StopRule, data_parallel
 from ..registry import register
 from ...comm.staleness import StalenessStats
 from ..replicas import average_buffers, verify_replicas
@@ -48,7 +48,7 @@ class Hogwild(Options):
             raise PhalanxError("hogwild runs on one machine only (its parameters live in shared memory); "
                                "use --strategy ps or ssp across machines")
         # No collective per step: each worker stops at its own next step when asked.
-        return dataclasses.replace(data_parallel(job), stop_rule="each")
+        return dataclasses.replace(data_parallel(job), stop_rule=StopRule.EACH)
 
     def describe(self) -> str:
         return "hogwild (lock-free updates to shared memory)"

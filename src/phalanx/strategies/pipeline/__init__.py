@@ -48,7 +48,7 @@ from ...errors import PhalanxError
 from ...options import option
 from ...task.step import DefaultStep
 from ..balance import Balance, check_counts, check_stages, parse_balance
-from ..base import Build, Job, Layout, Options, RankPlan, Runtime, require_positive
+from ..base import Build, Job, Layout, Options, RankPlan, Role, Runtime, require_positive
 from ..registry import register
 from .costs import PipelineCost
 from .mesh import check_mesh, mesh_label
@@ -126,7 +126,7 @@ class Pipeline(Options):
                 check_counts(self.balance, blocks, stages)
         # Every stage of one replica reads the same batch (inputs for the first, labels for the
         # last): one data shard, and one part of the test set, per replica.
-        ranks = tuple(RankPlan("stage", mesh_label(rank, replicas), rank % replicas, (rank % replicas, replicas))
+        ranks = tuple(RankPlan(Role.STAGE, mesh_label(rank, replicas), rank % replicas, (rank % replicas, replicas))
                       for rank in range(processes))
         return Layout(ranks, tuple(job.devices), shards=replicas, lockstep=True)
 

@@ -38,11 +38,11 @@ def micro_block_seconds(compute: Compute, micro_batches: int) -> list[float]:
     The blocks are timed one by one and the step in the training loop: two measurements of the same
     work, taken apart, and they disagree (on a busy machine by more than either figure's spread; and
     the loop also runs the loss and beside the prefetch thread). Taken as they were, a 1-worker
-    pipeline of the cifar10 network came out 1.82x faster than the very step it runs. So the block
-    times give only the shares and the price of cutting the batch: the blocks at the whole batch are
-    scaled to sum to the measured forward + backward, the micro-batch times by the same factor, and a
-    block on 1/M of the batch never costs less than 1/M of it on the whole batch (M micro-batches do
-    the same arithmetic in smaller pieces). One stage on M micro-batches is then never faster than
+    pipeline came out faster than the very step it runs (benchmarks/README.md, "Figures behind the
+    code"). So the block times give only the shares and the price of cutting the batch: the blocks at
+    the whole batch are scaled to sum to the measured forward + backward, the micro-batch times by the
+    same factor, and a block on 1/M of the batch never costs less than 1/M of it on the whole batch (M
+    micro-batches do the same arithmetic in smaller pieces). One stage on M micro-batches is then never faster than
     the step of one worker.
     """
     micro, whole = compute.micro_seconds[micro_batches], compute.block_seconds
@@ -70,9 +70,8 @@ def predict_pipeline(compute: Compute, facts: ModelFacts, net: Network, workers:
     # Per micro-batch, a stage moves one message each way over each of its boundaries, copying its
     # bytes on its own CPU where the CPU is the transport. Not its α: the engine's sends and receives
     # are posted asynchronously and gloo's threads carry them, so a stage pays α only where it waits
-    # for a message (the first micro-batch's path, above). Measured on the reference machine: a 1 ms
-    # compute loop that also sent 4 kB, 32 kB or 256 kB to a waiting peer per iteration took 0.035,
-    # 0.04 and 0.08 ms longer, where the all-reduces' fitted α was 0.2-0.27 ms.
+    # for a message (the first micro-batch's path, above): a compute loop that also sends to a waiting
+    # peer slows by a fraction of the fitted α (the figures: benchmarks/README.md, "Figures behind the code").
     copying = [0.0] * stages
     if compute.cores is not None:
         for s, (link, n) in enumerate(zip(links, cut_bytes)):

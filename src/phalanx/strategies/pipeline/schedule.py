@@ -9,10 +9,9 @@ gloo (and any rendezvous transport) the bytes move only once the receiver has po
 micro-batch a stage receives costs it a round trip (its "ready", the sender's reply with the
 data, the wake-ups on both sides) on top of the copy. A stage that waits on its neighbour anyway
 does not notice; in a balanced pipeline every stage is the bottleneck and pays it on every
-micro-batch. Measured on the real-compute MLP of ``benchmarks/pipeline.py`` (2 processes, 1
-thread each, 16 micro-batches of 256 x 256 floats): about 3 ms per micro-batch on 16 ms of
-compute for the balanced plan, 1.5 ms for the equal split, which is most of the gap between the
-speed-up the block times predict and the one measured.
+micro-batch. On the real-compute MLP of ``benchmarks/pipeline.py`` that was most of the gap
+between the speed-up the block times predict and the one measured (the figures:
+benchmarks/README.md, "Figures behind the code").
 
 Here every forward receive of the step is posted when the step begins and every backward
 receive when the backward half begins. The engine already gives each micro-batch its own

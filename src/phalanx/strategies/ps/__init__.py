@@ -37,7 +37,7 @@ from ...errors import PhalanxError
 from ...options import option
 from ...launcher.watch import has_raised
 from ...task.metrics import Totals, add_up
-from ..base import COUNT_CORRECT, Build, Job, Layout, Options, RankPlan, Report, Runtime
+from ..base import COUNT_CORRECT, Build, Job, Layout, Options, RankPlan, Report, Role, Runtime, StopRule
 from ..registry import register
 from ..sync import Sync
 from .aggregate import Asynchronous, Rounds, Rule
@@ -72,18 +72,18 @@ class ParameterServer(Options):
                 f"{workers} worker there is no one to wait for or to run ahead of; use --workers 2 or more, or "
                 "--strategy sync"
             )
-        server = RankPlan("server", "the parameter server (rank 0)", None, (0, 1))
-        ranks = (server,) + tuple(RankPlan("worker", f"worker {r}", r - 1, None, expendable=True)
+        server = RankPlan(Role.SERVER, "the parameter server (rank 0)", None, (0, 1))
+        ranks = (server,) + tuple(RankPlan(Role.WORKER, f"worker {r}", r - 1, None, expendable=True)
                                   for r in range(1, processes))
         # The server shares the first worker's device: it holds one copy of the model and applies updates.
-        return Layout(ranks, (job.devices[0],) + tuple(job.devices), workers, lockstep=False, stop_rule="server",
+        return Layout(ranks, (job.devices[0],) + tuple(job.devices), workers, lockstep=False, stop_rule=StopRule.SERVER,
                       hub=SERVER)
 
     def describe(self) -> str:
         return "ps (asynchronous parameter server)"
 
     def runtime(self, build: Build) -> Runtime:
-        if build.plan.role == "server":
+        if build.plan.role is Role.SERVER:
             return ServerRuntime(build, self)
         return WorkerRuntime(build, self.describe())
 
@@ -158,8 +158,8 @@ register(Backup, simulated=SIMULATED_SERVER)
 def momentum_note(optimizer: torch.optim.Optimizer, workers: int) -> list[str]:
     """A header line where SGD momentum meets stale gradients. Asynchrony alone acts as a momentum of
     about 1 - 1/W (Mitliagkas et al., 2016, "Asynchrony begets momentum"); on top of an explicit 0.9
-    the sum can pass 1 and the loss climb (seen here: digits with ps, 1 run in 3). Said, not changed:
-    the user's setting stands."""
+    the sum can pass 1 and the loss climb (seen with digits: benchmarks/README.md, "Figures behind the
+    code"). Said, not changed: the user's setting stands."""
     momentum = max((group.get("momentum") or 0.0) for group in optimizer.param_groups)
     if momentum < 0.5:
         return []

@@ -35,6 +35,7 @@ worker's: going on would lose the workers one by one and name none of their trac
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import queue
 import threading
@@ -51,6 +52,8 @@ from . import protocol
 from .aggregate import Rule
 from .gate import Gate
 from .protocol import BYE, HELLO, PUSH, Message, Reply, buffer_count, buffers_to_vector, vector_to_buffers
+
+log = logging.getLogger(__name__)
 
 
 def apply_gradients(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, grads: list[torch.Tensor],
@@ -284,8 +287,8 @@ class Server:
         self.lost.append((worker, self.global_step()))
         if worker not in self.stopped:
             hung = f" ({why})" if why.startswith("no message") else ""
-            print(f"worker {worker} lost at step {self.global_step()}{hung}; continuing with {len(self.live)} workers",
-                  flush=True)
+            log.info("worker %s lost at step %s%s; continuing with %s workers", worker, self.global_step(), hung,
+                     len(self.live))
         self._apply_if_ready()  # the others may have been waiting for it
 
     def drain(self) -> bool:

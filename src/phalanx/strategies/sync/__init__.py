@@ -99,10 +99,10 @@ class SyncRuntime(Runtime):
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         model = DDP(build.model, device_ids=device_ids, bucket_cap_mb=options.bucket_mb)
         islands = [list(i) for i in build.layout.islands] if build.layout.islands else None
-        self.reduction = apply_reduction(model, options.reduce, options.compress, islands, ctx.world_size, ctx.rank,
-                                         cpu=ctx.device.type == "cpu")
-        flat = self.reduction == "flat all-reduce"
-        super().__init__(build, model, description="sync (DDP)" if flat else f"sync (DDP, {self.reduction})")
+        applied = apply_reduction(model, options.reduce, options.compress, islands, ctx.world_size, ctx.rank,
+                                  cpu=ctx.device.type == "cpu")
+        self.reduction = applied.phrase  # what the report says
+        super().__init__(build, model, description="sync (DDP)" if applied.plain else f"sync (DDP, {applied.phrase})")
 
     @property
     def module(self) -> nn.Module:
