@@ -27,7 +27,8 @@ from phalanx.strategies.pipeline.trace import candidate_points, check_points, se
 from phalanx.task.step import DefaultStep, UserStep
 from phalanx.task import call_optimizer_factory
 from phalanx.strategies import Pipeline, runtime_for
-from phalanx.strategies.base import COUNT_CORRECT, Job
+from phalanx.strategies.base import COUNT_CORRECT
+from phalanx.strategies.layout import Job
 from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, tensors
 
 sys.path.insert(0, str(REPO / "examples"))

@@ -95,7 +95,7 @@ def test_code_around_the_strategies_asks_their_capabilities(monkeypatch):
     from phalanx.compare import cli as compare_cli
     from phalanx.compare.report import baseline
     from phalanx.compare.tokens import parse_strategies
-    from phalanx.strategies.base import data_parallel
+    from phalanx.strategies.layout import data_parallel
     from phalanx.train import TrainConfig
     from phalanx.train import trainer
     from phalanx.train.checks import check_precision

@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import PhalanxError
-from .base import Build, Job, Layout, Options, RankPlan, Report, Role, Runtime, StopRule, nonfinite_values, runtime_for
+from .base import Build, Options, Report, Runtime, nonfinite_values, runtime_for
+from .layout import Job, Layout, RankPlan, Role, StopRule
 from .registry import STRATEGIES, register, unregister
 
 # Each module registers its strategy as it is imported (registry.py), so this order is the order of

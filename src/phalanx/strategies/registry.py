@@ -1,17 +1,17 @@
 """The strategies phalanx knows: each registered once, beside its options class, with what it owns.
 
-One call at the end of a strategy's module, ``register(Sync, cost=SyncCost(), simulated=LOCKSTEP)``,
+One call at the end of a strategy package's ``__init__.py``, ``register(Sync, cost=SyncCost(), simulated=LOCKSTEP)``,
 makes it a strategy: its name a ``--strategy`` choice (:data:`STRATEGIES`, in the order registered:
 the order of the help and of ``--strategy all``), its cost model the one ``phalanx estimate`` asks
 (``costs.cost_model``), its simulated rule the one ``compare --simulate`` plays
 (``simulate.simulated_rule``). Its layout and runtime are methods of the options class. So a new
-strategy is one module ending in this call, plus the line in ``strategies/__init__.py`` that imports
+strategy is one package ending in this call, plus the line in ``strategies/__init__.py`` that imports
 it; nothing that uses strategies names one: it asks the options what the strategy can do (docs/architecture.md,
 "How the code reads").
 
-Why the cost models and rules are still kept in dicts of their own layers (``costs.COSTS``,
-``simulate.RULES``) rather than here: the cost model is below the strategies (the estimate and the
-simulation's clock ask it without importing a runtime), and the rules are imported by the strategies.
+Why the cost models and rules are kept in dicts of their engines (``costs.COSTS``, ``simulate.RULES``)
+rather than here: the engines are below the strategies (docs/architecture.md, "Layers") and know none of
+them; the estimate and the simulation's clock ask them without importing a runtime.
 Keyed by the exact class, not ``isinstance``: ``ssp`` and ``backup`` subclass ``ps``'s options but
 cost something else, so they inherit no cost model by accident.
 """

@@ -31,7 +31,8 @@ from typing import ClassVar
 
 from ...errors import PhalanxError
 from ...options import option
-from ..base import Build, Job, Layout, Options, Runtime, data_parallel
+from ..base import Build, Options, Runtime
+from ..layout import Job, Layout, data_parallel
 from ..registry import register
 from .costs import DiLoCoCost
 from .outer import PRECISIONS, fragment_bounds

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ...errors import PhalanxError
-from ..base import Job, Layout, RankPlan, Role
+from ..layout import Job, Layout, RankPlan, Role
 
 #: where a module keeps its head count, in the conventions of nanoGPT, torch and Hugging Face
 HEAD_ATTRIBUTES = ("n_head", "num_heads", "n_heads", "num_attention_heads")

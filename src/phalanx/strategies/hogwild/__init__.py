@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ...errors import PhalanxError
-from ..base import Build, Job, Layout, Options, Report, Runtime, StopRule, data_parallel
+from ..base import Build, Options, Report, Runtime
+from ..layout import Job, Layout, StopRule, data_parallel
 from ..registry import register
 from ...comm.staleness import StalenessStats
 from ..replicas import average_buffers, verify_replicas

@@ -48,7 +48,8 @@ from ...errors import PhalanxError
 from ...options import option
 from ...task.step import DefaultStep
 from ..balance import Balance, check_counts, check_stages, parse_balance
-from ..base import Build, Job, Layout, Options, RankPlan, Role, Runtime, require_positive
+from ..base import Build, Options, Runtime, require_positive
+from ..layout import Job, Layout, RankPlan, Role
 from ..registry import register
 from .costs import PipelineCost
 from .mesh import check_mesh, mesh_label

@@ -37,7 +37,8 @@ from ...errors import PhalanxError
 from ...options import option
 from ...launcher.watch import has_raised
 from ...task.metrics import Totals, add_up
-from ..base import COUNT_CORRECT, Build, Job, Layout, Options, RankPlan, Report, Role, Runtime, StopRule
+from ..base import COUNT_CORRECT, Build, Options, Report, Runtime
+from ..layout import Job, Layout, RankPlan, Role, StopRule
 from ..registry import register
 from ..sync import Sync
 from .aggregate import Asynchronous, Rounds, Rule

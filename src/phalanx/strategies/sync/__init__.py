@@ -28,7 +28,8 @@ from ...options import option
 from ...comm.reduce import COMPRESSIONS, REDUCTIONS, apply_reduction, parse_islands, validate_islands
 from ...topology import order_by_islands, rank_islands
 from ...task.metrics import Totals
-from ..base import COUNT_CORRECT, Batch, Build, Job, Layout, Options, Report, Runtime, data_parallel
+from ..base import COUNT_CORRECT, Batch, Build, Options, Report, Runtime
+from ..layout import Job, Layout, data_parallel
 from ..registry import register
 from ..replicas import broadcast_buffers, verify_replicas
 
