@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx
-from helpers import run_cli
+from helpers import run_cli, run_in_process
 from phalanx import Sync, TrainConfig, Trainer
 from phalanx.costs import Link
 from phalanx.errors import PhalanxError
@@ -43,9 +43,9 @@ QUICK = dict(per_node=1, link_bandwidth="1GB/s", link_latency="10us", measure_li
 
 @pytest.mark.slow
 def test_estimate_of_the_gpt_example_with_its_step_optimizer_scheduler_and_clipping():
-    out = run_cli("estimate", *GPT, "--optimizer", "gpt:optimizer", "--lr-scheduler", "gpt:schedule",
-                  "--clip-grad-norm", "1.0", "--strategy", "sync", "--workers", "1,8", "--per-node", "1",
-                  *GIVEN_LINK, "--no-measure-link", "--measure-steps", "3", "--json", cwd=EXAMPLES)
+    out = run_in_process("estimate", *GPT, "--optimizer", "gpt:optimizer", "--lr-scheduler", "gpt:schedule",
+                         "--clip-grad-norm", "1.0", "--strategy", "sync", "--workers", "1,8", "--per-node", "1",
+                         *GIVEN_LINK, "--no-measure-link", "--measure-steps", "3", "--json", cwd=EXAMPLES)
     assert out.returncode == 0, out.stderr[-2000:]
     data = json.loads(out.stdout)
     import sys
@@ -65,8 +65,8 @@ def test_estimate_of_the_gpt_example_with_its_step_optimizer_scheduler_and_clipp
 def test_the_gpt_example_without_its_step_is_one_line_naming_the_step_before_any_measurement():
     """nanoGPT's forward scores the last position alone without targets: the convention's call cannot train it.
     (It was a traceback from model_facts: ``'tuple' object has no attribute 'numel'``.)"""
-    out = run_cli("estimate", "--model", "gpt:make", "--data", "gpt:load", "--workers", "2,8", *GIVEN_LINK,
-                  "--no-measure-link", cwd=EXAMPLES)
+    out = run_in_process("estimate", "--model", "gpt:make", "--data", "gpt:load", "--workers", "2,8", *GIVEN_LINK,
+                         "--no-measure-link", cwd=EXAMPLES)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "error: the model fails on an example batch ((1, 64) int64, (1, 64) int64) (RuntimeError: Expected target "
@@ -75,8 +75,8 @@ def test_the_gpt_example_without_its_step_is_one_line_naming_the_step_before_any
 
 def test_a_pipeline_estimate_of_the_gpt_examples_step_is_trains_one_line_before_any_measurement():
     """Under ``--strategy all`` the pipeline's rows are 'not predicted' for the same reason (setup.refuses_task)."""
-    out = run_cli("estimate", *GPT, "--strategy", "pipeline", "--workers", "2", *GIVEN_LINK, "--no-measure-link",
-                  cwd=EXAMPLES)
+    out = run_in_process("estimate", *GPT, "--strategy", "pipeline", "--workers", "2", *GIVEN_LINK, "--no-measure-link",
+                         cwd=EXAMPLES)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == (
         "error: pipeline on 2 workers: phalanx estimate times pipeline on batches (inputs, targets) run through the "
@@ -87,10 +87,11 @@ def test_a_pipeline_estimate_of_the_gpt_examples_step_is_trains_one_line_before_
 
 @pytest.mark.slow
 def test_compare_simulate_of_the_gpt_example_runs_and_reports(tmp_path):
-    out = run_cli("compare", "--simulate", *GPT, "--optimizer", "gpt:optimizer", "--lr-scheduler", "gpt:schedule",
-                  "--clip-grad-norm", "1.0", "--strategies", "sync,ps", "--workers", "2,8", "--max-steps", "4",
-                  "--eval-every", "2", "--step-time", "10ms", *GIVEN_LINK, "--repeats", "1", "--scenarios", "none",
-                  "--target", "perplexity<=8", "--out", str(tmp_path / "sim"), cwd=EXAMPLES)
+    out = run_in_process("compare", "--simulate", *GPT, "--optimizer", "gpt:optimizer", "--lr-scheduler",
+                         "gpt:schedule", "--clip-grad-norm", "1.0", "--strategies", "sync,ps", "--workers", "2,8",
+                         "--max-steps", "4", "--eval-every", "2", "--step-time", "10ms", *GIVEN_LINK, "--repeats", "1",
+                         "--scenarios", "none", "--target", "perplexity<=8", "--out", str(tmp_path / "sim"),
+                         cwd=EXAMPLES)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "=== 2 workers (simulated) ===" in out.stdout and "=== 8 workers (simulated) ===" in out.stdout
     report = json.loads((tmp_path / "sim" / "report.json").read_text())

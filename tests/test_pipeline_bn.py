@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import REPO, gather, run_cli, run_workers
+from helpers import REPO, gather, run_cli, run_in_process, run_workers
 from phalanx.launcher import WorkerContext
 from phalanx.strategies import Pipeline, runtime_for
 from phalanx.train.checkpoint import load_checkpoint, tensors
@@ -181,7 +181,7 @@ def test_resnet_with_inplace_relus_cut_into_blocks_trains_under_pipeline_as_unde
                    cwd=tmp_path)
     assert pipe.returncode == 0, pipe.stderr
     assert re.search(r"pipeline plan: 9 blocks in 2 stages, balanced by measured time", pipe.stdout), pipe.stdout
-    sync = run_cli("train", "--strategy", "sync", *common, "--checkpoint-dir", "sync", cwd=tmp_path)
+    sync = run_in_process("train", "--strategy", "sync", *common, "--checkpoint-dir", "sync", cwd=tmp_path)
     assert sync.returncode == 0, sync.stderr
     got, want = summary(tmp_path / "pipe")["test_accuracy"], summary(tmp_path / "sync")["test_accuracy"]
     assert got > 0.8 and got > want - 0.1, (got, want)

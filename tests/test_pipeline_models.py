@@ -325,8 +325,8 @@ def test_the_gpt_example_under_pipeline_ends_with_syncs_parameters_and_evaluate_
     assert pipe.returncode == 0, pipe.stderr
     assert "tied across stages (each keeps a copy, their gradients summed before the step): transformer.wte.weight " \
            "on stages 0, 1" in pipe.stdout
-    sync = run_cli("train", *GPT_CLI, *steps, "--strategy", "sync", "--batch-size", "16", "--checkpoint-dir",
-                   str(tmp_path / "sync"), cwd=REPO / "examples")
+    sync = run_in_process("train", *GPT_CLI, *steps, "--strategy", "sync", "--batch-size", "16", "--checkpoint-dir",
+                          str(tmp_path / "sync"), cwd=REPO / "examples")
     assert sync.returncode == 0, sync.stderr
     got, want = (tensors(load_checkpoint(latest_checkpoint(tmp_path / run))) for run in ("pipe", "sync"))
     assert list(got["model"]) == list(want["model"])
@@ -334,7 +334,7 @@ def test_the_gpt_example_under_pipeline_ends_with_syncs_parameters_and_evaluate_
         torch.testing.assert_close(got["model"][name], value, rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")
     assert torch.equal(got["model"]["lm_head.weight"], got["model"]["transformer.wte.weight"])
     printed = summary_of(tmp_path / "pipe")["test_metrics"]
-    out = run_cli("evaluate", "--checkpoint", str(tmp_path / "pipe"), "--json", cwd=REPO / "examples")
+    out = run_in_process("evaluate", "--checkpoint", str(tmp_path / "pipe"), "--json", cwd=REPO / "examples")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1])["metrics"] == pytest.approx(printed, rel=1e-6)
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from helpers import run_cli, run_main
+from helpers import run_cli, run_in_process, run_main
 from phalanx import TrainConfig, Trainer
 from phalanx.errors import PhalanxError
 
@@ -113,9 +113,9 @@ def test_import_paths_train_a_float64_scikit_learn_set_and_a_changed_model_is_re
 
 @pytest.mark.slow
 def test_the_parameter_server_uses_the_factory_and_a_validation_split_says_validation(project):
-    out = run_cli("train", "--model", "mymod:Net", "--data", "mymod:train_only", "--optimizer", "mymod:adamw",
-                  "--strategy", "ps", "--validation-split", "0.2", "--eval-every", "5", *SMALL,
-                  "--checkpoint-dir", "ps", cwd=project)
+    out = run_in_process("train", "--model", "mymod:Net", "--data", "mymod:train_only", "--optimizer", "mymod:adamw",
+                         "--strategy", "ps", "--validation-split", "0.2", "--eval-every", "5", *SMALL,
+                         "--checkpoint-dir", "ps", cwd=project)
     assert out.returncode == 0, out.stderr
     assert "step 5, validation accuracy " in out.stdout and "validation accuracy " in out.stdout
     assert "test accuracy" not in out.stdout
