@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import REPO, run_cli
+from helpers import REPO, run_cli, run_in_process
 
 EXAMPLES = REPO / "examples"
 FLAGS = ["--model", "diabetes:Net", "--data", "diabetes:load", "--optimizer", "adam", "--lr", "0.01",
@@ -48,9 +48,9 @@ def test_the_diabetes_regression_learns_well_below_the_mean_baseline(strategy, t
 
 @pytest.mark.slow
 def test_compare_runs_the_regression_to_a_loss_target(tmp_path):
-    out = run_cli("compare", *FLAGS, "--strategies", "sync", "--scenarios", "none", "--repeats", "1",
-                  "--target", "loss<=0.8", "--max-steps", "150", "--eval-every", "10", "--out", str(tmp_path / "cmp"),
-                  cwd=EXAMPLES)
+    out = run_in_process("compare", *FLAGS, "--strategies", "sync", "--scenarios", "none", "--repeats", "1",
+                         "--target", "loss<=0.8", "--max-steps", "150", "--eval-every", "10", "--out",
+                         str(tmp_path / "cmp"), cwd=EXAMPLES)
     assert out.returncode == 0, out.stderr
     assert "each to test loss<=0.8 or 150 steps" in out.stdout
     report = json.loads((tmp_path / "cmp" / "report.json").read_text())

@@ -13,7 +13,7 @@ import resource
 import pytest
 import torch
 
-from helpers import run_cli, run_workers
+from helpers import run_cli, run_in_process, run_workers
 from phalanx.cli import main
 from phalanx.errors import PhalanxError
 from phalanx.estimate import Compute, Link, ModelFacts, Network, fit_ring
@@ -541,8 +541,8 @@ def test_bucket_model_equals_ddps_own_rebuilt_buckets():
 @pytest.fixture(scope="module")
 def estimate_json(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("estimate")
-    out = run_cli("estimate", "--model", "cnn", "--workers", "1,2", "--link-bandwidth", "10GB/s", "--link-latency",
-                  "5us", "--json", "--measure-steps", "3", "--plot", "scaling.png", cwd=cwd)
+    out = run_in_process("estimate", "--model", "cnn", "--workers", "1,2", "--link-bandwidth", "10GB/s",
+                         "--link-latency", "5us", "--json", "--measure-steps", "3", "--plot", "scaling.png", cwd=cwd)
     return cwd, out
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import run_cli, run_main, run_workers
+from helpers import run_cli, run_in_process, run_main, run_workers
 from phalanx import FSDP, LocalSGD, Pipeline, Sync, TrainConfig, Trainer
 from phalanx.errors import PhalanxError
 from phalanx.launcher import WorkerContext
@@ -280,8 +280,9 @@ FLAGS = ("--steps", str(STEPS), "--log-every", "1", "--batch-size", "16", "--wor
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["sync", "fsdp"])
 def test_a_model_factory_and_a_scheduler_of_the_users_with_clipping(project, strategy):
-    out = run_cli("train", "--model", "mymod:resnet", "--optimizer", "mymod:groups", "--lr-scheduler", "mymod:halve",
-                  "--clip-grad-norm", "0.5", "--strategy", strategy, *FLAGS, "--checkpoint-dir", strategy, cwd=project)
+    out = run_in_process("train", "--model", "mymod:resnet", "--optimizer", "mymod:groups", "--lr-scheduler",
+                         "mymod:halve", "--clip-grad-norm", "0.5", "--strategy", strategy, *FLAGS, "--checkpoint-dir",
+                         strategy, cwd=project)
     assert out.returncode == 0, out.stderr
     steps = _events(project / strategy / "metrics.jsonl")
     assert [e["step"] for e in steps] == list(range(1, STEPS + 1))
