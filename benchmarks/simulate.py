@@ -17,6 +17,8 @@ Two parts, each printed with medians and saved with the machine:
     python3 benchmarks/simulate.py                                   # validation (3 repeats) and 256 workers
     python3 benchmarks/simulate.py --repeats 1 --scale-steps 40      # a quick look
     python3 benchmarks/simulate.py --skip-scale --noise-floor        # validation beside its noise floor
+    cd examples && PYTHONPATH=. python3 ../benchmarks/simulate.py --model gpt:make --data gpt:load \
+        --training-step gpt:step --target 'perplexity<=12' --batch-size 8 --name simulate-gpt ...  # a transformer
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ from _common import parser, save_result
 GOALS = {"steps": 0.20, "seconds": 0.25}
 
 
-def setup(strategies: str, scenarios: str, repeats: int, max_steps: int, eval_every: int, target: float,
-          batch_size: int, model: str, workers: int = 2):
-    train = TrainConfig(model=model, devices="cpu", workers=workers, batch_size=batch_size)
+def setup(strategies: str, scenarios: str, repeats: int, max_steps: int, eval_every: int, target: str,
+          batch_size: int, task: dict, workers: int = 2):
+    """``task``: the run's --model, --data and --training-step (built-in names or import paths)."""
+    train = TrainConfig(**task, devices="cpu", workers=workers, batch_size=batch_size)
     options = CompareOptions(strategies=strategies, scenarios=scenarios, repeats=repeats, max_steps=max_steps,
                              eval_every=eval_every, target=target)
     return setup_from(options, train)
@@ -127,7 +130,7 @@ def validate(args) -> dict:
 def validate_at(args, workers: int) -> tuple[list[dict], list[str], dict, float, float]:
     """One worker count: every real run (twice with --noise-floor), then every simulated one; the rows of medians."""
     s = setup(args.strategies, args.scenarios, args.repeats, args.max_steps, args.eval_every, args.target,
-              args.batch_size, args.model, workers)
+              args.batch_size, task_of(args), workers)
     print(f"validation at {workers} workers: {args.strategies} under {args.scenarios}, {args.repeats} repeats, "
           f"{args.model}, target {args.target}", flush=True)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
@@ -162,10 +165,14 @@ def validate_at(args, workers: int) -> tuple[list[dict], list[str], dict, float,
     return rows, list(problem.clock_notes), figures, real_wall, sim_wall
 
 
+def task_of(args) -> dict:
+    return {"model": args.model, "data": args.data, "training_step": args.training_step}
+
+
 def scale(args) -> dict:
     n = args.scale_workers
     s = setup(args.scale_strategies, args.scale_scenarios, 1, args.scale_steps, args.scale_eval_every, args.target,
-              args.scale_batch_size, args.model)
+              args.scale_batch_size, task_of(args))
     s = dataclasses.replace(s, simulated=True)
     sim = SimulateOptions(simulate=True, step_time=args.step_time, link_bandwidth=args.link_bandwidth,
                           link_latency=args.link_latency)
@@ -193,13 +200,16 @@ def scale(args) -> dict:
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--model", default="mlp")
+    p.add_argument("--data", default="digits")
+    p.add_argument("--training-step", default=None)
+    p.add_argument("--name", default="simulate", help="the result's name (benchmarks/results/NAME-<machine>.json)")
     p.add_argument("--validate-workers", default="2,3")
     p.add_argument("--strategies", default="sync,ps,ssp:2,backup:1,local-sgd:8,diloco:8")
     p.add_argument("--scenarios", default="none,slow:1:2,pauses:0.1:4")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-steps", type=int, default=400)
     p.add_argument("--eval-every", type=int, default=5)
-    p.add_argument("--target", type=float, default=0.95)
+    p.add_argument("--target", default="0.95", help="accuracy, or METRIC<=X / METRIC>=X (perplexity<=12)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--scale-workers", type=int, default=256)
     p.add_argument("--scale-strategies", default="sync,ps,ssp:2,backup:8,local-sgd:8,diloco:8")
@@ -218,7 +228,7 @@ def main() -> None:
     args = p.parse_args()
     validation = None if args.skip_validation else validate(args)
     scaled = None if args.skip_scale else scale(args)
-    save_result("simulate", args, validation=validation, scale=scaled)
+    save_result(args.name, args, validation=validation, scale=scaled)
 
 
 if __name__ == "__main__":
