@@ -201,6 +201,7 @@ def test_compare_simulate_end_to_end(capsys, tmp_path, monkeypatch):
     assert set(data["figures"]) == {"4", "8"}
     text = (report / "report.md").read_text()
     assert "compare --simulate" in text and "time-to-target-vs-workers.png" in text
+    assert "How it was validated: phalanx's benchmarks/simulate.py" in text and data["validated"] in text
     import matplotlib.image
 
     image = matplotlib.image.imread(report / "time-to-target-vs-workers.png")
