@@ -17,17 +17,25 @@ import contextlib
 import dataclasses
 import math
 import sys
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 from ..costs import Link
 from ..errors import PhalanxError
-from ..strategies import Job
-from ..train import TrainConfig
-from .simulated_problem import Problem, build_problem
 from ..simulate.registry import RULES, simulated_rule
 from ..simulate.world import World, stacked_copies, takes_the_model
+from ..strategies import Job
+from ..train import TrainConfig
+from . import simulated_report as report
+from .cli import default_strategies as real_defaults
+from .cli import setup_from
+from .outcome import writable
+from .report import target_words
+from .results import RunResult
+from .simulated_problem import Problem, build_problem
+from .tokens import parse_strategy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +97,6 @@ def beside(setup, workers: tuple[int, ...]) -> int:
 
 def default_strategies(text: str) -> str:
     """compare's default strategies, less those with no simulated rule (hogwild shares one machine's memory)."""
-    from .tokens import parse_strategy
-
     return ",".join(t for t in text.split(",") if simulated_rule(parse_strategy(t).options) is not None)
 
 
@@ -103,8 +109,6 @@ def schedule(setup, workers: tuple[int, ...]) -> list[SimRun]:
 
 def run_one(problem: Problem, setup, run: SimRun):
     """Simulate one run and read it back as a real run's :class:`~phalanx.compare.results.RunResult`."""
-    from .results import RunResult
-
     options = run.strategy.options
     target = setup.target
     world = World(problem, options, run.workers, run.scenario.slowness, run.seed, setup.max_steps,
@@ -204,14 +208,10 @@ class SimulatedComparison:
 
     @property
     def answer(self) -> str:
-        from . import simulated_report as report
-
         return "Simulated: " + " ".join(report.crossover(self.setup, self.table))
 
     @property
     def tables(self) -> str:
-        from . import simulated_report as report
-
         return report.terminal(self.setup, self.table)
 
     def __str__(self) -> str:
@@ -220,11 +220,6 @@ class SimulatedComparison:
     def save(self, out) -> list:
         """report.md and report.json (the scaling report), the scaling plot, and one real-comparison report
         per worker count in ``workers-N/``; returns the top-level report.md's path first."""
-        from pathlib import Path
-
-        from .outcome import writable
-        from . import simulated_report as report
-
         out = Path(out)
         writable(out)
         return report.write(out, self.setup, self.problem, self.runs, self.table, self.command)
@@ -233,14 +228,6 @@ class SimulatedComparison:
 def compare_simulated(options, train, sim, workers: Optional[tuple[int, ...]], command: Optional[str],
                       objects: Optional[dict] = None) -> SimulatedComparison:
     """``phalanx compare --simulate``: check, simulate every run, print the tables and the answer, write the report."""
-    from pathlib import Path
-
-    from .cli import setup_from
-    from .report import target_words
-    from .cli import default_strategies as real_defaults
-    from .outcome import writable
-    from . import simulated_report as report
-
     if options.strategies is None:
         options = dataclasses.replace(options, strategies=default_strategies(real_defaults(train)))
     setup = dataclasses.replace(setup_from(options, train, objects), simulated=True)
