@@ -32,7 +32,7 @@ from ..train import TrainConfig
 from ..train.config import SECTIONS
 from ..train.tensorboard import check as check_tensorboard
 from . import report
-from .outcome import Comparison, writable
+from .outcome import Comparison, report_folder
 from .runner import Interrupted, Run, Setup, check, run_all, schedule
 from .results import RunResult
 from .tokens import parse_scenarios, parse_strategies, parse_strategy
@@ -199,9 +199,7 @@ def compare(options: CompareOptions, train: TrainConfig, command: Optional[str] 
           f"{setup.repeats} repeats = {total} runs, each to {report.target_words(setup.target)} or {setup.max_steps} "
           f"steps (evaluated every {setup.eval_every}); {checked.workers} workers, {setup.task.model_name} on "
           f"{setup.task.data_name}", flush=True)
-    out = Path(options.out) if options.out is not None else None
-    if out is not None:
-        writable(out)
+    out = report_folder(options.out)
     interrupted: Optional[Interrupted] = None
     with tempfile.TemporaryDirectory(prefix="phalanx-compare-") as tmp, _stop_between_runs():
         root = out or Path(tmp)

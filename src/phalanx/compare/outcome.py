@@ -63,6 +63,14 @@ class Comparison:
                 "runs": [r.to_dict() for r in self.runs]}
 
 
+def report_folder(out: Optional[str]) -> Optional[Path]:
+    """``--out`` as a folder checked writable before any run starts (None: no report asked for)."""
+    if out is None:
+        return None
+    writable(Path(out))
+    return Path(out)
+
+
 def writable(out: Path, flag: str = "--out") -> None:
     """The report folder exists and takes a file, or one line naming it, before any run starts."""
     try:

@@ -31,7 +31,7 @@ from ..train import TrainConfig
 from . import simulated_report as report
 from .cli import default_strategies as real_defaults
 from .cli import setup_from
-from .outcome import writable
+from .outcome import report_folder, writable
 from .report import target_words
 from .results import RunResult
 from .simulated_problem import Problem, build_problem
@@ -238,9 +238,7 @@ def compare_simulated(options, train, sim, workers: Optional[tuple[int, ...]], c
           f"{setup.repeats} repeats x {len(workers)} worker counts ({', '.join(map(str, workers))}) = {total} "
           f"simulated runs, each to {target_words(setup.target)} or {setup.max_steps} steps (evaluated every "
           f"{setup.eval_every}); {setup.task.model_name} on {setup.task.data_name}", flush=True)
-    out = Path(options.out) if options.out is not None else None
-    if out is not None:
-        writable(out)
+    out = report_folder(options.out)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     problem, results = simulate_compare(setup, workers, sim, say, print_progress)
     result = SimulatedComparison(setup, problem, results, report.tables(setup, results), command)
