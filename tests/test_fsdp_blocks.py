@@ -24,7 +24,7 @@ from torch import nn
 from helpers import REPO, run_cli, run_in_process
 from phalanx import FSDP, DiLoCo, LocalSGD, Sync, TrainConfig, Trainer
 from phalanx.errors import PhalanxError
-from phalanx.task.models import build_model, describe_blocks, model_units
+from phalanx.task.models import build_model, describe_blocks, model_blocks_by_default, model_units
 from phalanx.precision import Precision
 from phalanx.train.checkpoint import load_checkpoint, tensors
 from phalanx.recompute import checkpoint_blocks
@@ -71,6 +71,21 @@ def test_built_in_models_keep_their_sequential_children():
     for name in ("cnn", "mlp", "cifar10", "lstm"):
         model = build_model(name, (3, 24, 24) if name == "cifar10" else (1, 8, 8), 10)
         assert names(model_units(model)) == [n for n, m in model.named_children() if list(m.parameters())], name
+
+
+def test_every_block_compile_compiles_runs_in_the_models_forward():
+    # --compile compiles units in place; a unit the forward never calls (nanoGPT's transformer ModuleDict) would
+    # leave the model eager without a word, as it did until the containers were opened.
+    tokens = torch.randint(0, 64, (2, 8))
+    for model, batch in ((small_gpt(), (tokens, tokens)), (hf_gpt2(), (tokens,)), (hf_bert(), (tokens,))):
+        units = model_blocks_by_default(model)
+        called = set()
+        for name, unit in units:
+            unit.register_forward_hook(lambda m, args, out, name=name: called.add(name))
+        model(*batch)
+        assert called == set(names(units)), type(model).__name__
+    assert names(model_blocks_by_default(small_gpt())) == ["transformer.wte", "transformer.wpe", "transformer.h.0",
+                                                           "transformer.h.1", "transformer.ln_f", "lm_head"]
 
 
 def test_blocks_takes_class_names_as_well_as_submodule_names():

@@ -15,6 +15,13 @@ step() {  # NAME SECONDS COMMAND...: run, log to $out/NAME.log, say how it ended
 { nvidia-smi -L; python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(), torch.cuda.nccl.version())"; } | tee "$out/summary.txt"
 step pytest-gpu 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_gpu.py
 step train-sync 90 python3 -m phalanx train --devices cuda --steps 300 --checkpoint-dir "$t/a" --progress none
+# the GPT example at 99 M parameters: phalanx's loop against a hand-written one, eager, bf16, compiled
+step gpt-speed 330 python3 benchmarks/gpu/gpt_speed.py --save
+cp benchmarks/results/gpt_speed-*.json "$out/" 2>/dev/null
+# the example through the CLI, compiled in bf16, then its checkpoint read back by evaluate (the same figures)
+gpt=(--model gpt:make --data gpt:load --training-step gpt:step)
+step train-gpt-compiled 150 python3 -m phalanx train --devices cuda "${gpt[@]}" --optimizer gpt:optimizer --precision bf16 --compile --steps 200 --batch-size 64 --checkpoint-dir "$t/gpt" --progress none
+step evaluate-gpt 60 python3 -m phalanx evaluate --devices cuda "${gpt[@]}" --checkpoint "$t/gpt"
 step resume-100 90 python3 -m phalanx train --devices cuda --steps 100 --checkpoint-dir "$t/r" --progress none
 step resume-200 90 python3 -m phalanx train --devices cuda --steps 200 --checkpoint-dir "$t/r" --resume --progress none
 for s in fsdp local-sgd diloco pipeline; do
@@ -27,8 +34,8 @@ step fsdp-bf16-policy 90 python3 benchmarks/gpu/fsdp_policy.py
 step train-fsdp-ac 90 python3 -m phalanx train --devices cuda --strategy fsdp --workers 1 --precision bf16 --activation-checkpointing --steps 50 --checkpoint-dir "$t/ac" --progress none
 step topology 60 python3 -m phalanx topology
 step topology-probe 60 python3 -m phalanx topology --probe
-step estimate 180 python3 -m phalanx estimate --devices cuda --workers 1,8,64
+step estimate 180 python3 -m phalanx estimate --devices cuda --workers 1,8,64 --link-bandwidth 25GB/s --link-latency 10us
 step compare 180 python3 -m phalanx compare --devices cuda --strategies sync,local-sgd:8 --scenarios none --repeats 1 --target 0.9 --max-steps 200 --out "$t/cmp"
-step compare-simulate 240 python3 -m phalanx compare --simulate --devices cuda --workers 8,64 --strategies sync,ps,local-sgd:8,diloco:8 --scenarios none,slow:1:2 --repeats 1 --target 0.9 --max-steps 150 --link-bandwidth 10Gb/s --link-latency 20us --out "$t/sim"
+step compare-simulate 240 python3 -m phalanx compare --simulate --devices cuda --workers 8,64 --strategies sync,ps,local-sgd:8,diloco:8 --scenarios none,slow:1:2 --repeats 1 --target 0.9 --max-steps 150 --batch-size 8 --link-bandwidth 10Gb/s --link-latency 20us --out "$t/sim"
 cp "$t"/sim/report.md "$out/simulate-report.md" 2>/dev/null; cp "$t"/cmp/report.md "$out/compare-report.md" 2>/dev/null
 echo done | tee -a "$out/summary.txt"

@@ -114,13 +114,26 @@ USER_RECIPE = Recipe("sgd", 0.05, 300)
 
 def model_blocks_by_default(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of the model's blocks as ``--compile`` compiles them: the modules of its
-    ``pipeline_blocks()`` if it has one, else its top-level children; only those holding parameters."""
+    ``pipeline_blocks()`` if it has one, else its top-level children, a container among them (an
+    ``nn.ModuleDict`` or ``nn.ModuleList``, which the model never calls) opened into its own children: nanoGPT's
+    ``transformer`` dict gives ``wte``, ``wpe``, each block of ``h`` and ``ln_f``. Only those holding parameters."""
     if hasattr(model, "pipeline_blocks"):
         by_id = {id(m): n for n, m in model.named_modules() if n}
         units = [(by_id[id(b)], b) for b in model.pipeline_blocks() if id(b) in by_id]
     else:
-        units = list(model.named_children())
+        units = _called_children(model)
     return [(n, m) for n, m in units if _holds_parameters(m)]
+
+
+def _called_children(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """``module``'s children, each container replaced by its own children (their names dotted from the root)."""
+    found = []
+    for name, child in module.named_children():
+        if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
+            found += _called_children(child, f"{prefix}{name}.")
+        else:
+            found.append((f"{prefix}{name}", child))
+    return found
 
 
 def model_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
