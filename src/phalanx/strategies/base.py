@@ -98,6 +98,13 @@ class Options:
         """The model's blocks as this strategy sees them (``--activation-checkpointing`` recomputes each)."""
         return model_units(model)
 
+    def compiles_whole(self, world_size: int) -> bool:
+        """Whether ``--compile`` compiles the model whole, as a user's ``torch.compile(model)`` does (inductor then
+        fuses across blocks and into the loss): each rank runs the model as one piece, and nothing communicates
+        while its backward runs. Else each block is compiled alone: DDP's buckets reduce during backward, fsdp
+        gathers a unit at a time, a pipeline splits at blocks."""
+        return False
+
     def builds_on_meta(self) -> bool:
         """Whether every worker builds the model on the meta device (nothing allocated) and the runtime
         materialises it (only its own shards: ``--init-device meta``); else it is built on the worker's device."""

@@ -117,7 +117,8 @@ class TrainConfig:
     seed: int = option(0, "model initialisation and data order")
     precision: str = option("fp32", "autocast each forward pass to bf16 or fp16 (fp16: CUDA and sync only, with a "
                                     "gradient scaler); parameters and checkpoints stay fp32", choices=PRECISIONS)
-    compile: bool = option(False, "torch.compile each block of the model (in place: checkpoints are unchanged)")
+    compile: bool = option(False, "torch.compile the model in place (checkpoints are unchanged): whole, or block by "
+                                  "block where the strategy communicates during backward or splits the model")
     activation_checkpointing: bool = option(
         False, "keep only each block's input for backward and run its forward again there (torch's non-reentrant "
                "checkpoint, the blocks fsdp shards: the model's repeated blocks, or --blocks): less activation "

@@ -25,7 +25,7 @@ from ..task.metrics import Totals, said
 from ..comm.wire import Meter, metering
 from ..task import is_import_path, resolve
 from ..data.batch import split, to_device
-from ..precision import Precision, compile_blocks
+from ..precision import Precision, compile_model
 from ..recompute import Recomputed, checkpoint_blocks
 from ..launcher.startup import Marks
 from ..strategies import Build, meta_init
@@ -100,7 +100,9 @@ class WorkerRun:
             check_fits(state, model, state["path"])
         self.init_line = self._init_from(model) if cfg.init_from and not state else None
         self.recomputed = self._checkpoint_activations(model, example) if cfg.activation_checkpointing else None
-        self.compiled = compile_blocks(model) if cfg.compile else 0
+        # (recomputed blocks are compiled one by one, as torchtitan does: each holds its own checkpoint)
+        whole = cfg.strategy.compiles_whole(self.ctx.world_size) and self.recomputed is None
+        self.compiled = compile_model(model, whole) if cfg.compile else None
         return model
 
     def _build_model(self) -> nn.Module:

@@ -39,7 +39,7 @@ class Summary:
     ``recomputed``, ``compiled``: what --activation-checkpointing and --compile did to the model."""
 
     def __init__(self, ctx: Any, plan: Any, cfg: Any, runtime: Any, data: Any, reporter: Any, meter: Any,
-                 marks: Any, global_batch: int, recomputed: Any, compiled: int):
+                 marks: Any, global_batch: int, recomputed: Any, compiled: Optional[str]):
         self.ctx, self.plan, self.cfg, self.runtime, self.data = ctx, plan, cfg, runtime, data
         self.reporter, self.meter, self.marks, self.global_batch = reporter, meter, marks, global_batch
         self.recomputed, self.compiled = recomputed, compiled
@@ -84,8 +84,7 @@ class Summary:
         if self.recomputed is not None:
             lines.append(self.recomputed.line())
         if self.compiled:
-            lines.append(f"compiled: {self.compiled} blocks, each with torch.compile (the first steps include "
-                         "the compilation)")
+            lines.append(f"compiled: {self.compiled} with torch.compile (the first steps include the compilation)")
         return lines
 
     def _batch_split(self) -> str:
@@ -136,7 +135,7 @@ class Summary:
                 "stopped_at_target": reached, "stopped_at_accuracy": reached, "checkpoint": end.checkpoint,
                 "metrics": self.cfg.metrics, "stopped_by": end.stopped,
                 "world_size": self.ctx.world_size, "strategy": self.cfg.strategy.name,
-                "precision": self.cfg.precision, "compiled_blocks": self.compiled,
+                "precision": self.cfg.precision, "compiled": self.compiled,
                 **({"activation_checkpointing": self.recomputed.fields()} if self.recomputed else {}),
                 "watch_cpu_seconds": round(self.ctx.progress.cpu_seconds, 4),
                 "memory_bytes": mine.as_dict(), **({"memory_bytes_max": most.as_dict()} if most else {}),

@@ -96,6 +96,9 @@ class DiLoCo(Options):
             fragment_bounds([p.numel() for p in job.model.parameters()], self.fragments)
         return data_parallel(job)
 
+    def compiles_whole(self, world_size: int) -> bool:
+        return True  # (its communication comes after backward, never inside it)
+
     def runtime(self, build: Build) -> Runtime:
         return DiLoCoRuntime(build, self)
 

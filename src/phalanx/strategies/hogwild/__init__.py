@@ -54,6 +54,9 @@ class Hogwild(Options):
     def describe(self) -> str:
         return "hogwild (lock-free updates to shared memory)"
 
+    def compiles_whole(self, world_size: int) -> bool:
+        return True  # (its communication comes after backward, never inside it)
+
     def runtime(self, build: Build) -> Runtime:
         return HogwildRuntime(build, self)
 

@@ -42,6 +42,9 @@ class LocalSGD(Options):
     def describe(self) -> str:
         return f"local-sgd (parameters averaged every {self.sync_every} steps)"
 
+    def compiles_whole(self, world_size: int) -> bool:
+        return True  # (its communication comes after backward, never inside it)
+
     def runtime(self, build: Build) -> Runtime:
         return LocalSGDRuntime(build, self)
 

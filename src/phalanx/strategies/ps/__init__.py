@@ -83,6 +83,9 @@ class ParameterServer(Options):
     def describe(self) -> str:
         return "ps (asynchronous parameter server)"
 
+    def compiles_whole(self, world_size: int) -> bool:
+        return True  # (its communication comes after backward, never inside it)
+
     def runtime(self, build: Build) -> Runtime:
         if build.plan.role is Role.SERVER:
             return ServerRuntime(build, self)

@@ -81,6 +81,9 @@ class Sync(Options):
         return dataclasses.replace(base, devices=tuple(torch.device("cuda", i) for i in ordered),
                                    islands=tuple(tuple(i) for i in rank_islands(ordered, islands)))
 
+    def compiles_whole(self, world_size: int) -> bool:
+        return world_size == 1  # (on more, DDP's buckets reduce while backward runs: a block at a time)
+
     def runtime(self, build: Build) -> Runtime:
         return SyncRuntime(build, self)
 
