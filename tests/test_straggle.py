@@ -1,6 +1,7 @@
 """Stragglers: the pause schedule is a pure function every strategy meets alike, and the delay is
 calibrated compute time, the same whatever the strategy does with its communication."""
 
+import json
 import re
 import time
 
@@ -143,3 +144,19 @@ def test_the_delay_is_the_calibrated_compute_whatever_the_strategy(name, world):
     assert [c is not None for c in slowed["compute"]] == [r == 1 for r in range(world)]  # only rank 1 calibrated
     assert slowed["steps"] >= 1 and slowed["delays"] == [2.0 * compute] * slowed["steps"] == slowed["asked"]
     assert all(not r["delays"] for i, r in enumerate(ranks) if i != 1)
+
+
+def test_the_wait_for_a_straggler_at_an_evaluation_is_training_time(tmp_path):
+    # Local SGD meets once, at the end; rank 1 sleeps 20 x its compute after every step. Rank 0 is ahead of it
+    # by all of those sleeps when they evaluate together at steps 10, 20 and 30: that wait is lag training built
+    # up (the meeting at the end would wait it all the same), so rank 0's training time holds at least the 30
+    # sleeps before the third. It used to hide in evaluation time, where time to target does not count.
+    from phalanx import TrainConfig, Trainer
+
+    cfg = TrainConfig(model="mlp", strategy=LocalSGD(sync_every=40), workers=2, devices="cpu", steps=40,
+                      eval_every=10, straggler="1:21", batch_size=16, progress="none",
+                      checkpoint_dir=str(tmp_path))
+    summary = Trainer(cfg).fit()
+    events = [json.loads(line) for line in open(summary["metrics"])]
+    calibrated = next(e for e in events if e["event"] == "straggle")["calibrated_compute_s"]["1"]
+    assert summary["train_seconds"] >= 30 * 20 * calibrated

@@ -276,6 +276,14 @@ class Runtime:
         loop then reads the batches of the step again itself where the ranks read them in step)."""
         return None
 
+    def arrive_for_evaluation(self) -> None:
+        """Wait until every rank has come to the evaluation that they run together. The loop calls it before it
+        starts the evaluation's clock: the time a rank waits here for a slower one is lag that training built
+        up (it would be waited at the next averaging or step all the same), so it counts as training time, as
+        the simulation counts it. Without it a straggler's lead over the next meeting hid in evaluation time."""
+        if self.ctx.distributed:
+            dist.barrier()
+
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch], totals: Totals = COUNT_CORRECT) -> tuple[float, ...]:
         """The sums and counts of ``totals`` (see ``metrics.py``) over every rank's part of the test set,

@@ -309,6 +309,7 @@ class WorkerRun:
         time (``train_seconds``: so far). The metrics file has them under ``metrics`` (and ``accuracy``
         where it is one, as before)."""
         self.ctx.progress.at(self.step, "evaluation")
+        self.runtime.arrive_for_evaluation()  # (on the training clock: the wait for a straggler is training's)
         began = time.perf_counter()
         part = self.me.evaluates
         batches = eval_batches(self.data.test, 256, *part) if part is not None else iter(())

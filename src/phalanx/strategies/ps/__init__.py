@@ -209,6 +209,9 @@ class ServerRuntime(Runtime):
     def global_losses(self, losses: torch.Tensor) -> torch.Tensor:
         return losses  # the server heard every worker's loss: it alone guards against divergence
 
+    def arrive_for_evaluation(self) -> None:
+        pass  # the server evaluates alone
+
     def evaluate(self, batches, totals: Totals = COUNT_CORRECT) -> tuple[float, ...]:
         return tuple(add_up(self.module, batches, self.ctx.device, totals, self.build.step).tolist())  # the whole set, no collective
 

@@ -69,6 +69,9 @@ class WorkerRuntime(Runtime):
         # The server sees every pushed loss and guards against divergence; workers do not judge.
         return torch.zeros_like(losses)
 
+    def arrive_for_evaluation(self) -> None:
+        pass  # the server evaluates alone, at its own steps
+
     def evaluate(self, batches, totals: Totals = COUNT_CORRECT) -> tuple[float, ...]:
         return tuple(totals.zeros().tolist())  # the server evaluates; workers are not in step with it
 
