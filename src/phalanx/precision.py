@@ -83,7 +83,7 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return [m for _, m in model_blocks_by_default(model)] or [model]
 
 
-def compile_model(model: nn.Module, whole: bool) -> Optional[str]:
+def compile_model(model: nn.Module, whole: bool) -> str:
     """Compile ``model`` in place, whole or block by block; says what was compiled."""
     if whole:
         model.compile()

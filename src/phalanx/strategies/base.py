@@ -81,6 +81,9 @@ class Options:
     #: --activation-checkpointing can wrap the model's blocks before its runtime does: its workers run the
     #: model's forward and backward as written (no engine of its own traces or splits the model)
     checkpoints_activations: ClassVar[bool] = False
+    #: its ranks run the model as one piece and communicate only after backward, never inside it, so --compile
+    #: compiles the model whole (see :meth:`compiles_whole`)
+    one_piece_backward: ClassVar[bool] = False
 
     def layout(self, job: Job) -> Layout:
         """Pure: the processes of the job (raise PhalanxError for a job this strategy cannot run)."""
@@ -103,7 +106,7 @@ class Options:
         fuses across blocks and into the loss): each rank runs the model as one piece, and nothing communicates
         while its backward runs. Else each block is compiled alone: DDP's buckets reduce during backward, fsdp
         gathers a unit at a time, a pipeline splits at blocks."""
-        return False
+        return self.one_piece_backward
 
     def builds_on_meta(self) -> bool:
         """Whether every worker builds the model on the meta device (nothing allocated) and the runtime

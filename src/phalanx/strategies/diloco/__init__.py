@@ -46,6 +46,7 @@ PAPER_MOMENTUM, PAPER_WORKERS = 0.9, 8
 @dataclasses.dataclass(frozen=True)
 class DiLoCo(Options):
     name: ClassVar[str] = "diloco"
+    one_piece_backward: ClassVar[bool] = True
     checkpoints_activations: ClassVar[bool] = True
     summary: ClassVar[str] = ("H local steps, then the averaged pseudo-gradient applied by an outer Nesterov SGD; "
                               "streaming fragments")
@@ -95,9 +96,6 @@ class DiLoCo(Options):
         if job.model is not None:
             fragment_bounds([p.numel() for p in job.model.parameters()], self.fragments)
         return data_parallel(job)
-
-    def compiles_whole(self, world_size: int) -> bool:
-        return True  # (its communication comes after backward, never inside it)
 
     def runtime(self, build: Build) -> Runtime:
         return DiLoCoRuntime(build, self)

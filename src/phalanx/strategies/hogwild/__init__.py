@@ -37,6 +37,7 @@ from ..replicas import average_buffers, verify_replicas
 @dataclasses.dataclass(frozen=True)
 class Hogwild(Options):
     name: ClassVar[str] = "hogwild"
+    one_piece_backward: ClassVar[bool] = True
     summary: ClassVar[str] = "lock-free updates to parameters in shared memory (one machine, CPU)"
     cpu_only: ClassVar[bool] = True
 
@@ -53,9 +54,6 @@ class Hogwild(Options):
 
     def describe(self) -> str:
         return "hogwild (lock-free updates to shared memory)"
-
-    def compiles_whole(self, world_size: int) -> bool:
-        return True  # (its communication comes after backward, never inside it)
 
     def runtime(self, build: Build) -> Runtime:
         return HogwildRuntime(build, self)

@@ -30,6 +30,7 @@ from ..replicas import average_buffers, verify_replicas
 @dataclasses.dataclass(frozen=True)
 class LocalSGD(Options):
     name: ClassVar[str] = "local-sgd"
+    one_piece_backward: ClassVar[bool] = True
     checkpoints_activations: ClassVar[bool] = True
     summary: ClassVar[str] = "local steps, parameters averaged every H steps; torch's PeriodicModelAverager"
 
@@ -41,9 +42,6 @@ class LocalSGD(Options):
 
     def describe(self) -> str:
         return f"local-sgd (parameters averaged every {self.sync_every} steps)"
-
-    def compiles_whole(self, world_size: int) -> bool:
-        return True  # (its communication comes after backward, never inside it)
 
     def runtime(self, build: Build) -> Runtime:
         return LocalSGDRuntime(build, self)

@@ -52,6 +52,7 @@ class ParameterServer(Options):
     """Asynchronous parameter server: rank 0 serves, ranks 1..W train."""
 
     name: ClassVar[str] = "ps"
+    one_piece_backward: ClassVar[bool] = True
     summary: ClassVar[str] = ("asynchronous parameter server: workers push gradients and pull parameters without "
                               "waiting for each other")
 
@@ -82,9 +83,6 @@ class ParameterServer(Options):
 
     def describe(self) -> str:
         return "ps (asynchronous parameter server)"
-
-    def compiles_whole(self, world_size: int) -> bool:
-        return True  # (its communication comes after backward, never inside it)
 
     def runtime(self, build: Build) -> Runtime:
         if build.plan.role is Role.SERVER:
