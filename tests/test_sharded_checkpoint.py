@@ -204,7 +204,9 @@ def test_async_checkpoint_ends_with_the_same_parameters_and_every_save_verifies(
         saves = [e for e in events if e["event"] == "checkpoint"]
         assert saves and all(e["checkpoint_blocked_s"] > 0 for e in saves), name
         summary = events[-1]
-        assert summary["checkpoint_blocked_s"] >= sum(e["checkpoint_blocked_s"] for e in saves) - 1e-6, name
+        # Each figure is rounded to the microsecond, so the sum of the saves' may pass the total's by that much each.
+        slack = 1e-6 * (len(saves) + 1)
+        assert summary["checkpoint_blocked_s"] >= sum(e["checkpoint_blocked_s"] for e in saves) - slack, name
 
 
 def test_async_checkpoint_is_refused_where_nothing_is_sharded(tmp_path):
