@@ -37,7 +37,7 @@ from ..errors import JobHung, PhalanxError, WorkerFailed
 from ..kinds import Kind
 from ..log import show_on_streams, shown_on_streams
 from .forkserver import start_method
-from .watch import PREFIX, Progress, Watcher, say_raised, store_client
+from .watch import PREFIX, Progress, Watcher, is_gone, say_gone, say_raised, store_client
 from .context import DEFAULT_TIMEOUT_S, init_worker, local_world_size, shutdown, threads_per_worker
 from .env import joined
 from .joined import collect_before_exit, run_joined
@@ -167,9 +167,9 @@ def _is_open(fd: int) -> bool:
 def _leave_together(store: dist.Store, world_size: int, wait_s: float = 10.0) -> None:
     """Wait until every rank is done before closing connections, through the store (silently).
 
-    Every rank counts itself out; the parent counts the ranks it saw die (an asynchronous
-    strategy's lost worker). A rank that is frozen (a hung worker its server dropped) is never
-    counted: the deadline lets the others leave anyway.
+    Every rank counts itself out; the ranks that will not (an asynchronous strategy's lost worker: one the
+    parent saw die, or a frozen one its server dropped) are counted gone (``watch.say_gone``). The deadline
+    lets the others leave anyway where a rank is neither.
     """
     try:
         store.add("left", 1)
@@ -286,8 +286,9 @@ def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], b
                 _terminate([processes[r] for r in alive])
                 raise _failure(received + _drain(results), (raised, "raised an exception"), killed=False,
                                last_step=watcher.last_step(raised))
-            if done_at is not None and time.monotonic() - done_at > LEAVE_GRACE_S:
-                break  # the result is home; whoever has not left by now is frozen
+            if done_at is not None and (all(is_gone(watcher.store, r) for r in alive)
+                                        or time.monotonic() - done_at > LEAVE_GRACE_S):
+                break  # the result is home; who is left is frozen (its server dropped it), or is by now
             if done_at is None and watcher.hung():
                 report = watcher.report()
                 _terminate([processes[r] for r in alive])
@@ -316,7 +317,7 @@ def _ended(rank: int, processes: list, alive: set, results: Any, received: list[
     if code == 0:
         return
     if code in STOP_CODES or (tolerate is not None and tolerate(rank)):
-        watcher.store.add("gone", 1)  # the others need not wait for it to leave
+        say_gone(watcher.store, rank)  # the others need not wait for it to leave
         if code in STOP_CODES:
             forward.worker_stopped(rank, code)
         return

@@ -74,6 +74,27 @@ def has_raised(store: Optional[dist.Store], rank: int) -> bool:
         return False
 
 
+def say_gone(store: Optional[dist.Store], rank: int) -> None:
+    """Record in the job's store (``PREFIX``'s) that ``rank`` will not leave with the others: it died, or its
+    server dropped it as frozen. Counted once in ``gone``, whoever sees it first (the parent, the server), so
+    the ranks that leave together (``launcher/local.py``) and the parent waiting for them need not wait for it."""
+    if store is None:
+        return
+    try:
+        if store.add(f"gone/{rank}", 1) == 1:
+            store.add("gone", 1)
+    except Exception:  # the store is gone: the job is ending anyway
+        pass
+
+
+def is_gone(store: dist.Store, rank: int) -> bool:
+    """Whether ``rank`` was recorded gone (see :func:`say_gone`)."""
+    try:
+        return store.check([f"gone/{rank}"])
+    except Exception:
+        return False
+
+
 # --------------------------------------------------------------------------- worker side
 
 
@@ -355,5 +376,5 @@ def exit_status(signame: str) -> int:
     return 128 + int(getattr(signal, signame))
 
 
-__all__ = ["Progress", "Watcher", "describe_hang", "enable_flight_recorder", "exit_status", "has_raised", "say_raised",
-           "store_client"]
+__all__ = ["Progress", "Watcher", "describe_hang", "enable_flight_recorder", "exit_status", "has_raised", "is_gone",
+           "say_gone", "say_raised", "store_client"]

@@ -81,9 +81,11 @@ def apply_gradients(params: list[torch.Tensor], optimizer: torch.optim.Optimizer
 class Server:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int,
                  device: torch.device, bound: Optional[int], rule: Rule, steps: int, hang_timeout_s: float = 0.0,
-                 raised: Callable[[int], bool] = lambda worker: False, clip: Optional[Callable[[], None]] = None):
+                 raised: Callable[[int], bool] = lambda worker: False, clip: Optional[Callable[[], None]] = None,
+                 gone: Callable[[int], None] = lambda worker: None):
         self.model, self.optimizer, self.device = model, optimizer, device
         self.raised = raised  #: whether a worker recorded that it raised (``watch.say_raised``), as it went
+        self.gone = gone  #: records a worker lost before it was told to stop: it will not leave with the others
         self.clip = clip  #: clips every update's gradient before the optimizer applies it (None: no clipping)
         self.params = list(model.parameters())
         self.size = sum(p.numel() for p in self.params)
@@ -286,6 +288,7 @@ class Server:
         self.outboxes[worker].put(None)  # its sender ends once any reply it is stuck on gives way
         self.lost.append((worker, self.global_step()))
         if worker not in self.stopped:
+            self.gone(worker)
             hung = f" ({why})" if why.startswith("no message") else ""
             log.info("worker %s lost at step %s%s; continuing with %s workers", worker, self.global_step(), hung,
                      len(self.live))
