@@ -18,8 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 #: The files that take longest (seconds of test time, summed by ``pytest --durations=0`` on the 2-core machine,
-#: 2026-11-26), started first: xdist hands out whole files (--dist loadfile) in collection order, and one of these
-#: begun last made the run's tail (wall 676 s for 1885 s of tests over 3 processes, a 628 s share each).
+#: 2026-11-26), started first: xdist hands out whole files (--dist loadfile) in collection order where told not to
+#: reorder them (--no-loadscope-reorder, pyproject.toml; its own order is by number of tests, which put these
+#: last), and one of these begun last made the run's tail (wall 676 s for 1885 s of tests over 3 processes, a
+#: 628 s share each).
 LONGEST_FIRST = ("test_exit.py", "test_async.py", "test_faults.py", "test_cli.py", "test_estimate.py",
                  "test_pipeline_models.py", "test_recipes.py", "test_any_model.py", "test_gpt_example.py",
                  "test_rundir.py", "test_fsdp.py", "test_torchrun_elastic.py", "test_link.py", "test_pipeline_cli.py")
@@ -34,6 +36,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _each_test_imports_its_own_project(tmp_path_factory):
+    """What resolving a test project's import paths in this process leaves (``sys.path``, its modules) is undone
+    after the test, as a process of its own would leave nothing: xdist runs many files in one process, and a
+    later file's ``mymod`` must be imported from its own folder, not found cached from another's."""
+    path = list(sys.path)
+    yield
+    sys.path[:] = path
+    base = str(tmp_path_factory.getbasetemp())
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", None) or "").startswith(base):
+            del sys.modules[name]
 
 
 @pytest.fixture(scope="module")
