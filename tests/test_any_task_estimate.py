@@ -85,6 +85,32 @@ def test_a_pipeline_estimate_of_the_gpt_examples_step_is_trains_one_line_before_
     assert "measuring" not in out.stderr
 
 
+def test_simulated_workers_on_their_own_parameters_are_computed_in_turn_where_vmap_would_loop(monkeypatch):
+    """The GPT's attention has no batching rule: inside vmap torch loops over the workers, slower than computing
+    them one after another, which every call after the first does; the same gradients either way. A model
+    whose every op batches (an MLP) stays vmapped."""
+    from phalanx.simulate.gradients import Gradients
+    from phalanx.task.step import UserStep
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import gpt
+
+    (x, y), _ = gpt.load()
+    for model, step, batch, vmapped in ((gpt.make(105), UserStep(gpt.step), (x, y), False),
+                                        (torch.nn.Linear(64, 3), None, (torch.randn(12, 64), torch.randint(3, (12,))),
+                                         True)):
+        grads = Gradients(model, F.cross_entropy, step)
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        rows = torch.stack([flat + 0.01 * w for w in range(3)])  # each worker its own parameters
+        shards = [(batch[0][2 * w:2 * w + 2], batch[1][2 * w:2 * w + 2]) for w in range(3)]
+        first, _ = grads.each(rows, shards)  # vmap
+        assert grads.vmappable is vmapped
+        again, _ = grads.each(rows, shards)  # in turn where vmap looped
+        alone = torch.stack([grads.mean(rows[w], [shards[w]])[0] for w in range(3)])
+        torch.testing.assert_close(first, alone, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(again, alone, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_compare_simulate_of_the_gpt_example_runs_and_reports(tmp_path):
     out = run_in_process("compare", "--simulate", *GPT, "--optimizer", "gpt:optimizer", "--lr-scheduler",
