@@ -17,19 +17,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-#: The files that take longest (seconds of test time, summed by ``pytest --durations=0`` on the 2-core machine,
-#: 2026-11-26), started first: xdist hands out whole files (--dist loadfile) in collection order where told not to
-#: reorder them (--no-loadscope-reorder, pyproject.toml; its own order is by number of tests, which put these
-#: last), and one of these begun last made the run's tail (wall 676 s for 1885 s of tests over 3 processes, a
-#: 628 s share each).
-LONGEST_FIRST = ("test_exit.py", "test_async.py", "test_faults.py", "test_cli.py", "test_estimate.py",
-                 "test_pipeline_models.py", "test_recipes.py", "test_any_model.py", "test_gpt_example.py",
-                 "test_rundir.py", "test_fsdp.py", "test_torchrun_elastic.py", "test_link.py", "test_pipeline_cli.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: the rest keep their order)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
