@@ -28,12 +28,16 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _each_test_imports_its_own_project(tmp_path_factory):
-    """What resolving a test project's import paths in this process leaves (``sys.path``, its modules) is undone
-    after the test, as a process of its own would leave nothing: xdist runs many files in one process, and a
-    later file's ``mymod`` must be imported from its own folder, not found cached from another's."""
-    path = list(sys.path)
+    """What resolving a test project's import paths in this process leaves (``sys.path``, ``PYTHONPATH``, its
+    modules) is undone after the test, as a process of its own would leave nothing: xdist runs many files in one
+    process, and a later file's ``mymod`` must be imported from its own folder, not found cached from another's."""
+    path, pythonpath = list(sys.path), os.environ.get("PYTHONPATH")
     yield
     sys.path[:] = path
+    if pythonpath is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = pythonpath
     base = str(tmp_path_factory.getbasetemp())
     for name, module in list(sys.modules.items()):
         if str(getattr(module, "__file__", None) or "").startswith(base):

@@ -81,8 +81,7 @@ def run_in_process(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     signal, the console script, a cold start (those tests use :func:`run_cli`)."""
     from phalanx.cli import main
 
-    here, path, modules = os.getcwd(), list(sys.path), set(sys.modules)
-    pythonpath = os.environ.get("PYTHONPATH")
+    here = os.getcwd()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         os.chdir(cwd)
         try:
@@ -92,17 +91,7 @@ def run_in_process(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                 except SystemExit as e:  # argparse's own usage errors exit directly
                     code = e.code
         finally:
-            # What resolving the import paths left behind is undone, as a process of its own would leave
-            # nothing: another test's module of the same name (mymod) is then imported from its own folder.
-            os.chdir(here)
-            sys.path[:] = path
-            for name in set(sys.modules) - modules:
-                if str(getattr(sys.modules[name], "__file__", None) or "").startswith(str(Path(cwd).resolve())):
-                    del sys.modules[name]
-            if pythonpath is None:
-                os.environ.pop("PYTHONPATH", None)
-            else:
-                os.environ["PYTHONPATH"] = pythonpath
+            os.chdir(here)  # (what resolving its import paths left: undone after the test, conftest.py)
         printed = []
         for f in (out, err):
             f.seek(0)

@@ -1,9 +1,7 @@
 """The user's problem (issue 19): model, data, loss and optimizer by import path through the real ``phalanx``
 command, any map-style Dataset through the API, a validation split, adamw, user-model checkpoints."""
 
-import os
 import re
-import sys
 
 import numpy as np
 import pytest
@@ -139,13 +137,10 @@ BAD = [
 
 @pytest.fixture
 def in_project(project, monkeypatch):
-    """The project as the current folder of this process, for the command's main() run here; what resolving
-    its import paths leaves behind (sys.path, PYTHONPATH, the imported module) is undone afterwards."""
+    """The project as the current folder of this process, for the command's main() run here (what resolving its
+    import paths leaves behind is undone after each test: conftest.py)."""
     monkeypatch.chdir(project)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-    yield project
-    sys.modules.pop("mymod", None)
+    return project
 
 
 @pytest.mark.parametrize("flags, message", BAD, ids=[f[1] for f, _ in BAD])
