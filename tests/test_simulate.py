@@ -7,6 +7,8 @@
 - parameter versions are freed as workers stop holding them;
 - an evaluation is a real one: a simulated regression's metrics (mae, a user's own, the loss) at every
   evaluation equal a real one-process run's, and a ``loss<=`` target stops it at the same evaluation;
+- the race (a run stops once it cannot be first) finds the winner and its time that running every
+  strategy to the end finds, and stops the others past that time;
 - the CLI end to end on a tiny run (to a perplexity target): tables marked simulated, report, the
   worker-count plot; bad input (a real link scenario, a simulation flag without --simulate, a target
   no metric reaches) is one line before anything runs.
@@ -25,6 +27,7 @@ from helpers import run_main
 from phalanx import SSP, Backup, DiLoCo, ParameterServer, Sync, TrainConfig, Trainer
 from phalanx.costs import Link
 from phalanx.simulate import simulated_rule
+from phalanx.compare.simulated import deadline
 from phalanx.compare.simulated_problem import build_problem
 from phalanx.simulate.versions import Versions
 from phalanx.simulate.world import World
@@ -169,7 +172,7 @@ FAST = ["--step-time", "10ms", "--link-bandwidth", "1GB/s", "--link-latency", "1
     (["--simulate", "--scenarios", "link:50mbit", *FAST],
      "--scenarios link:50mbit is a real shaped link and --simulate runs no process: give the simulated link with "
      "--link-bandwidth"),
-    (["--step-time", "10ms"], "--step-time describes the simulated machines: add --simulate"),
+    (["--step-time", "10ms"], "--step-time is a flag of the simulation: add --simulate"),
     (["--workers", "2,4"], "--workers 2,4 lists several worker counts"),
     (["--simulate", "--strategies", "hogwild", *FAST], "hogwild has no simulated rule yet"),
     (["--simulate", "--workers", "2", "--strategies", "backup:2", *FAST], "backup:2 at 2 workers: --backup-workers 2"),
@@ -316,6 +319,40 @@ def test_a_loss_target_stops_the_simulation_where_the_real_evaluation_reaches_it
     assert [p["step"] for p in run.curve] == [4, 8]  # it stopped there, as a real run stops
     assert run.best == run.final == pytest.approx(regression[8]["loss"], rel=1e-5)
     assert run.best_accuracy is None  # a regression reports no accuracy
+
+
+def test_the_race_stops_the_slower_strategies_and_finds_the_same_winner_in_the_same_time():
+    from phalanx.compare import report
+    from phalanx.compare.cli import CompareOptions, setup_from
+    from phalanx.compare.simulated import simulate_compare
+    from phalanx.compare.simulated_report import tables
+    from phalanx.simulate.options import SimulateOptions
+
+    options = CompareOptions(strategies="sync,local-sgd:4,ps", target="0.9", scenarios="slow:1:2", repeats=1,
+                             max_steps=150, eval_every=10)
+    setup = setup_from(options, TrainConfig(model="mlp", devices="cpu", batch_size=8))
+    found = {}
+    for race in (True, False):
+        sim = SimulateOptions(simulate=True, step_time=0.01, link_bandwidth=1e9, link_latency=1e-5, race=race)
+        order = []
+        _, results = simulate_compare(setup, (4, 8), sim, lambda line: None,
+                                      lambda i, total, run, result: order.append((run.workers, run.strategy.token)))
+        found[race] = (order, results, {n: {f.strategy: f for f in t["slow:1:2"]} for n, t in tables(setup, results).items()})
+    (order, raced, table), (_, full, every) = found[True], found[False]
+    assert order[:3] == [(4, "sync"), (4, "local-sgd:4"), (4, "ps")]  # as given at the first count
+    assert order[3][1] == next(s for s, f in table[4].items() if f.winner)  # then the last count's winner first
+    for n in (4, 8):
+        (winner,) = [s for s, f in every[n].items() if f.winner]
+        assert table[n][winner].winner and table[n][winner].median_seconds == every[n][winner].median_seconds
+        for strategy, f in table[n].items():
+            if f.behind is None:  # run to the end: the very same figures
+                assert f.median_seconds == every[n][strategy].median_seconds
+            else:  # stopped past the fastest time found before it, which it would not have beaten
+                assert every[n][winner].median_seconds <= f.behind < every[n][strategy].median_seconds
+                assert report.time_cell(f) == f"> {report.seconds(f.behind)} (stopped; best {report.best(f)})"
+    stopped = [(r, s) for r in raced[8] for s in full[8] if r.stopped_behind and r.strategy == s.strategy]
+    assert stopped and all(r.steps < s.steps for r, s in stopped)  # the race computed fewer steps
+    assert deadline(1.5, 3) == 1.5 and deadline(1.5, 2) == 3.0  # an even median: the mean of the middle two
 
 
 def test_a_server_beside_the_workers_is_read_from_the_layouts():

@@ -60,6 +60,14 @@ def _final(r: RunResult) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
+def _missed(r: RunResult) -> str:
+    """Why a run has no step to target."""
+    if r.diverged:
+        return "diverged"
+    return f"stopped at step {r.steps}, past {seconds(r.stopped_behind)}" if r.stopped_behind is not None \
+        else "not reached"
+
+
 def seconds(value: float) -> str:
     return f"{value:.2f} s" if value < 10 else f"{value:.1f} s"
 
@@ -72,7 +80,10 @@ def best(f: Figures, digits: int = 2) -> str:
 
 
 def time_cell(f: Figures) -> str:
-    """``4.12 s (3.90-4.40)``; ``not reached in 600 steps (best 0.93)``; partial successes say how many."""
+    """``4.12 s (3.90-4.40)``; ``not reached in 600 steps (best 0.93)``; ``> 3.10 s (stopped; best 0.91)``
+    where the race stopped it; partial successes say how many."""
+    if f.behind is not None:
+        return f"> {seconds(f.behind)} (stopped; best {best(f)})"
     if not f.any_reached:
         return f"not reached in {f.max_steps} steps (best {best(f)})"
     spread = f"{seconds(min(f.seconds))}-{seconds(max(f.seconds))}".replace(" s-", "-") if f.runs > 1 else ""
@@ -119,6 +130,9 @@ def terminal(setup: Setup, checked: Checked, table: dict[str, list[Figures]]) ->
         blocks.append("\n".join([_title(setup, checked, scenario)] + lines))
     legend = (f"* reached the target first. Time is {'simulated ' if setup.simulated else ''}training time (start-up and evaluations excluded), measured "
               f"at evaluations every {setup.eval_every} steps; 'vs {baseline(setup)}' is the ratio of median times.")
+    if any(f.behind is not None for rows in table.values() for f in rows):
+        legend += (" '> T (stopped)': its runs were stopped once their simulated clock passed T, the fastest time to "
+                   "the target found before them, so it could not be first (--no-race runs them to the end).")
     return "\n\n".join(blocks + [legend])
 
 
@@ -137,7 +151,8 @@ def scenario_sentence(setup: Setup, scenario: Scenario, rows: list[Figures]) -> 
     name = f"With {scenario.describe()} ({scenario.token})"
     winner = next((f for f in rows if f.winner), None)
     base = next((f for f in rows if f.strategy == baseline(setup)), None)
-    missed = [f for f in rows if not f.any_reached]
+    missed = [f for f in rows if not f.any_reached and f.behind is None]
+    stopped = [f.strategy for f in rows if f.behind is not None]
     if winner is None:
         known = [f for f in rows if f.best_value is not None]
         top = (max if setup.target.higher else min)(known, key=lambda f: f.best_value) if known else rows[0]
@@ -153,6 +168,8 @@ def scenario_sentence(setup: Setup, scenario: Scenario, rows: list[Figures]) -> 
             text += f"; the next, {others[0].strategy}, took {others[0].ratio:.2f}x as long" + _why(others[0], winner)
     if missed:
         text += "; " + ", ".join(f"{f.strategy} never reached it (best {best(f, 3)})" for f in missed)
+    if stopped:
+        text += f"; {', '.join(stopped)} {'was' if len(stopped) == 1 else 'were'} stopped once slower"
     return text + "."
 
 
@@ -241,7 +258,7 @@ def markdown(setup: Setup, checked: Checked, table: dict[str, list[Figures]], ru
               f"final {setup.target.metric} | training s | evaluation s | start-up s | examples/s |", "|" + "---|" * 10]
     for r in runs:
         lines.append(f"| {r.scenario} | {r.strategy} | {r.repeat + 1} | "
-                     f"{r.steps_to_target if r.reached else ('diverged' if r.diverged else 'not reached')} | "
+                     f"{r.steps_to_target if r.reached else _missed(r)} | "
                      f"{seconds(r.seconds_to_target) if r.reached else '-'} | {_final(r)} | "
                      f"{r.train_seconds:.2f} | {r.eval_seconds:.2f} | {r.startup_seconds:.2f} | "
                      f"{r.examples_per_sec:,.0f} |")

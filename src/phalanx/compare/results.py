@@ -65,6 +65,9 @@ class RunResult:
     final: Optional[float] = None  #: its value at the end
     wire_bytes_per_step: Optional[float] = None  #: what every rank sent per training step (the summary's)
     wire_bytes_to_target: Optional[float] = None
+    #: ``compare --simulate``'s race stopped it without the target, its clock past this time: the fastest median
+    #: time to target found before it (so it could not be first)
+    stopped_behind: Optional[float] = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -181,6 +184,8 @@ class Figures:
     winner: bool = False
     metric: str = "accuracy"  #: the target's metric
     best: Optional[float] = None  #: its best value any repeat reached (the highest, or the lowest)
+    #: the race stopped enough repeats that the median is not known: it is above this time (the fastest's)
+    behind: Optional[float] = None
 
     @property
     def any_reached(self) -> bool:
@@ -199,7 +204,8 @@ class Figures:
 
 def figures(runs: list[RunResult], max_steps: int) -> Figures:
     """Medians over the repeats of one (scenario, strategy); a repeat that missed the target counts as
-    infinitely slow, so the median is finite only if at least half of them reached it."""
+    infinitely slow, so the median is finite only if at least half of them reached it. A repeat the race
+    stopped counts so too: its time is above the bound it was stopped at, which the figures keep."""
     reached = [r for r in runs if r.reached]
     times = sorted(r.seconds_to_target for r in reached)
     padded = times + [math.inf] * (len(runs) - len(reached))
@@ -207,9 +213,11 @@ def figures(runs: list[RunResult], max_steps: int) -> Figures:
     dropped = [r.dropped for r in runs if r.dropped]
     per_step = [r.wire_bytes_per_step for r in runs if r.wire_bytes_per_step is not None]
     to_target = [r.wire_bytes_to_target for r in reached if r.wire_bytes_to_target is not None]
+    median = statistics.median(padded)
+    stopped = [r.stopped_behind for r in runs if r.stopped_behind is not None]
     return Figures(
         strategy=runs[0].strategy, scenario=runs[0].scenario, runs=len(runs), reached=len(reached),
-        seconds=times, median_seconds=statistics.median(padded),
+        seconds=times, median_seconds=median, behind=min(stopped) if stopped and math.isinf(median) else None,
         median_steps=statistics.median(r.steps_to_target for r in reached) if reached else None,
         median_examples=statistics.median(r.examples_to_target for r in reached) if reached else None,
         examples_per_sec=statistics.median(r.examples_per_sec for r in runs),

@@ -3,7 +3,10 @@
 The same strategies, scenarios, target, repeats and report as a real comparison (``compare/``),
 run by the simulation instead of by processes: for every worker count, every repeat, scenario and
 strategy, one :class:`~phalanx.simulate.world.World` played by the strategy's simulated rule.
-Repeat r uses seed + r, as real runs do. The target is any metric a real comparison takes
+Repeat r uses seed + r, as real runs do. The strategies race (``--race``, on by default): at each worker
+count and scenario they run fastest first at the last count, and a run stops once its simulated clock passes
+the fastest median time to target found so far, since it can no longer be first (reported as ``> T``); the
+winner and its time are those of running everything to the end, and far fewer gradients are computed. The target is any metric a real comparison takes
 (``accuracy>=0.95``, ``loss<=0.3``, ``perplexity<=5``, a ``--metric`` of the user's), evaluated as
 a real run evaluates (``world.py``). Checked first, in one line each, before anything runs: a
 strategy without a simulated rule, a ``link:RATE`` scenario (a real link; here the link is
@@ -33,7 +36,7 @@ from .cli import default_strategies as real_defaults
 from .cli import setup_from
 from .outcome import report_folder, writable
 from .report import target_words
-from .results import RunResult
+from .results import RunResult, figures
 from .simulated_problem import Problem, build_problem
 from .tokens import parse_strategy
 
@@ -100,19 +103,35 @@ def default_strategies(text: str) -> str:
     return ",".join(t for t in text.split(",") if simulated_rule(parse_strategy(t).options) is not None)
 
 
-def schedule(setup, workers: tuple[int, ...]) -> list[SimRun]:
-    """Every run: worker counts outermost, then repeats, scenarios, strategies (the real comparison's order)."""
-    return [SimRun(n, strategy, scenario, r, setup.train.seed + r)
-            for n in workers for r in range(setup.repeats) for scenario in setup.scenarios
-            for strategy in setup.strategies]
+def count(setup, workers: tuple[int, ...]) -> int:
+    """How many runs the comparison simulates: every worker count x repeat x scenario x strategy."""
+    return len(workers) * setup.repeats * len(setup.scenarios) * len(setup.strategies)
 
 
-def run_one(problem: Problem, setup, run: SimRun):
-    """Simulate one run and read it back as a real run's :class:`~phalanx.compare.results.RunResult`."""
+def deadline(fastest: float, repeats: int) -> float:
+    """Simulated seconds past which a strategy's run cannot make its median time to target beat ``fastest``,
+    the fastest median found so far (the race). With an odd number of repeats, a run stopped past ``fastest``
+    is slower than every repeat that reached the target by then, so the median is exact or above ``fastest``.
+    With an even number, the median is the mean of the middle two: a run stopped past twice ``fastest`` keeps
+    that mean above ``fastest`` whatever the other middle one is."""
+    return fastest if repeats % 2 else 2 * fastest
+
+
+def race_order(strategies, medians: Optional[dict[str, float]]) -> list:
+    """The strategies, fastest first at the last worker count simulated (as given at the first): the sooner
+    a fast one runs, the sooner the others stop."""
+    if medians is None:
+        return list(strategies)
+    return sorted(strategies, key=lambda s: medians[s.token])
+
+
+def run_one(problem: Problem, setup, run: SimRun, fastest: float = math.inf, race: bool = False):
+    """Simulate one run and read it back as a real run's :class:`~phalanx.compare.results.RunResult`; ``race``:
+    stop it once it can no longer beat ``fastest`` (:func:`deadline`)."""
     options = run.strategy.options
     target = setup.target
     world = World(problem, options, run.workers, run.scenario.slowness, run.seed, setup.max_steps,
-                  setup.eval_every, target)
+                  setup.eval_every, target, deadline(fastest, setup.repeats) if race else math.inf)
     simulated_rule(options).run(options, world)
     out = world.finish()
     first = next((p for p, values in zip(out.curve, out.values) if target.reached(values)), None)
@@ -140,7 +159,8 @@ def run_one(problem: Problem, setup, run: SimRun):
         dropped=dropped, calibrated_compute_s={}, curve=out.curve,
         metrics=f"simulated at {run.workers} workers (peak {out.peak_versions} parameter versions held)",
         metric=target.metric, higher=target.higher, best=(max if target.higher else min)(seen, default=None),
-        final=out.values[-1].get(target.metric) if out.values else None)
+        final=out.values[-1].get(target.metric) if out.values else None,
+        stopped_behind=fastest if out.outrun else None)
 
 
 def simulate_compare(setup, workers: tuple[int, ...], sim, say: Callable[[str], None],
@@ -156,14 +176,25 @@ def simulate_compare(setup, workers: tuple[int, ...], sim, say: Callable[[str], 
         raise PhalanxError(f"global batch {setup.train.batch_size * max(workers)} ({setup.train.batch_size} per worker x "
                            f"{max(workers)} workers) is larger than the {size} training examples; use a smaller "
                            "--batch-size, or data large enough for the largest worker count")
-    runs = schedule(setup, workers)
     results: dict[int, list] = {n: [] for n in workers}
+    total, done = count(setup, workers), 0
+    medians: dict[str, dict[str, float]] = {}  #: scenario -> strategy -> median time at the last worker count
     with _threads(setup.train.threads):
-        for i, run in enumerate(runs):
-            result = run_one(problem, setup, run)
-            results[run.workers].append(result)
-            if progress is not None:
-                progress(i, len(runs), run, result)
+        for n in workers:
+            for scenario in setup.scenarios:
+                fastest, mine = math.inf, {}
+                for strategy in race_order(setup.strategies, medians.get(scenario.token)):
+                    runs = []
+                    for r in range(setup.repeats):
+                        run = SimRun(n, strategy, scenario, r, setup.train.seed + r)
+                        runs.append(run_one(problem, setup, run, fastest, sim.race))
+                        if progress is not None:
+                            progress(done, total, run, runs[-1])
+                        done += 1
+                    mine[strategy.token] = figures(runs, setup.max_steps).median_seconds
+                    fastest = min(fastest, mine[strategy.token])
+                    results[n] += runs
+                medians[scenario.token] = mine
     return problem, results
 
 
@@ -183,8 +214,13 @@ def _threads(given: Optional[int]):
 
 
 def print_progress(i: int, total: int, run: SimRun, result) -> None:
-    outcome = (f"reached the target at step {result.steps_to_target} ({result.seconds_to_target:.3g} s simulated)"
-               if result.reached else f"not reached (best {result.metric} {_number(result.best)})")
+    if result.reached:
+        outcome = f"reached the target at step {result.steps_to_target} ({result.seconds_to_target:.3g} s simulated)"
+    elif result.stopped_behind is not None:
+        outcome = (f"stopped at step {result.steps} ({result.train_seconds:.3g} s simulated), slower than the "
+                   f"fastest so far ({result.stopped_behind:.3g} s; best {result.metric} {_number(result.best)})")
+    else:
+        outcome = f"not reached (best {result.metric} {_number(result.best)})"
     print(f"run {i + 1}/{total}: {run.label}: {outcome}; simulated in {result.wall_seconds:.1f} s",
           file=sys.stderr, flush=True)
 
@@ -233,11 +269,12 @@ def compare_simulated(options, train, sim, workers: Optional[tuple[int, ...]], c
     setup = dataclasses.replace(setup_from(options, train, objects), simulated=True)
     workers = tuple(workers or DEFAULT_WORKERS)
     check(setup, workers)
-    total = len(schedule(setup, workers))
+    total = count(setup, workers)
     print(f"phalanx compare --simulate: {len(setup.strategies)} strategies x {len(setup.scenarios)} scenarios x "
           f"{setup.repeats} repeats x {len(workers)} worker counts ({', '.join(map(str, workers))}) = {total} "
           f"simulated runs, each to {target_words(setup.target)} or {setup.max_steps} steps (evaluated every "
-          f"{setup.eval_every}); {setup.task.model_name} on {setup.task.data_name}", flush=True)
+          f"{setup.eval_every}{'; a run stops once slower than the fastest so far' if sim.race else ''}); "
+          f"{setup.task.model_name} on {setup.task.data_name}", flush=True)
     out = report_folder(options.out)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     problem, results = simulate_compare(setup, workers, sim, say, print_progress)

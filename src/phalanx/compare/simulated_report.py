@@ -75,7 +75,7 @@ def terminal(setup, by_workers) -> str:
 
 def scaling_plot(setup, by_workers, out: Path) -> dict[str, Any]:
     """Median time to target against worker count, one panel per scenario, one line per strategy
-    (x on the line's count axis where it was not reached)."""
+    (x on the line's count axis where it was not reached; ^ at the fastest's time where the race stopped it)."""
     plots._pyplot()  # (matplotlib with its file backend, before the panels)
     colours = plots._colours(setup)
     counts = sorted(by_workers)
@@ -86,7 +86,11 @@ def scaling_plot(setup, by_workers, out: Path) -> dict[str, Any]:
             xs = [n for n in counts if not math.isinf(rows[n].median_seconds)]
             ax.plot(xs, [rows[n].median_seconds for n in xs], marker="o", ms=4, lw=1.5, color=colours[strategy.token],
                     label=strategy.token)
-            missed = [n for n in counts if math.isinf(rows[n].median_seconds)]
+            behind = [n for n in counts if rows[n].behind is not None]
+            if behind:  # stopped by the race: slower than the fastest time, drawn there pointing up
+                ax.plot(behind, [rows[n].behind for n in behind], ls="none", marker="^", ms=7, mfc="none",
+                        color=colours[strategy.token])
+            missed = [n for n in counts if math.isinf(rows[n].median_seconds) and rows[n].behind is None]
             if missed:
                 ax.plot(missed, [0] * len(missed), ls="none", marker="x", ms=8, mew=2, color=colours[strategy.token],
                         clip_on=False)
@@ -98,7 +102,7 @@ def scaling_plot(setup, by_workers, out: Path) -> dict[str, Any]:
         ax.set_ylabel(f"simulated time to {report.short(setup.target)} (s)")
         ax.grid(alpha=0.3)
     axes[-1].legend(fontsize=8)
-    fig.suptitle("simulated: time to target against worker count (x at 0: not reached)")
+    fig.suptitle("simulated: time to target against worker count (x at 0: not reached; ^: stopped, slower)")
     return plots._save(fig, out / SCALING_PLOT, "simulated time to target against worker count")
 
 

@@ -56,15 +56,18 @@ class Outcome:
     diverged: bool = False
     wall_seconds: float = 0.0  #: what simulating it took here
     peak_versions: int = 0
+    outrun: bool = False  #: stopped past its deadline without the target (compare --simulate's race)
 
 
 class World:
     def __init__(self, problem: Problem, options: Any, workers: int, slowness: Optional[Slowness], seed: int,
-                 max_steps: int, eval_every: int, target: Optional[Target]):
+                 max_steps: int, eval_every: int, target: Optional[Target], deadline: float = math.inf):
         self.problem, self.options, self.workers = problem, options, workers
         self.slowness, self.seed = slowness, seed
         self.max_steps, self.eval_every = max_steps, eval_every
         self.target = target  #: what stops the run (None: only the last step)
+        #: simulated seconds past which the run stops without the target: another strategy reached it sooner
+        self.deadline = deadline
         self.cfg = problem.config
         self.data = problem.data(seed)
         self.template = problem.model(seed)
@@ -207,7 +210,8 @@ class World:
     def step_done(self, step: int, seconds: float, values: Optional[dict[str, float]] = None,
                   loss: float = 0.0) -> bool:
         """Global step ``step`` ended at simulated ``seconds``; ``values``: the metrics where the rule
-        evaluated (it must when :meth:`due`). True: stop here (the target reached, the last step, or divergence)."""
+        evaluated (it must when :meth:`due`). True: stop here (the target reached, the last step, divergence, or
+        the clock past :attr:`deadline`)."""
         self.outcome.steps, self.outcome.seconds = step, seconds
         if not math.isfinite(loss):
             self.outcome.diverged = True
@@ -221,6 +225,8 @@ class World:
             self.outcome.values.append(values)
             if self.target is not None and self.target.reached(values):
                 self.stopped = True
+        if not self.stopped and seconds > self.deadline:
+            self.outcome.outrun = self.stopped = True
         if step >= self.max_steps:
             self.stopped = True
         return self.stopped
