@@ -1,11 +1,14 @@
-"""The simulation's gradients of W workers on their own parameters: vmap against one worker after another.
+"""The simulation's gradients of W workers: on their own parameters, vmap against one worker after another; on the
+same parameters (sync), shard by shard against one pass of the whole batch.
 
 ``Gradients.each`` (``src/phalanx/simulate/gradients.py``) computes every worker's gradient on its own
 parameters (the parameter server's family, local SGD, DiLoCo). It vmaps over the workers, and where an op of the
 model has no batching rule (the GPT example's ``scaled_dot_product_attention``) torch loops inside vmap; from
 the second call on, ``each`` then computes the workers in turn. Both variants run here on the same parameters
 (W copies, each a little apart) and batches, interleaved round by round, one thread (the simulation's share of
-2 cores), the first round a warm-up.
+2 cores), the first round a warm-up. ``Gradients.mean`` (simulated sync) computes a user's step on the whole
+batch the shards were split from where its loss is their mean (the GPT's, checked on its first call); the
+shard-by-shard variant is what it does otherwise.
 
     PYTHONPATH=examples python3 benchmarks/simulate_gradients.py --save            # the GPT example, 64 workers
 """
@@ -43,21 +46,29 @@ def main() -> None:
     in_turn.each(rows, shards)  # its first call vmaps, and learns that attention loops inside vmap
     assert in_turn.vmappable is False
     vmapped = Gradients(model, None, UserStep(gpt.step))
+    whole = (torch.cat([b[0] for b in shards]), torch.cat([b[1] for b in shards]))
+    one_pass = Gradients(model, None, UserStep(gpt.step))
+    one_pass.mean(flat, shards, whole)  # its first call compares the whole batch with the shards' mean
+    assert one_pass.whole_is_mean is True
+    by_shard = Gradients(model, None, UserStep(gpt.step))
     print(f"the GPT example ({flat.numel():,} parameters), {W} workers x {B} windows, {args.threads} thread(s), "
           f"{args.rounds} interleaved rounds after one warm-up")
-    runs: dict[str, list[float]] = {"vmap": [], "in turn": []}
+    calls = {"vmap": lambda: vmapped.each(rows, shards), "in turn": lambda: in_turn.each(rows, shards),
+             "sync by shard": lambda: by_shard.mean(flat, shards), "sync whole": lambda: one_pass.mean(flat, shards, whole)}
+    runs: dict[str, list[float]] = {name: [] for name in calls}
     for r in range(args.rounds + 1):
-        for name, grads in (("vmap", vmapped), ("in turn", in_turn)):
-            if name == "vmap":
-                grads.vmappable = True  # vmap on every call
+        for name, call in calls.items():
+            vmapped.vmappable = True  # vmap on every call
             began = time.perf_counter()
-            grads.each(rows, shards)
+            call()
             if r:
                 runs[name].append((time.perf_counter() - began) * 1000)
-    med = print_medians(runs, 8, " ms")
+    med = print_medians(runs, 14, " ms")
     ratio = med["vmap"] / med["in turn"]
-    print(f"vmap / in turn: {ratio:.2f}")
-    save_result("simulate_gradients", args, ms_per_call=runs, medians=med, ratio_vmap_over_in_turn=ratio)
+    sync = med["sync by shard"] / med["sync whole"]
+    print(f"vmap / in turn: {ratio:.2f}; sync by shard / whole: {sync:.2f}")
+    save_result("simulate_gradients", args, ms_per_call=runs, medians=med, ratio_vmap_over_in_turn=ratio,
+                ratio_sync_by_shard_over_whole=sync)
 
 
 if __name__ == "__main__":

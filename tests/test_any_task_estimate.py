@@ -111,6 +111,37 @@ def test_simulated_workers_on_their_own_parameters_are_computed_in_turn_where_vm
         torch.testing.assert_close(again, alone, rtol=1e-4, atol=1e-6)
 
 
+def test_simulated_sync_takes_a_users_mean_loss_on_the_whole_batch_and_a_sum_shard_by_shard(monkeypatch):
+    """Simulated sync computes the W shards as one batch where the user's loss on it is their mean (the GPT's:
+    a mean over equal counts of tokens); a step whose loss sums, or a batch with ignored targets, is computed
+    shard by shard. Every way gives the mean of the shards' gradients, as DDP applies it."""
+    from phalanx.data import batch as batches
+    from phalanx.simulate.gradients import Gradients
+    from phalanx.task.step import UserStep
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import gpt
+
+    (x, y), _ = gpt.load()
+    model = gpt.make(105)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    whole = (x[:12], y[:12])
+    shards = batches.split(whole, 3)
+    padded = (x[:12], torch.where(torch.arange(y.shape[1]) < torch.arange(12)[:, None], -1, y[:12]))  # row i: i ignored
+    summing = UserStep(lambda model, batch: gpt.step(model, batch)[0] * len(batch[0]))
+    for step, batch, one_pass in ((UserStep(gpt.step), whole, True), (summing, whole, False),
+                                  (UserStep(gpt.step), padded, None)):
+        pieces = batches.split(batch, 3)
+        expected = Gradients(model, F.cross_entropy, step).mean(flat, pieces)  # shard by shard
+        grads = Gradients(model, F.cross_entropy, step)
+        for _ in range(2):  # the first call compares, the second takes what it learnt
+            g, loss = grads.mean(flat, pieces, batch)
+            assert grads.whole_is_mean is one_pass
+            torch.testing.assert_close(g, expected[0], rtol=1e-4, atol=1e-6)
+            assert loss == pytest.approx(expected[1], rel=1e-5)
+    assert len(shards) == 3 and grads.computed == 6
+
+
 @pytest.mark.slow
 def test_compare_simulate_of_the_gpt_example_runs_and_reports(tmp_path):
     out = run_in_process("compare", "--simulate", *GPT, "--optimizer", "gpt:optimizer", "--lr-scheduler",

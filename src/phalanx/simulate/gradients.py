@@ -8,7 +8,10 @@ them (a version it pulled, its local copy). Two ways to compute, by what the rul
 - :meth:`Gradients.mean`: workers on the *same* parameters whose gradients are only ever averaged
   (sync): pairs under the convention's step concatenated into one forward pass, the loss the mean of
   each shard's own loss, so the gradient is exactly the mean of theirs (DDP's), in one larger batch;
-  any other task shard by shard (its step decides the loss: a mean over its own counted tokens);
+  any other step (a user's) on the whole batch the shards came from, where that is the mean of theirs:
+  every shard as long, no target ignored (no negative class: ``-100``, ``-1``), and the step's loss a mean on the
+  first call (its gradient on the whole batch against the shards' mean, one shard by one: a step that sums
+  is computed shard by shard from then on, as is a batch whose targets it cannot see);
 - :meth:`Gradients.each`: every worker's own gradient, on its own parameters (a parameter server
   applies them one by one; local SGD steps each copy): ``vmap`` over the workers (every tensor of
   their batch trees stacked), in chunks, so
@@ -61,6 +64,7 @@ class Gradients:
         self.size = sum(self.numels)
         self.buffers = dict(model.named_buffers())
         self.vmappable: Optional[bool] = None  # learnt on the first call
+        self.whole_is_mean: Optional[bool] = None  # the step's loss on a whole batch is its shards' mean: learnt
         self.computed = 0  #: gradients computed (worker-steps)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -83,8 +87,9 @@ class Gradients:
         (the model, then the loss on each shard's slice of the outputs); any other step is called shard by shard."""
         return type(self.step) is DefaultStep and all(batches.is_pair(b) for b in shards)
 
-    def mean(self, flat: torch.Tensor, shards: Sequence[Any]) -> tuple[torch.Tensor, float]:
-        """The mean of the workers' gradients on ``flat`` (one per batch) and their mean loss."""
+    def mean(self, flat: torch.Tensor, shards: Sequence[Any], whole: Any = None) -> tuple[torch.Tensor, float]:
+        """The mean of the workers' gradients on ``flat`` (one per batch) and their mean loss; ``whole``: the batch
+        the shards were split from (sync's global batch), computed in one pass where that is their mean."""
         leaf = flat.detach().requires_grad_(True)
         if self._one_pass(shards):
             out = self._call(leaf, torch.cat([b[0] for b in shards]))
@@ -97,12 +102,24 @@ class Gradients:
                 (g,) = torch.autograd.grad(loss, leaf)
                 self.computed += len(shards)
                 return g, float(loss.detach())
+        self.computed += len(shards)
+        if whole is None or self.whole_is_mean is False or not _equal_counts(whole, shards, getattr(self.step, "target_key", None)):
+            return self._by_shard(leaf, shards)
+        loss = self._loss(leaf, whole)
+        (g,) = torch.autograd.grad(loss, leaf)
+        if self.whole_is_mean is None:  # the step's loss may be a sum, or weigh examples its own way: compare once
+            mean, value = self._by_shard(leaf, shards)
+            self.whole_is_mean = bool((g - mean).norm() <= 1e-4 * mean.norm())
+            if not self.whole_is_mean:
+                return mean, value
+        return g, float(loss.detach())
+
+    def _by_shard(self, leaf: torch.Tensor, shards: Sequence[Any]) -> tuple[torch.Tensor, float]:
         g, total = torch.zeros_like(leaf), 0.0
         for shard in shards:  # one backward each: the memory of one shard's activations, not k
             loss = self._loss(leaf, shard) / len(shards)
             g += torch.autograd.grad(loss, leaf)[0]
             total += float(loss.detach())
-        self.computed += len(shards)
         return g, total
 
     def each(self, flats, batches_: Sequence[Any]) -> tuple[torch.Tensor, list[float]]:
@@ -154,3 +171,12 @@ class Gradients:
             losses.append(value)
         self.computed -= len(losses)  # counted by each()
         return losses
+
+
+def _equal_counts(whole: Any, shards: Sequence[Any], key: Optional[str]) -> bool:
+    """Whether a mean over ``whole``'s targets is the mean of the shards' means: shards as long, and no class
+    target negative (an ignored one: ``-100``, nanoGPT's ``-1``), so each shard counts its length's share,
+    shifted or not."""
+    targets = batches.targets(whole, key)
+    return (isinstance(targets, torch.Tensor) and len({batches.length(b) for b in shards}) == 1
+            and (targets.is_floating_point() or not bool((targets < 0).any())))

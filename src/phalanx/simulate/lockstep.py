@@ -2,8 +2,8 @@
 
 Every step every worker computes its gradient on the one common set of parameters; the mean of
 the W gradients is applied once (DDP's all-reduce, then the same optimizer step on every rank).
-The W batches are computed together as one batch of W x B (:meth:`Gradients.mean`), so the
-parameters are exactly a real run's. Time: a step takes what the strategy's cost model predicts
+The W batches are computed together as one batch of W x B where their mean loss is its loss
+(:meth:`Gradients.mean`), so the parameters are a real run's. Time: a step takes what the strategy's cost model predicts
 at W workers, plus the slowest worker's straggler delay of that step (lockstep waits for it).
 """
 
@@ -27,8 +27,9 @@ class Lockstep(SimulatedRule):
         reader = world.global_reader()
         now = 0.0
         for step in range(1, world.max_steps + 1):
-            shards = batches.split(next(reader), world.workers)  # worker w's batch: the real run's shard w
-            grad, loss = world.grads.mean(params.vector(), shards)
+            whole = next(reader)
+            shards = batches.split(whole, world.workers)  # worker w's batch: the real run's shard w
+            grad, loss = world.grads.mean(params.vector(), shards, whole)
             params.set_grad(grad)
             world.clip(params.tensors)
             optimizer.step()
