@@ -213,6 +213,40 @@ def test_compare_simulate_end_to_end(capsys, tmp_path, monkeypatch):
     assert per_count.startswith("# phalanx compare --simulate") and "Every figure is simulated" in per_count
 
 
+def test_a_stopped_simulation_reports_the_worker_counts_and_runs_that_finished(capsys, tmp_path, monkeypatch):
+    """SIGINT or SIGTERM (here: the Stopped its handler raises, in the last run) ends the simulation with the
+    report of what finished: the worker count done in full at the top, the runs of the next in its own report,
+    both marked incomplete; exit 130 with one line saying where."""
+    from phalanx.compare import simulated
+    from phalanx.errors import Stopped
+
+    real, calls = simulated.run_one, []
+
+    def stopped_in_the_last(*args, **kwargs):
+        calls.append(args[2].label)
+        if len(calls) == 4:
+            raise Stopped("stopped by SIGINT", "SIGINT")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(simulated, "run_one", stopped_in_the_last)
+    monkeypatch.chdir(tmp_path)
+    code, out = run_main(["compare", "--simulate", "--workers", "2,4", "--strategies", "sync,ps", "--scenarios",
+                          "none", "--repeats", "1", "--model", "mlp", "--batch-size", "8", "--max-steps", "20",
+                          "--eval-every", "10", "--target", "0.999", *FAST, "--out", "report"], capsys)
+    assert code == 130, out.err[-3000:]
+    assert out.err.strip().splitlines()[-1] == (
+        "compare --simulate stopped by SIGINT during run 4/4 (ps under none at 4 workers, repeat 1); the partial "
+        "report of the 3 finished run(s), marked incomplete: report/report.md")
+    assert "=== 2 workers (simulated) ===" in out.out and "=== 4 workers" not in out.out
+    data = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert data["incomplete"]["runs_finished"] == 3 and data["workers"] == [2] and set(data["figures"]) == {"2"}
+    assert "**Incomplete**: stopped by SIGINT during run 4 of 4" in (tmp_path / "report" / "report.md").read_text()
+    whole = json.loads((tmp_path / "report" / "workers-2" / "report.json").read_text())
+    assert "incomplete" not in whole and len(whole["runs"]) == 2
+    part = json.loads((tmp_path / "report" / "workers-4" / "report.json").read_text())
+    assert part["incomplete"]["runs_finished"] == 1 and [r["strategy"] for r in part["runs"]] == ["sync"]
+
+
 USER_MODULE = '''
 import torch
 from torch import nn

@@ -201,14 +201,15 @@ def compare(options: CompareOptions, train: TrainConfig, command: Optional[str] 
           f"{setup.task.data_name}", flush=True)
     out = report_folder(options.out)
     interrupted: Optional[Interrupted] = None
-    with tempfile.TemporaryDirectory(prefix="phalanx-compare-") as tmp, _stop_between_runs():
+    with tempfile.TemporaryDirectory(prefix="phalanx-compare-") as tmp, stop_between_runs():
         root = out or Path(tmp)
         try:
             runs = run_all(setup, checked, root, _progress(total))
         except Interrupted as e:  # what finished is still worth a report, marked incomplete
             interrupted, runs = e, e.finished
         files = {r.metrics: (root / r.metrics).read_text() for r in runs}
-    result = Comparison(setup, checked, runs, report.tables(setup, runs), files, command, _incomplete(interrupted))
+    result = Comparison(setup, checked, runs, report.tables(setup, runs), files, command,
+                        incomplete_note(interrupted))
     print("\n" + result.tables + "\n")
     print(result.answer)
     written: list[Path] = []
@@ -222,7 +223,7 @@ def compare(options: CompareOptions, train: TrainConfig, command: Optional[str] 
     return result
 
 
-def _incomplete(interrupted: Optional[Interrupted]) -> Optional[dict]:
+def incomplete_note(interrupted: Optional[Interrupted]) -> Optional[dict]:
     if interrupted is None:
         return None
     return {"stopped_by": interrupted.signame, "interrupted_run": interrupted.index + 1,
@@ -231,7 +232,7 @@ def _incomplete(interrupted: Optional[Interrupted]) -> Optional[dict]:
 
 
 @contextlib.contextmanager
-def _stop_between_runs():
+def stop_between_runs():
     """SIGINT/SIGTERM between runs (checking, reporting) stop the comparison as one inside a run does;
     inside a run the launcher takes them (it stops the workers at a step) and restores these after."""
     if threading.current_thread() is not threading.main_thread():

@@ -26,14 +26,15 @@ from typing import Callable, Optional
 import torch
 
 from ..costs import Link
-from ..errors import PhalanxError
+from ..errors import PhalanxError, Stopped
 from ..simulate.registry import RULES, simulated_rule
 from ..simulate.world import World, stacked_copies, takes_the_model
 from ..strategies import Job
 from ..train import TrainConfig
 from . import simulated_report as report
+from . import runner
+from .cli import incomplete_note, setup_from, stop_between_runs
 from .cli import default_strategies as real_defaults
-from .cli import setup_from
 from .outcome import report_folder, writable
 from .report import target_words
 from .results import RunResult, figures
@@ -52,6 +53,14 @@ class SimRun:
     @property
     def label(self) -> str:
         return f"{self.strategy.token} under {self.scenario.token} at {self.workers} workers, repeat {self.repeat + 1}"
+
+
+class Interrupted(runner.Interrupted):
+    """SIGINT or SIGTERM during a simulated run: ``problem`` and ``by_workers`` hold what finished before it."""
+
+    def __init__(self, problem: Problem, by_workers: dict, index: int, total: int, run: SimRun, signame: str):
+        super().__init__([r for runs in by_workers.values() for r in runs], index, total, run, signame)
+        self.problem, self.by_workers = problem, by_workers
 
 
 def check(setup, workers: tuple[int, ...]) -> None:
@@ -184,16 +193,17 @@ def simulate_compare(setup, workers: tuple[int, ...], sim, say: Callable[[str], 
             for scenario in setup.scenarios:
                 fastest, mine = math.inf, {}
                 for strategy in race_order(setup.strategies, medians.get(scenario.token)):
-                    runs = []
                     for r in range(setup.repeats):
                         run = SimRun(n, strategy, scenario, r, setup.train.seed + r)
-                        runs.append(run_one(problem, setup, run, fastest, sim.race))
+                        try:
+                            results[n].append(run_one(problem, setup, run, fastest, sim.race))
+                        except Stopped as e:  # (a signal handler of the caller's): what finished is kept
+                            raise Interrupted(problem, results, done, total, run, e.signame) from None
                         if progress is not None:
-                            progress(done, total, run, runs[-1])
+                            progress(done, total, run, results[n][-1])
                         done += 1
-                    mine[strategy.token] = figures(runs, setup.max_steps).median_seconds
+                    mine[strategy.token] = figures(results[n][-setup.repeats:], setup.max_steps).median_seconds
                     fastest = min(fastest, mine[strategy.token])
-                    results[n] += runs
                 medians[scenario.token] = mine
     return problem, results
 
@@ -239,11 +249,14 @@ class SimulatedComparison:
     setup: object  #: compare's Setup, marked simulated
     problem: Problem
     runs: dict  #: worker count -> every simulated run (compare's RunResult)
-    table: dict  #: worker count -> scenario -> one ranked row per strategy
+    table: dict  #: worker count -> scenario -> one ranked row per strategy (the worker counts that finished)
     command: Optional[str] = None
+    incomplete: Optional[dict] = None  #: stopped by a signal: by which, during which run
 
     @property
     def answer(self) -> str:
+        if not self.table:
+            return "Simulated: no worker count finished."
         return "Simulated: " + " ".join(report.crossover(self.setup, self.table))
 
     @property
@@ -258,7 +271,7 @@ class SimulatedComparison:
         per worker count in ``workers-N/``; returns the top-level report.md's path first."""
         out = Path(out)
         writable(out)
-        return report.write(out, self.setup, self.problem, self.runs, self.table, self.command)
+        return report.write(out, self.setup, self.problem, self.runs, self.table, self.command, self.incomplete)
 
 
 def compare_simulated(options, train, sim, workers: Optional[tuple[int, ...]], command: Optional[str],
@@ -277,14 +290,28 @@ def compare_simulated(options, train, sim, workers: Optional[tuple[int, ...]], c
           f"{setup.task.model_name} on {setup.task.data_name}", flush=True)
     out = report_folder(options.out)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    problem, results = simulate_compare(setup, workers, sim, say, print_progress)
-    result = SimulatedComparison(setup, problem, results, report.tables(setup, results), command)
+    interrupted: Optional[Interrupted] = None
+    with stop_between_runs():
+        try:
+            problem, results = simulate_compare(setup, workers, sim, say, print_progress)
+        except Interrupted as e:  # what finished is still worth a report, marked incomplete
+            interrupted, problem, results = e, e.problem, {n: runs for n, runs in e.by_workers.items() if runs}
+    finished = {n: runs for n, runs in results.items() if len(runs) == total // len(workers)}
+    result = SimulatedComparison(setup, problem, results, report.tables(setup, finished), command,
+                                 incomplete_note(interrupted))
     for note in problem.clock_notes:
         print(f"clock: {note}")
-    print("\n" + result.tables + "\n")
-    print(result.answer)
-    if out is not None:
+    if finished:
+        print("\n" + result.tables + "\n")
+        print(result.answer)
+    written: list[Path] = []
+    if out is not None and results:
         written = result.save(out)
-        print(f"\nreport {written[0]}, {written[1].name}; plot {out / report.SCALING_PLOT}; one report per worker "
-              f"count in {out}/workers-N/")
+        plot = f"; plot {out / report.SCALING_PLOT}" if finished else ""
+        print(f"\nreport {written[0]}, {written[1].name}{plot}; one report per worker count in {out}/workers-N/")
+    if interrupted is not None:
+        where = (f"the partial report of the {len(interrupted.finished)} finished run(s), marked incomplete: "
+                 f"{written[0]}" if written else "no report was written (no --out, or no run finished); the tables "
+                 "above hold the worker counts that finished")
+        raise Stopped(f"compare --simulate {interrupted.describe()}; {where}", interrupted.signame)
     return result

@@ -122,31 +122,42 @@ def figures_table(setup, by_workers) -> list[str]:
     return lines
 
 
-def write(out: Path, setup, problem, results: dict[int, list], by_workers, command: Optional[str]) -> list[Path]:
-    """Every worker count's report in ``workers-N/``, and the scaling report at the top; returns report.md's path first."""
+def write(out: Path, setup, problem, results: dict[int, list], by_workers, command: Optional[str],
+          incomplete: Optional[dict] = None) -> list[Path]:
+    """Every worker count's report in ``workers-N/``, and the scaling report at the top; returns report.md's path
+    first. ``incomplete``: stopped by a signal; ``by_workers`` then holds the worker counts that finished, and the
+    count it stopped in gets its own report of the runs that finished, marked incomplete."""
     written = []
-    for n, table in sorted(by_workers.items()):
+    for n, runs in sorted(results.items()):
+        table = by_workers.get(n) or report.tables(setup, runs)
         folder = out / f"workers-{n}"
         folder.mkdir(parents=True, exist_ok=True)
-        drawn = plots.draw(setup, table, results[n], folder)
-        written.append(report.write(folder, setup, checked_at(setup, n), table, results[n], drawn, command)[0])
-    picture = scaling_plot(setup, by_workers, out)
-    sentences = crossover(setup, by_workers)
-    lines = ["# phalanx compare --simulate: which strategy reaches the target first, by worker count", "",
-             " ".join(sentences), "",
-             f"Every figure is simulated: {setup.task.model_name} on {setup.task.data_name}, target "
-             f"{report.target_words(setup.target)}, medians of {setup.repeats} repeat{'s' * (setup.repeats != 1)}, "
-             "the simulated training time "
-             "(fastest in bold).", ""] + figures_table(setup, by_workers)
-    lines += ["", f"![{picture['title']}]({picture['file']})", "", "## The clock", ""]
-    lines += [f"- {note}" for note in problem.clock_notes]
+        drawn = plots.draw(setup, table, runs, folder)
+        partial = None if n in by_workers or not incomplete else {**incomplete, "runs_finished": len(runs)}
+        written.append(report.write(folder, setup, checked_at(setup, n), table, runs, drawn, command, partial)[0])
+    lines = ["# phalanx compare --simulate: which strategy reaches the target first, by worker count", ""]
+    if incomplete:
+        done = ", ".join(map(str, sorted(by_workers))) or "none"
+        lines += [f"**Incomplete**: stopped by {incomplete['stopped_by']} during run {incomplete['interrupted_run']} "
+                  f"of {incomplete['runs_planned']} ({incomplete['interrupted_label']}). Worker counts finished: "
+                  f"{done}; the runs that finished after them are in their worker count's report.", ""]
+    sentences = crossover(setup, by_workers) if by_workers else []
+    picture = scaling_plot(setup, by_workers, out) if by_workers else None
+    if by_workers:
+        lines += [" ".join(sentences), "",
+                  f"Every figure is simulated: {setup.task.model_name} on {setup.task.data_name}, target "
+                  f"{report.target_words(setup.target)}, medians of {setup.repeats} "
+                  f"repeat{'s' * (setup.repeats != 1)}, the simulated training time (fastest in bold).", ""]
+        lines += figures_table(setup, by_workers) + ["", f"![{picture['title']}]({picture['file']})"]
+    lines += ["", "## The clock", ""] + [f"- {note}" for note in problem.clock_notes]
     lines += ["", VALIDATED]
     lines += ["", "## Each worker count", ""] + [f"- [{p.parent.name}]({p.parent.name}/report.md)" for p in written]
     lines += ["", "## Setup", "", f"    {command}" if command else ""]
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    data = {"simulated": True, "command": command, "workers": sorted(by_workers), "answer": sentences,
+    data = {**({"incomplete": incomplete} if incomplete else {}),
+            "simulated": True, "command": command, "workers": sorted(by_workers), "answer": sentences,
             "clock": list(problem.clock_notes), "validated": VALIDATED,
-            "setup": report.setup_dict(setup, checked_at(setup, max(by_workers)), command),
+            "setup": report.setup_dict(setup, checked_at(setup, max(results)), command),
             "figures": {str(n): {s: [f.to_dict() for f in rows] for s, rows in table.items()}
                         for n, table in by_workers.items()},
             "plot": picture, "machine": report.machine()}
