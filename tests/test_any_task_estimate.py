@@ -87,8 +87,9 @@ def test_a_pipeline_estimate_of_the_gpt_examples_step_is_trains_one_line_before_
 
 def test_simulated_workers_on_their_own_parameters_are_computed_in_turn_where_vmap_would_loop(monkeypatch):
     """The GPT's attention has no batching rule: inside vmap torch loops over the workers, slower than computing
-    them one after another, which every call after the first does; the same gradients either way. A model
-    whose every op batches (an MLP) stays vmapped."""
+    them one after another, which every call after the first does, two workers at once on two threads (each
+    its own copy of the model); the same gradients either way. A model whose every op batches (an MLP) stays
+    vmapped; one whose forward updates buffers (BatchNorm) is computed on one thread."""
     from phalanx.simulate.gradients import Gradients
     from phalanx.task.step import UserStep
 
@@ -99,7 +100,7 @@ def test_simulated_workers_on_their_own_parameters_are_computed_in_turn_where_vm
     for model, step, batch, vmapped in ((gpt.make(105), UserStep(gpt.step), (x, y), False),
                                         (torch.nn.Linear(64, 3), None, (torch.randn(12, 64), torch.randint(3, (12,))),
                                          True)):
-        grads = Gradients(model, F.cross_entropy, step)
+        grads = Gradients(model, F.cross_entropy, step, threads=2)
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         rows = torch.stack([flat + 0.01 * w for w in range(3)])  # each worker its own parameters
         shards = [(batch[0][2 * w:2 * w + 2], batch[1][2 * w:2 * w + 2]) for w in range(3)]
@@ -109,6 +110,9 @@ def test_simulated_workers_on_their_own_parameters_are_computed_in_turn_where_vm
         alone = torch.stack([grads.mean(rows[w], [shards[w]])[0] for w in range(3)])
         torch.testing.assert_close(first, alone, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(again, alone, rtol=1e-4, atol=1e-6)
+        assert len(grads.helpers or []) == (0 if vmapped else 2)  # in turn: a copy of the model for the 2nd thread
+    batchnorm = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    assert len(Gradients(batchnorm, F.cross_entropy, threads=2)._helpers()) == 1
 
 
 def test_simulated_sync_takes_a_users_mean_loss_on_the_whole_batch_and_a_sum_shard_by_shard(monkeypatch):

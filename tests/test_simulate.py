@@ -371,7 +371,8 @@ def test_the_race_stops_the_slower_strategies_and_finds_the_same_winner_in_the_s
         order = []
         _, results = simulate_compare(setup, (4, 8), sim, lambda line: None,
                                       lambda i, total, run, result: order.append((run.workers, run.strategy.token)))
-        found[race] = (order, results, {n: {f.strategy: f for f in t["slow:1:2"]} for n, t in tables(setup, results).items()})
+        rows = {n: {f.strategy: f for f in t["slow:1:2"]} for n, t in tables(setup, results).items()}
+        found[race] = (order, results, rows)
     (order, raced, table), (_, full, every) = found[True], found[False]
     assert order[:3] == [(4, "sync"), (4, "local-sgd:4"), (4, "ps")]  # as given at the first count
     assert order[3][1] == next(s for s, f in table[4].items() if f.winner)  # then the last count's winner first

@@ -6,11 +6,11 @@ strategy, one :class:`~phalanx.simulate.world.World` played by the strategy's si
 Repeat r uses seed + r, as real runs do. The strategies race (``--race``, on by default): at each worker
 count and scenario they run fastest first at the last count, and a run stops once its simulated clock passes
 the fastest median time to target found so far, since it can no longer be first (reported as ``> T``); the
-winner and its time are those of running everything to the end, and far fewer gradients are computed. The target is any metric a real comparison takes
-(``accuracy>=0.95``, ``loss<=0.3``, ``perplexity<=5``, a ``--metric`` of the user's), evaluated as
-a real run evaluates (``world.py``). Checked first, in one line each, before anything runs: a
-strategy without a simulated rule, a ``link:RATE`` scenario (a real link; here the link is
-``--link-bandwidth``), a worker count a strategy's layout refuses, a target no reported metric
+winner and its time are those of running everything to the end, and far fewer gradients are computed. The
+target is any metric a real comparison takes (``accuracy>=0.95``, ``loss<=0.3``, ``perplexity<=5``, a
+``--metric`` of the user's), evaluated as a real run evaluates (``world.py``). Checked first, in one line
+each, before anything runs: a strategy without a simulated rule, a ``link:RATE`` scenario (a real link; here
+the link is ``--link-bandwidth``), a worker count a strategy's layout refuses, a target no reported metric
 reaches (the real check: ``task/``), a global batch larger than the data.
 """
 

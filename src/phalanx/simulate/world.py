@@ -29,6 +29,7 @@ from torch import nn
 from ..costs import Prediction, cost_model
 from ..data import ShardedBatches, eval_batches
 from ..errors import PhalanxError
+from ..launcher import available_cores
 from ..task.metrics import Target, Totals, add_up
 from ..comm.staleness import StalenessStats
 from ..task import label, names_parameter
@@ -72,7 +73,8 @@ class World:
         self.data = problem.data(seed)
         self.template = problem.model(seed)
         self.step = problem.task.step  #: one object for the run: it remembers what it looked up of the model
-        self.grads = Gradients(self.template, problem.task.loss_fn, self.step)
+        # workers computed in turn (a model vmap cannot batch), several at once: --threads, else every core
+        self.grads = Gradients(self.template, problem.task.loss_fn, self.step, self.cfg.threads or available_cores())
         self.totals = Totals(problem.task.metrics, problem.task.loss_fn)  #: what a real run's evaluation adds up
         self.versions = Versions()
         self.staleness: Optional[StalenessStats] = None  #: set by rules whose gradients can be stale
