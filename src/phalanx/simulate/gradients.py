@@ -96,7 +96,7 @@ class Gradients:
     def mean(self, flat: torch.Tensor, shards: Sequence[Any], whole: Any = None) -> tuple[torch.Tensor, float]:
         """The mean of the workers' gradients on ``flat`` (one per batch) and their mean loss; ``whole``: the batch
         the shards were split from (sync's global batch), computed in one pass where that is their mean."""
-        with self._threads():
+        with self.using_threads():
             return self._mean(flat, shards, whole)
 
     def _mean(self, flat: torch.Tensor, shards: Sequence[Any], whole: Any) -> tuple[torch.Tensor, float]:
@@ -141,7 +141,7 @@ class Gradients:
         into a stack when every worker of a chunk holds the same one)."""
         out = torch.empty(len(batches_), self.size)
         losses: list[float] = []
-        with self._threads():
+        with self.using_threads():
             for lo in range(0, len(batches_), CHUNK):
                 hi = min(lo + CHUNK, len(batches_))
                 losses += self._chunk(flats[lo:hi], batches_[lo:hi], out[lo:hi])
@@ -149,10 +149,11 @@ class Gradients:
         return out, losses
 
     @contextlib.contextmanager
-    def _threads(self, threads: Optional[int] = None) -> Iterator[None]:
-        """torch's threads while gradients are computed: :attr:`threads` (the simulation keeps fewer for its
-        small element-wise updates, which threads that wait on busy cores slow down; a forward and backward
-        of many examples gains from every core: 1.65x on 2 cores, the GPT's whole batch of 64 workers)."""
+    def using_threads(self, threads: Optional[int] = None) -> Iterator[None]:
+        """torch's threads while gradients (and evaluations) are computed: :attr:`threads`. The simulation keeps
+        fewer for its small element-wise updates, which threads that wait on busy cores slow down; a forward and
+        backward of many examples gains from every core (1.47x on 2 cores: the GPT's whole batch of 64 workers,
+        benchmarks/simulate_gradients.py)."""
         before = torch.get_num_threads()
         torch.set_num_threads(threads or self.threads)
         try:
@@ -199,7 +200,7 @@ class Gradients:
         if len(helpers) == 1 or len(chunk) == 1:
             return _turns(self, flats, chunk, out, range(len(chunk)))
         k = len(helpers)
-        with self._threads(1), ThreadPoolExecutor(k) as pool:
+        with self.using_threads(1), ThreadPoolExecutor(k) as pool:
             parts = list(pool.map(lambda h: _turns(helpers[h], flats, chunk, out, range(h, len(chunk), k)), range(k)))
         losses = [0.0] * len(chunk)
         for h, values in enumerate(parts):

@@ -203,7 +203,8 @@ class World:
             for p in self.template.parameters():
                 p.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
-        return add_up(self.template, batches, torch.device("cpu"), self.totals, self.step)
+        with self.grads.using_threads():  # a forward of the whole test set: every core
+            return add_up(self.template, batches, torch.device("cpu"), self.totals, self.step)
 
     def due(self, step: int) -> bool:
         """Whether a real run evaluates after global step ``step`` (every --eval-every steps, and the last)."""
