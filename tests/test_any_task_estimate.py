@@ -89,7 +89,7 @@ def test_simulated_workers_on_their_own_parameters_are_computed_in_turn_where_vm
     """The GPT's attention has no batching rule: inside vmap torch loops over the workers, slower than computing
     them one after another, which every call after the first does, two workers at once on two threads (each
     its own copy of the model); the same gradients either way. A model whose every op batches (an MLP) stays
-    vmapped; one whose forward updates buffers (BatchNorm) is computed on one thread."""
+    vmapped; one whose forward updates buffers (BatchNorm) or draws random numbers (dropout) stays on one thread."""
     from phalanx.simulate.gradients import Gradients
     from phalanx.task.step import UserStep
 
@@ -111,8 +111,9 @@ def test_simulated_workers_on_their_own_parameters_are_computed_in_turn_where_vm
         torch.testing.assert_close(first, alone, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(again, alone, rtol=1e-4, atol=1e-6)
         assert len(grads.helpers or []) == (0 if vmapped else 2)  # in turn: a copy of the model for the 2nd thread
-    batchnorm = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
-    assert len(Gradients(batchnorm, F.cross_entropy, threads=2)._helpers()) == 1
+    for alone in (torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.1)):  # buffers it updates, random numbers it draws
+        assert len(Gradients(torch.nn.Sequential(torch.nn.Linear(4, 4), alone), F.cross_entropy,
+                             threads=2)._helpers()) == 1
 
 
 def test_simulated_sync_takes_a_users_mean_loss_on_the_whole_batch_and_a_sum_shard_by_shard(monkeypatch):

@@ -8,7 +8,7 @@
 
 The keywords are the command's flags: the comparison's own (``strategies``, ``scenarios``,
 ``target``, ``repeats``, ``max_steps``, ``eval_every``), the simulation's (``simulate=True`` and
-its ``step_time``, ``link_bandwidth``, ``link_latency``, ``per_node``) and every training flag the
+its ``step_time``, ``link_bandwidth``, ``link_latency``, ``per_node``, ``race``) and every training flag the
 command takes (``batch_size``, ``lr``, ``devices``, ``seed``, ``tensorboard``, ``model="cnn"``,
 ``data="digits"`` ...). They are checked by the same dataclasses and run by the same
 :func:`~phalanx.compare.cli.compare` as the command's, so a bad value is the same one line.

@@ -209,12 +209,13 @@ class Gradients:
 
     def _helpers(self) -> list["Gradients"]:
         """This object and a copy per further thread, sharing its buffers (read only); itself alone where the
-        model updates buffers in its forward (BatchNorm's statistics), or cannot be copied."""
+        model updates buffers in its forward (BatchNorm's statistics) or draws random numbers (dropout: threads
+        would take them in no fixed order, and a run would not repeat), or cannot be copied."""
         if self.helpers is None:
             self.helpers = [self]
-            updates = any(isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
-                          for m in self.model.modules())
-            if self.threads > 1 and not updates:
+            alone = any((isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats)
+                        or (isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0) for m in self.model.modules())
+            if self.threads > 1 and not alone:
                 try:
                     for _ in range(self.threads - 1):
                         helper = Gradients(copy.deepcopy(self.model), self.loss_fn, self.step)
