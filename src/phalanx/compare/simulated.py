@@ -210,9 +210,10 @@ def simulate_compare(setup, workers: tuple[int, ...], sim, say: Callable[[str], 
 
 @contextlib.contextmanager
 def _threads(given: Optional[int]):
-    """torch threads for the simulation: --threads, else half the cores. Its many small element-wise ops
-    (an update, a version's copy) run several times slower split over threads that other processes keep
-    waiting (the figure: benchmarks/README.md, "Figures behind the code")."""
+    """torch threads for the simulation's updates: --threads, else half the cores. Its many small element-wise
+    ops (an update, a version's copy) run several times slower split over threads that other processes keep
+    waiting (the figure: benchmarks/README.md, "Figures behind the code"). Gradients and evaluations take every
+    core (``World``'s :class:`~phalanx.simulate.gradients.Gradients`)."""
     from ..launcher import available_cores
 
     before = torch.get_num_threads()
