@@ -37,7 +37,7 @@ from ..errors import JobHung, PhalanxError, WorkerFailed
 from ..kinds import Kind
 from ..log import show_on_streams, shown_on_streams
 from .forkserver import start_method
-from .watch import PREFIX, Progress, Watcher, is_gone, say_gone, say_raised, store_client
+from .watch import Progress, Watcher, is_gone, launcher_view, say_gone, say_raised, store_client
 from .context import DEFAULT_TIMEOUT_S, init_worker, local_world_size, shutdown, threads_per_worker
 from .env import joined
 from .joined import collect_before_exit, run_joined
@@ -103,7 +103,7 @@ def _spawned_worker(
         if local_rank == 0:
             results.put(Report(Sent.RESULT, 0, value=_to_bytes(value)))
         progress.at(progress.step, "leaving")
-        _leave_together(dist.PrefixStore(PREFIX, store), world_size)
+        _leave_together(launcher_view(store), world_size)
     except PhalanxError as e:
         # Bad input found inside a worker (or a failure it diagnosed itself, such as a server that lost
         # every worker): send the message home, then fail so the rest stop too.
@@ -246,7 +246,7 @@ def launch(
         join=False,
         start_method=method,
     )
-    watcher = Watcher(dist.PrefixStore(PREFIX, store), len(devices), hang_timeout_s, label or (lambda r: f"rank {r}"),
+    watcher = Watcher(launcher_view(store), len(devices), hang_timeout_s, label or (lambda r: f"rank {r}"),
                       tolerate or (lambda r: False), lockstep)
     try:
         received = _monitor(procs.processes, results, tolerate, watcher)

@@ -48,9 +48,15 @@ def enable_flight_recorder() -> None:
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
 
 
+def launcher_view(store: Optional[dist.Store]) -> Optional[dist.Store]:
+    """The job's store as the launcher keeps its records in it (under ``PREFIX``): progress, hang dumps, who
+    left and who is gone (:func:`say_gone`)."""
+    return None if store is None else dist.PrefixStore(PREFIX, store)
+
+
 def store_client(addr: str, port: int, timeout_s: float = 30.0) -> dist.Store:
     """A connection of its own to the job's store (the watch thread never shares the main thread's)."""
-    return dist.PrefixStore(PREFIX, dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s)))
+    return launcher_view(dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s)))
 
 
 def say_raised(store: Optional[dist.Store], rank: int) -> None:
@@ -75,7 +81,8 @@ def has_raised(store: Optional[dist.Store], rank: int) -> bool:
 
 
 def say_gone(store: Optional[dist.Store], rank: int) -> None:
-    """Record in the job's store (``PREFIX``'s) that ``rank`` will not leave with the others: it died, or its
+    """Record in the job's store (``store``: its :func:`launcher_view`) that ``rank`` will not leave with the
+    others: it died, or its
     server dropped it as frozen. Counted once in ``gone``, whoever sees it first (the parent, the server), so
     the ranks that leave together (``launcher/local.py``) and the parent waiting for them need not wait for it."""
     if store is None:
@@ -377,4 +384,4 @@ def exit_status(signame: str) -> int:
 
 
 __all__ = ["Progress", "Watcher", "describe_hang", "enable_flight_recorder", "exit_status", "has_raised", "is_gone",
-           "say_gone", "say_raised", "store_client"]
+           "launcher_view", "say_gone", "say_raised", "store_client"]

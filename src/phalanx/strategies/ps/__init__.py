@@ -30,13 +30,12 @@ import dataclasses
 from typing import Any, ClassVar, Optional
 
 import torch
-import torch.distributed as dist
 
 from .costs import ParameterServerCost
 from .simulated import SERVER as SIMULATED_SERVER
 from ...errors import PhalanxError
 from ...options import option
-from ...launcher.watch import PREFIX, has_raised, say_gone
+from ...launcher.watch import has_raised, launcher_view, say_gone
 from ...task.metrics import Totals, add_up
 from ..base import COUNT_CORRECT, Build, Options, Report, Runtime
 from ..layout import Job, Layout, RankPlan, Role, StopRule
@@ -179,7 +178,7 @@ class ServerRuntime(Runtime):
         workers = self.ctx.world_size - 1
         rule = options.aggregation(workers)
         store = self.ctx.store
-        jobs = dist.PrefixStore(PREFIX, store) if store is not None else None  # the launcher's records
+        jobs = launcher_view(store)  # where the launcher looks for who is gone
         clip = self.clip_gradients if build.clip_grad_norm is not None else None  # the update's gradient, here
         self.server = Server(self.model, self.optimizer, self.ctx.world_size, self.ctx.device, options.bound,
                              rule, build.steps, build.hang_timeout_s, raised=lambda worker: has_raised(store, worker),
