@@ -7,6 +7,7 @@ page fails here (the fix: ``python3 -m phalanx.options_doc > docs/flags.md``).
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -86,3 +87,45 @@ def test_the_readme_is_a_front_door_with_the_commands_ci_runs():
         # CI's line adds quiet flags to the pip command; the README's command is the same with them dropped
         shown = line.replace(" --quiet --disable-pip-version-check", "")
         assert shown in readme, f"the README no longer shows CI's command {shown!r}"
+
+
+#: a test cited by a page: `test_x.py::test_name`, a later `::test_other` on the same line, or a bare `test_x`
+CITATION = re.compile(r"(?:tests/)?(test_\w+\.py)(?::\d+)?|::(\w+)|`(test_\w+)`")
+
+
+def _tests_by_file() -> dict[str, set[str]]:
+    """Each test file's functions and classes, read without importing it."""
+    names = {}
+    for path in (ROOT / "tests").glob("test_*.py"):
+        tree = ast.parse(path.read_text())
+        names[path.name] = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    return names
+
+
+def _citations(page: Path):
+    """(line number, file, name or None) for every test a page cites; a `::name` belongs to the file before it."""
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        cited_file = None
+        for match in CITATION.finditer(line):
+            file, name, bare = match.groups()
+            if file:
+                cited_file = file
+                yield number, file, None
+            elif name:
+                yield number, cited_file, name
+            else:
+                yield number, None, bare
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_every_test_a_page_cites_exists(page):
+    tests = _tests_by_file()
+    missing = []
+    for number, file, name in _citations(page):
+        if file is None and name is not None:  # a bare name: a test file's stem or a test in any file
+            found = f"{name}.py" in tests or any(name in names for names in tests.values())
+        else:
+            found = file in tests and (name is None or name in tests[file])
+        if not found:
+            missing.append(f"line {number}: {file or ''}{'::' + name if name else ''}")
+    assert not missing, f"{page.relative_to(ROOT)} cites tests that do not exist: {missing}"
