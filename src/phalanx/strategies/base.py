@@ -13,6 +13,8 @@
       loss = runtime.train_step(batch)      # forward, backward, update (micro-batched); any batch tree
       step = runtime.next_step(step)        # the global step now (None: this rank is done)
       losses = runtime.global_losses(losses)  # the per-step losses every rank agrees on (at log steps)
+      where = runtime.nonfinite_inputs(step)  # after a non-finite loss: which inputs held NaN, if known
+      runtime.arrive_for_evaluation()       # meet before a collective evaluation's clock starts
       sums = runtime.evaluate(batches, totals)  # metrics' (sum, count)s over every rank's part
       runtime.state_dict() / runtime.load_state_dict(state)    # checkpoints
       changed = runtime.finish()            # what the model still owes (True: it changed it)
