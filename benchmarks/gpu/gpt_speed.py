@@ -97,6 +97,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--modes", default=",".join(MODES), help="of " + ", ".join(MODES))
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--compiled-rounds", type=int, default=None,
+                   help="rounds of the compiled mode (each compiles twice; default: --rounds)")
     p.add_argument("--steps", type=int, default=40, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=10, help="steps left out of each run's time (the timed steps "
                                                           "must be a multiple of it: phalanx logs every --warmup)")
@@ -116,25 +118,35 @@ def main() -> None:
           f"bytes, {len(data[0])} windows; {args.device}", flush=True)
 
     runs = {f"{mode} {loop}": [] for mode in modes for loop in ("hand-written", "phalanx")}
-    for r in range(args.rounds):
-        for mode in modes:
+    rounds = {mode: args.compiled_rounds if mode == "compiled" and args.compiled_rounds else args.rounds
+              for mode in modes}
+    for r in range(max(rounds.values())):
+        for mode in (m for m in modes if r < rounds[m]):
             for loop in ("hand-written", "phalanx"):
                 began = time.perf_counter()
                 rate = (hand_written(args, data, vocab, mode) if loop == "hand-written"
                         else phalanx_loop(args, data, test, vocab, mode))
                 runs[f"{mode} {loop}"].append(rate)
-                print(f"round {r + 1}/{args.rounds}  {mode:<8} {loop:<12} {rate:12,.0f} tokens/s "
+                print(f"round {r + 1}/{rounds[mode]}  {mode:<8} {loop:<12} {rate:12,.0f} tokens/s "
                       f"({time.perf_counter() - began:.1f} s with start-up)", flush=True)
 
-    print(f"\n{'mode':<9} {'hand-written':>14} {'phalanx':>14} {'ratio':>7}   (median tokens/s over {args.rounds} "
-          f"rounds of {args.steps} timed steps)")
-    ratios = {}
+    # A round's two runs are neighbours in time, so their ratio cancels the machine's drift; the spread of
+    # those paired ratios around their median says how far one measurement can be trusted.
+    print(f"\n{'mode':<9} {'hand-written':>14} {'phalanx':>14} {'ratio':>7} {'paired':>7} {'spread':>14}"
+          f"   (median tokens/s; paired: the median of each round's ratio, spread its min-max)")
+    ratios, paired = {}, {}
     for mode in modes:
         hand, ours = (statistics.median(runs[f"{mode} {loop}"]) for loop in ("hand-written", "phalanx"))
         ratios[mode] = ours / hand
-        print(f"{mode:<9} {hand:14,.0f} {ours:14,.0f} {ratios[mode]:7.3f}")
-    save_result("gpt_speed", args, parameters=params, tokens_per_sec=runs, ratio_phalanx_over_hand=ratios)
-
+        per_round = [o / h for h, o in zip(runs[f"{mode} hand-written"], runs[f"{mode} phalanx"])]
+        mid = statistics.median(per_round)
+        paired[mode] = {"median": mid, "rounds": per_round,
+                        "spread_pct": [100 * (min(per_round) / mid - 1), 100 * (max(per_round) / mid - 1)]}
+        low, high = paired[mode]["spread_pct"]
+        print(f"{mode:<9} {hand:14,.0f} {ours:14,.0f} {ratios[mode]:7.3f} {mid:7.3f}  {low:+5.1f}%/{high:+5.1f}%"
+              f"  ({rounds[mode]} rounds of {args.steps} timed steps)")
+    save_result("gpt_speed", args, parameters=params, tokens_per_sec=runs, ratio_phalanx_over_hand=ratios,
+                paired_ratio=paired)
 
 if __name__ == "__main__":
     main()
