@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from helpers import only_run, run_cli, run_in_process, run_main
+from phalanx import config_file
+from phalanx.cli import build_parser, config_from_args
 from phalanx.train.checkpoint import list_checkpoints
 
 
@@ -37,15 +39,27 @@ def test_default_train_reaches_the_accuracy_and_reports(tmp_path):
     assert events[-1]["event"] == "summary" and events[-1]["test_accuracy"] == pytest.approx(accuracy, abs=1e-4)
 
 
-def test_mlp_with_schedule_and_metrics_path(tmp_path):
+def test_a_run_from_a_config_file_with_flags_over_it_is_saved_and_repeats(tmp_path):
     (tmp_path / "m").mkdir()  # a metrics directory must exist (a typo in it is refused, not created)
-    out = run_cli("train", "--model", "mlp", "--steps", "60", "--lr-schedule", "cosine", "--warmup-steps", "5",
-                  "--workers", "2", "--metrics", "m/run.jsonl", "--eval-every", "30", cwd=tmp_path)
+    (tmp_path / "run.toml").write_text('[model_and_data]\nmodel = "mlp"\n[optimisation]\nsteps = 60\n'
+                                       'lr-schedule = "cosine"\nwarmup_steps = 5\nlr = 0.5\n'
+                                       '[observation_and_checkpoints]\neval_every = 30\n')
+    out = run_cli("train", "--config", "run.toml", "--lr", "0.05", "--workers", "2", "--metrics", "m/run.jsonl",
+                  cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "step 30, test accuracy " in out.stdout
     events = [json.loads(ln) for ln in (tmp_path / "m" / "run.jsonl").read_text().splitlines()]
     lrs = [e["lr"] for e in events if e["event"] == "step"]
     assert lrs[0] > lrs[-1]  # cosine decays
+    assert max(lrs) <= 0.05  # the flag typed over the file's lr
+    saved = only_run(tmp_path) / "config.toml"
+    assert f"config {saved.relative_to(tmp_path)} (--config of it repeats this run)" in out.stdout
+    text = saved.read_text()
+    for line in ('model = "mlp"', "lr = 0.05", 'lr_schedule = "cosine"', "workers = 2", 'metrics = "m/run.jsonl"'):
+        assert line in text.splitlines(), (line, text)
+    args = build_parser().parse_args(["train", "--config", str(saved)])
+    config_file.apply(args.config, args.command_parser, args)
+    assert config_from_args(args).resolved().to_toml() == text  # --config of the saved run is this run
 
 
 BAD_INPUTS = [

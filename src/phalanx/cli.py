@@ -19,7 +19,7 @@ import time
 import warnings
 from typing import Callable, Optional, Sequence
 
-from . import __version__, log
+from . import __version__, config_file, log
 from .launcher import startup
 from .errors import PhalanxError, Stopped, TrainingDiverged, WorkerFailed
 from .options import add_flags, declared, field_flag, given
@@ -69,6 +69,7 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     from .train import TrainConfig
     from .train.config import SECTIONS
 
+    config_file.add_flag(p)
     for title, names in SECTIONS.items():
         add_flags(p.add_argument_group(title), TrainConfig, names)
     group = p.add_argument_group("strategy options (each refused by the strategies that do not take it)")
@@ -153,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (add_flags_, run, help_) in commands().items():
         p = sub.add_parser(name, help=help_, description=help_)
         add_flags_(p)
-        p.set_defaults(run=run)
+        p.set_defaults(run=run, command_parser=p)
     return parser
 
 
@@ -171,6 +172,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "config", None) is not None:  # the file's values, where no flag was typed
+            config_file.apply(args.config, args.command_parser, args)
         code = args.run(args)
     except WorkerFailed as e:
         _say(f"error: {e.who} failed:\n{e.detail}", agreed=False)

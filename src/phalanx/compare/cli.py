@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from .. import config_file
 from ..errors import PhalanxError, Stopped
 from ..task.metrics import parse_target
 from ..options import add_flags, declared, given, option
@@ -108,6 +109,7 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
     from ..options import _argparse_type
     from ..simulate.options import SimulateOptions
 
+    config_file.add_flag(p)
     group = p.add_argument_group("the comparison")
     add_flags(group, CompareOptions)
     # --workers is TrainConfig's, and --simulate takes several counts: one flag, read in run()

@@ -12,17 +12,19 @@ checkpoint's, and the others continue as the checkpoint has them (see ``resume.p
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from ..data.datasets import DATASETS
 from ..errors import PhalanxError
 from ..task.metrics import Target, parse_target
 from ..task.models import MODELS, RECIPES, USER_RECIPE, Recipe
-from ..options import option
+from .. import config_file
+from ..options import declared, option
 from ..precision import PRECISIONS
 from ..comm.shaped_link import LinkRate, parse_rate
 from ..strategies import STRATEGIES, Options, strategy_class
-from .config_checks import ONLY_FOR, OPTIMIZERS, PLAIN_DEFAULTS, PROGRESS, SETTINGS, check_fields, check_recompute
+from .config_checks import (ONLY_FOR, OPTIMIZERS, OWN_SCHEDULE, PLAIN_DEFAULTS, PROGRESS, SETTINGS, check_fields,
+                            check_recompute)
 from ..task.schedules import SCHEDULES
 from ..scenarios.straggle import Slowness, parse_slowness
 
@@ -227,6 +229,26 @@ class TrainConfig:
         given = self._given if self._resolved else tuple(n for n in SETTINGS if getattr(self, n) is not None)
         return dataclasses.replace(self, **values, _resolved=True, _given=given)
 
+    def to_toml(self) -> str:
+        """The run as a ``--config`` file: the sections of ``--help`` as tables, the strategy's options under
+        its name; unset values and what is an action rather than the run (--resume, --overwrite) left out."""
+        tables = {section.split(" (")[0].replace(" ", "_"): {name: _flag_value(getattr(self, name))
+                                                             for name in names if self._saved(name)}
+                  for section, names in SECTIONS.items()}
+        tables["parallelism"]["strategy"] = self.strategy.name
+        tables[self.strategy.name] = {f.name: _flag_value(getattr(self.strategy, f.name))
+                                      for f in declared(type(self.strategy))}
+        return config_file.render(tables, "a phalanx train run: phalanx train --config FILE repeats it "
+                                          "(flags typed with it override its values)")
+
+    def _saved(self, name: str) -> bool:
+        """Whether a saved run writes ``name``: never an action; a setting's own option only where it
+        applies (momentum under sgd), so that reading the file back refuses nothing."""
+        if name in NOT_SAVED or (name in OWN_SCHEDULE and self.lr_scheduler is not None):
+            return False
+        setting, applies_to, _ = ONLY_FOR.get(name, (None, (), None))
+        return setting is None or getattr(self, setting) in applies_to
+
     def recipe_line(self, model: Optional[str] = None) -> str:
         """``recipe: adam, lr 0.01, 300 steps (lstm default; set by flags: lr)``."""
         _, source = self.recipe(model)
@@ -235,6 +257,19 @@ class TrainConfig:
         told = f"; set by flags: {', '.join(given)}" if given else "; any flag overrides"
         lr = "its own lr" if ":" in run.optimizer else f"lr {run.lr:g}"
         return f"recipe: {run.optimizer}, {lr}, {run.steps} steps ({source}{told})"
+
+
+#: fields a saved run leaves out: what to do with the directory, not what the run is
+NOT_SAVED = ("resume", "overwrite")
+
+
+def _flag_value(value: Any) -> Any:
+    """A field's value as its flag would spell it (a straggler as ``slow:1:2``); None for an inactive one."""
+    if isinstance(value, Slowness):
+        return value.text() if value.active else None
+    if isinstance(value, LinkRate):
+        return value.text
+    return value
 
 
 def recipe_name(cfg: TrainConfig, model: Optional[str]) -> str:

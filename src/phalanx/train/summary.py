@@ -5,11 +5,13 @@ summary after the last, and the counts the summary gathers (memory, bytes on the
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from .. import config_file
 from ..memory import Held, describe, held, largest
 from ..task.metrics import said
 from ..comm.shaped_link import loopback_bytes
@@ -162,6 +164,8 @@ class Summary:
             say(self.marks.line())
         say(f"checkpoint {end.checkpoint}")
         say(f"metrics {self.cfg.metrics}")
+        if self.cfg.checkpoint_dir is not None and (Path(self.cfg.checkpoint_dir) / config_file.SAVED_NAME).exists():
+            say(f"config {Path(self.cfg.checkpoint_dir) / config_file.SAVED_NAME} (--config of it repeats this run)")
 
     def _gathered(self) -> tuple[Held, Optional[Held], Optional[float]]:
         """This rank's parameter, gradient and optimizer bytes; the max over ranks; and the job's bytes

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from .. import config_file
 from ..launcher import startup
 from ..comm import shaped_link
 from ..devices import backend_for, resolve_devices
@@ -148,6 +149,8 @@ class Trainer:
             if lock is not None:
                 lock.acquire()
                 rundir.take(cfg.checkpoint_dir, plan.run_id, plan.remove)  # only the checkpoint writer
+                # the run as a file: --config of it repeats the run (a resume writes what it resolved now)
+                config_file.write(Path(cfg.checkpoint_dir) / config_file.SAVED_NAME, cfg.to_toml())
             ckpt.remove_stale_temporaries(cfg.checkpoint_dir)
             with shaped_link.shaped(cfg.link) as link:  # --link: the whole job (store, workers) on the shaped loopback
                 summary = self._run_restarting(plan)
@@ -226,8 +229,8 @@ def _what_failed(e: PhalanxError, layout: Layout) -> str:
 
 
 def _remove_if_empty(root: Path) -> None:
-    """Remove a checkpoint directory this run created, if nothing but its lock and run record is in it."""
-    ours = (ckpt.LOCK_NAME, ckpt.RUN_NAME)
+    """Remove a checkpoint directory this run created, if nothing but its lock, run record and config is in it."""
+    ours = (ckpt.LOCK_NAME, ckpt.RUN_NAME, config_file.SAVED_NAME)
     if root.is_dir() and all(p.name in ours for p in root.iterdir()):
         for name in ours:
             (root / name).unlink(missing_ok=True)
