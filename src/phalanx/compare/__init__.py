@@ -14,13 +14,10 @@ both factors and their product.
 - ``plots.py``: matplotlib figures; ``cli.py``: the command's flags; ``api.py``: ``phalanx.compare(...)``.
 
 This package is itself callable: ``phalanx.compare(model=..., train_data=...)`` runs
-:func:`phalanx.compare.api.compare`. (Python sets ``phalanx.compare`` to this package whenever
-one of its modules is imported, so a function of that name beside it could not stay there.)
+:func:`phalanx.compare.api.compare`. (``phalanx/callable_package.py`` says why a package).
 """
 
-import sys
-import types
-
+from ..callable_package import make_callable
 from . import api
 from .cli import CompareOptions
 from .outcome import Comparison
@@ -30,11 +27,4 @@ from .tokens import parse_scenarios, parse_strategies
 __all__ = ["CompareOptions", "Comparison", "Setup", "api", "parse_scenarios", "parse_strategies"]
 
 
-class _CallablePackage(types.ModuleType):
-    def __call__(self, **kwargs):
-        return api.compare(**kwargs)
-
-    __call__.__doc__ = api.compare.__doc__
-
-
-sys.modules[__name__].__class__ = _CallablePackage
+make_callable(__name__, api.compare)

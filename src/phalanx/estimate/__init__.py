@@ -16,13 +16,10 @@ topology's defaults); the cost model per strategy is pure functions. The modules
 Reading and accuracy: docs/estimate.md.
 
 This package is itself callable: ``phalanx.estimate(model=..., train_data=...)`` runs
-:func:`phalanx.estimate.api.estimate` (Python sets ``phalanx.estimate`` to this package whenever one
-of its modules is imported, so a function of that name beside it could not stay there).
+:func:`phalanx.estimate.api.estimate` (``phalanx/callable_package.py`` says why a package).
 """
 
-import sys
-import types
-
+from ..callable_package import make_callable
 from ..costs import Compute, ModelFacts, Network, Prediction
 from . import api
 from .link import Link, fit_ring
@@ -31,11 +28,4 @@ from .options import EstimateOptions
 __all__ = ["Compute", "EstimateOptions", "Link", "ModelFacts", "Network", "Prediction", "api", "fit_ring"]
 
 
-class _CallablePackage(types.ModuleType):
-    def __call__(self, **kwargs):
-        return api.estimate(**kwargs)
-
-    __call__.__doc__ = api.estimate.__doc__
-
-
-sys.modules[__name__].__class__ = _CallablePackage
+make_callable(__name__, api.estimate)

@@ -7,14 +7,13 @@
     est.plot("scaling.png")       # what `phalanx estimate --plot scaling.png` draws
 
 The keywords are the command's flags (its own, the training flags it takes, the strategies' cost
-options such as ``reduce="hierarchical"``), read by the command's own
-:func:`~phalanx.estimate.cli.options_from_args`, then :func:`~phalanx.estimate.setup.prepare` and
-:func:`~phalanx.estimate.run.run` as for the command: a bad value is the same one line.
+options such as ``reduce="hierarchical"``), split by :func:`~phalanx.estimate.options.split`, then
+:func:`~phalanx.estimate.setup.prepare` and :func:`~phalanx.estimate.run.run`. This is the engine: the
+command (``cli.py``) calls it with the flags typed, so a bad value is the same one line either way.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -23,6 +22,7 @@ from typing import Any, Callable, Optional, Union
 
 from ..errors import PhalanxError
 from ..options import parsed_as_flag
+from .options import EstimateOptions
 
 
 @dataclasses.dataclass
@@ -88,8 +88,7 @@ def estimate(*, model: Any = None, train_data: Any = None, test_data: Any = None
     ``batch_size=64`` ...); unset ones take the command's defaults. Progress lines go to stderr
     (``quiet=True``: none).
     """
-    from .cli import _owners, options_from_args
-    from .options import TRAIN_FLAGS, EstimateOptions
+    from .options import names, split
     from .run import run
     from .setup import prepare
 
@@ -101,7 +100,7 @@ def estimate(*, model: Any = None, train_data: Any = None, test_data: Any = None
         settings["training_step"], training_step = training_step, None
     if isinstance(lr_scheduler, str):
         settings["lr_scheduler"], lr_scheduler = lr_scheduler, None
-    known = {f.name for f in dataclasses.fields(EstimateOptions)} | set(TRAIN_FLAGS) | set(_owners())
+    known = names()
     for name in settings:
         if name not in known:
             raise PhalanxError(f"estimate() has no setting {name}=; it takes the flags of phalanx estimate as keywords "
@@ -109,8 +108,8 @@ def estimate(*, model: Any = None, train_data: Any = None, test_data: Any = None
         if name in ("plot", "json"):
             raise PhalanxError(f"{name}= is the command's way to show the estimate; call .{name.replace('json', 'to_dict')}"
                                f"() on the result instead")
-    values = {name: parsed_as_flag(EstimateOptions, name, value) for name, value in settings.items()}
-    options, train_values, strategy_values = options_from_args(argparse.Namespace(**values))
+    options, train_values, strategy_values = split({name: parsed_as_flag(EstimateOptions, name, value)
+                                                    for name, value in settings.items()})
     objects = {k: v for k, v in (("model", model), ("train_data", train_data), ("test_data", test_data),
                                  ("loss_fn", loss_fn), ("optimizer", optimizer), ("training_step", training_step),
                                  ("lr_scheduler", lr_scheduler)) if v is not None}

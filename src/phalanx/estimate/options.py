@@ -13,7 +13,7 @@ from typing import Optional
 
 from ..costs import cost_model
 from ..errors import PhalanxError
-from ..options import option
+from ..options import field_flag, option
 from ..strategies import STRATEGIES
 from ..units import check_link_pair, parse_bandwidth, parse_duration, parse_workers
 
@@ -98,3 +98,36 @@ def check_plot_suffix(path: str, flag: str = "--plot") -> None:
     """The scaling plot's file names a format matplotlib writes here, or one line."""
     if not path.lower().endswith((".png", ".pdf", ".svg")):
         raise PhalanxError(f"{flag} {path}: name a .png, .pdf or .svg file")
+
+
+def owners() -> dict[str, list[type]]:
+    """Strategy option -> the options classes that take it (several may: ``sync_every`` is local-sgd's and
+    diloco's), in phalanx's order: the fields their cost models depend on."""
+    from ..strategies import strategy_class
+
+    found: dict[str, list[type]] = {}
+    for cls in (strategy_class(name) for name in estimated()):
+        for field in cost_model(cls).fields:
+            found.setdefault(field, []).append(cls)
+    return found
+
+
+def split(settings: dict) -> tuple[EstimateOptions, dict, dict]:
+    """The settings given (by flags or keywords) as the estimate's own options, the run's training values and
+    the strategies' cost options; a strategy's option that no predicted strategy takes is refused."""
+    own = {f.name for f in dataclasses.fields(EstimateOptions)}
+    options = EstimateOptions(**{k: v for k, v in settings.items() if k in own})
+    taken_by = owners()
+    typed = {k: v for k, v in settings.items() if k in taken_by}
+    for name in typed:
+        takers = [cls.name for cls in taken_by[name]]
+        if not set(takers) & set(options.strategies):
+            flag = field_flag(taken_by[name][0], name)
+            raise PhalanxError(f"{flag} is an option of {' and '.join(takers)}, and --strategy {options.strategy} does "
+                               f"not predict it (drop {flag}, or use --strategy {' or '.join(takers)} or all)")
+    return options, {k: v for k, v in settings.items() if k in TRAIN_FLAGS}, typed
+
+
+def names() -> set[str]:
+    """Every setting an estimate takes: its own options, the training flags, the strategies' cost options."""
+    return {f.name for f in dataclasses.fields(EstimateOptions)} | set(TRAIN_FLAGS) | set(owners())
