@@ -131,6 +131,11 @@ def test_ps_staleness_is_unbounded_and_consistent(tmp_path):
     s = _summary(only_run(tmp_path))
     assert s["staleness_bound"] is None and s["max_clock_gap"] >= 2  # the fast worker ran ahead freely
     assert sum(s["gradients_pushed"].values()) == s["gradients_applied_total"]
+    # 60 steps of 2 gradients each; what was in flight at the last step is applied too, and said so
+    in_flight = s["gradients_applied_in_flight"]
+    assert s["gradients_applied_total"] == 60 * 2 + in_flight and 0 <= in_flight <= 1
+    if in_flight:
+        assert f"applied {120 + in_flight} gradients: 120 in the 60 steps, and {in_flight} in flight" in out.stdout
 
 
 def _join_after_the_end(ctx):

@@ -224,9 +224,9 @@ class ServerRuntime(Runtime):
         return self.server.drain()
 
     def report(self, final: bool = False) -> Report:
-        dropped = self.server.dropped_line()
+        extra = [self.server.dropped_line()] + ([self.server.in_flight_line()] if final else [])
         return Report(self.server.stats(final),
-                      [self.server.staleness.line(lead=self.server.max_lead)] + ([dropped] if dropped else []))
+                      [self.server.staleness.line(lead=self.server.max_lead)] + [line for line in extra if line])
 
     def close(self) -> None:
         self.server.close()

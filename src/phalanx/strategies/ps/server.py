@@ -97,6 +97,7 @@ class Server:
         self.staleness = StalenessStats(bound)
         self.updates = 0  # updates applied to the parameters: their version
         self.applied = 0  # gradients applied in this run
+        self.applied_in_flight = 0  # of those, the ones in flight at the last step, applied by drain()
         self.dropped: collections.Counter = collections.Counter()  # worker -> gradients dropped
         self.pending: dict[int, Message] = {}  # gradients taken, waiting for their update
         self.draining = False
@@ -301,7 +302,7 @@ class Server:
         end of the run left incomplete is not applied, and its gradients are counted as dropped.
         Returns whether an update was applied (the parameters changed).
         """
-        updates = self.updates
+        updates, applied = self.updates, self.applied
         self.draining = True
         for worker in sorted(self.waiting & self.live):
             self._reply(worker)
@@ -319,6 +320,7 @@ class Server:
             self.dropped[worker] += 1
         self.pending.clear()
         self.close()  # every stopped worker's BYE, so that the summary's accounting is complete
+        self.applied_in_flight = self.applied - applied
         return self.updates != updates
 
     # ---- what it reports ----
@@ -334,6 +336,7 @@ class Server:
             out["gradients_dropped_total"] = sum(self.dropped.values())
         if final:  # the accounting a reader (or a test) can check: pushes per worker, replies in order
             out["gradients_pushed"] = {str(w): n for w, n in sorted(self.pushed.items())}
+            out["gradients_applied_in_flight"] = self.applied_in_flight
             if self.drops:
                 out["gradients_dropped"] = {str(w): n for w, n in sorted(self.dropped.items())}
             out["replies"] = self.replies
@@ -353,6 +356,15 @@ class Server:
         if who:
             line += ": " + ", ".join(f"{n} from worker {w}" for n, w in sorted(who, key=lambda t: (-t[0], t[1])))
         return line
+
+    def in_flight_line(self) -> Optional[str]:
+        """Why more gradients were applied than steps x workers: those computed when the last step was reached
+        (a worker pushes without waiting, so some are on their way) are applied as any other, not thrown away."""
+        if not self.applied_in_flight:
+            return None
+        return (f"applied {self.applied} gradients: {self.applied - self.applied_in_flight} in the "
+                f"{self.global_step()} steps, and {self.applied_in_flight} in flight when the last step was reached "
+                f"(computed by then, so applied before the final checkpoint, which holds them)")
 
     def close(self, timeout_s: float = 60.0) -> None:
         # A thread still blocked in recv when the process exits aborts it: wait for every BYE. A lost
