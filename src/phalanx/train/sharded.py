@@ -182,6 +182,8 @@ def read(p: Path, use: str = "--resume", verify: bool = True) -> dict[str, Any]:
         state = torch.load(p / STATE, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a bad file
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        if first.startswith("Weights only load failed"):  # (weights_only: nothing it names was run)
+            first = "it holds objects a checkpoint never holds; nothing in it was run"
         raise PhalanxError(f"checkpoint {p} is corrupt: its {STATE} is unreadable ({first}); {earlier}") from None
     if not isinstance(state, dict) or state.get("format") != ckpt.FORMAT or "files" not in state:
         raise PhalanxError(f"{p} is not a phalanx checkpoint; pass a step-* checkpoint written by phalanx train")
@@ -193,6 +195,10 @@ def read(p: Path, use: str = "--resume", verify: bool = True) -> dict[str, Any]:
         if file_digest(p / name) != expected:
             raise PhalanxError(f"checkpoint {p} is corrupt: its shard {name} does not match its checksum (the file "
                                f"changed after it was written); {earlier}")
+    if verify:  # its checksums are no signature: whoever made the files made them too. Refused here, in one line.
+        from ..dcp_safe import read_metadata
+
+        read_metadata(p)
     state.update(path=str(p), shards=str(p), shard_keys=list(KEYS))
     return state
 
