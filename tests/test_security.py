@@ -129,3 +129,52 @@ def test_the_genuine_checkpoint_still_loads_whole_and_by_entry(run):
     assert state["step"] == 2 and state["model"] and state["optimizer"]["param_groups"][0]["lr"] > 0
     assert set(read_entries(str(run["dcp"]), ["model"])["model"]) == set(state["model"])
 
+
+def _listening(pid):
+    """(address, port) of every TCP socket process ``pid`` listens on."""
+    import ipaddress
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in open(f"/proc/{pid}/net/{table}").read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                hexaddr, port = fields[1].split(":")
+                raw = bytes.fromhex(hexaddr)  # the kernel's words, each in host (little-endian) order
+                address = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+                found.append((address, int(port, 16)))
+    return found
+
+
+def _sockets_of_the_job(ctx, launcher_pid):
+    from helpers import gather
+
+    pids = gather(ctx, os.getpid())
+    torch.distributed.barrier()  # every rank's group is up: everything the job listens on is open
+    found = {pid: _listening(pid) for pid in [launcher_pid, *pids]} if ctx.rank == 0 else None
+    torch.distributed.barrier()
+    return {pid: [(str(a), port) for a, port in sockets] for pid, sockets in found.items()} if found else None
+
+
+def _loopback(address):
+    import ipaddress
+
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+
+
+def test_a_one_machine_job_listens_on_loopback_only():
+    from helpers import run_workers
+
+    sockets = run_workers(_sockets_of_the_job, 2, os.getpid())
+    assert len(sockets[os.getpid()]) >= 1 and all(sockets.values()), sockets  # the store; each rank's group
+    outside = {pid: [s for s in found if not _loopback(s[0])] for pid, found in sockets.items()}
+    assert not any(outside.values()), f"listening outside loopback: {outside}"
