@@ -5,18 +5,22 @@
   ``evaluate`` (the ``.dcp`` or the run directory), ``--resume`` (fsdp, and into sync) and ``--init-from``:
   each refuses it in one line naming the file; the same checkpoint, untouched, still loads;
 - a one-machine job listens on loopback only: the launcher's store and every worker's sockets;
-- a run directory is private (0700, files 0600) even under umask 000.
+- a run directory is private (0700, files 0600) even under umask 000: the folders phalanx made, its record,
+  metrics, lock, and every file of a sharded checkpoint (torch writes those).
 """
 
+import json
 import os
 import pickle
 import shutil
+import stat
+import subprocess
 
 import pytest
 import torch
 
-from helpers import run_in_process
-from phalanx import TrainConfig, Trainer, evaluate
+from helpers import phalanx_cmd, run_in_process, run_workers
+from phalanx import evaluate
 from phalanx.errors import PhalanxError
 from phalanx.shard_read import read_entries
 from phalanx.train import checkpoint as ckpt
@@ -33,21 +37,19 @@ class Payload:
         return os.mkdir, (self.marker,)
 
 
-def _train(root, name, **overrides):
-    cfg = dict(strategy="fsdp", steps=2, batch_size=8, workers=2, devices="cpu", model="mlp", optimizer="adam",
-               log_every=100, progress="none", checkpoint_dir=str(root / name),
-               metrics=str(root / name / "metrics.jsonl"))
-    cfg.update(overrides)
-    return Trainer(TrainConfig(**cfg)).fit()
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """One fsdp run on 2 workers (its one checkpoint, step 2, sharded), shared by every test here."""
+    """One fsdp run on 2 workers under umask 000 (its one checkpoint, step 2, sharded), shared by every test
+    here: ``phalanx train`` as a user runs it, in a process of its own (its workers take its umask)."""
     root = tmp_path_factory.mktemp("secure")
-    summary = _train(root, "genuine")
-    return {"root": root, "dir": root / "genuine", "dcp": root / "genuine" / "step-00000002.dcp",
-            "summary": summary}
+    argv = ["train", "--strategy", "fsdp", "--workers", "2", "--model", "mlp", "--steps", "2", "--batch-size", "8",
+            "--optimizer", "adam", "--progress", "none"]
+    out = subprocess.run(phalanx_cmd() + argv, cwd=root, capture_output=True, text=True, timeout=300, umask=0,
+                         stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr
+    directory = root / "runs" / "fsdp-1"
+    summary = json.loads((directory / "metrics.jsonl").read_text().splitlines()[-1])
+    return {"root": root, "dir": directory, "dcp": directory / "step-00000002.dcp", "summary": summary}
 
 
 def _reseal(dcp):
@@ -76,6 +78,7 @@ def _crafted(run, tmp_path, what):
     return copy, dcp, marker
 
 
+@pytest.mark.slow
 def test_a_crafted_metadata_runs_nothing_anywhere_it_is_read_and_is_refused_in_one_line(run, tmp_path):
     copy, dcp, marker = _crafted(run, tmp_path, ".metadata")
     line = (f"error: {dcp / '.metadata'} is refused: it names posix.mkdir, which a checkpoint never holds (a file "
@@ -104,6 +107,7 @@ def test_a_crafted_metadata_runs_nothing_anywhere_it_is_read_and_is_refused_in_o
     assert marker.is_dir()  # the payload was a real one
 
 
+@pytest.mark.slow
 def test_a_crafted_phalanx_pt_or_entry_in_a_sharded_checkpoint_runs_nothing(run, tmp_path):
     copy, dcp, marker = _crafted(run, tmp_path, STATE)
     out = run_in_process("evaluate", "--checkpoint", str(dcp), cwd=tmp_path)
@@ -123,6 +127,7 @@ def test_a_crafted_phalanx_pt_or_entry_in_a_sharded_checkpoint_runs_nothing(run,
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_the_genuine_checkpoint_still_loads_whole_and_by_entry(run):
     assert evaluate(str(run["dcp"])) == pytest.approx(run["summary"]["test_metrics"])
     state = ckpt.tensors(ckpt.load_checkpoint(run["dir"]))
@@ -172,9 +177,18 @@ def _loopback(address):
 
 
 def test_a_one_machine_job_listens_on_loopback_only():
-    from helpers import run_workers
-
     sockets = run_workers(_sockets_of_the_job, 2, os.getpid())
     assert len(sockets[os.getpid()]) >= 1 and all(sockets.values()), sockets  # the store; each rank's group
     outside = {pid: [s for s in found if not _loopback(s[0])] for pid, found in sockets.items()}
     assert not any(outside.values()), f"listening outside loopback: {outside}"
+
+
+@pytest.mark.slow
+def test_a_run_directory_is_private_under_umask_000(run):
+    """The shared run was made under umask 000: every folder phalanx made 0700, every file 0600."""
+    made = [run["root"] / "runs", *sorted((run["root"] / "runs").rglob("*"))]
+    modes = {str(p.relative_to(run["root"])): stat.S_IMODE(p.stat().st_mode) for p in made}
+    assert {name for name in modes} >= {"runs/fsdp-1/.phalanx-run.json", "runs/fsdp-1/metrics.jsonl",
+                                        "runs/fsdp-1/.phalanx.lock", "runs/fsdp-1/step-00000002.dcp/.metadata"}
+    assert {name: mode for name, mode in modes.items()
+            if mode != (0o700 if (run["root"] / name).is_dir() else 0o600)} == {}
