@@ -99,6 +99,11 @@ class SafeReader(FileSystemReader):
         super().__init__(path)
         self.metadata = read_metadata(path)
 
+    def reset(self, checkpoint_id: str | Path | None = None) -> None:
+        super().reset(checkpoint_id)
+        if checkpoint_id:  # (another checkpoint: its own index, read as safely)
+            self.metadata = read_metadata(checkpoint_id)
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:  # a rank-local index: phalanx never writes one
             raise FileNotFoundError(f"{self.path}: no rank-local metadata")
