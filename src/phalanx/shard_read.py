@@ -4,7 +4,8 @@ DCP's own ``dcp.load`` fills the tensors it is given, so a reader must first bui
 right shapes (fsdp does: its runtime's shards). Whatever holds no such template (one process reading
 the whole model for ``evaluate``, ``--init-from`` or sync; a pipeline stage reading its own blocks
 whatever partition wrote them) reads by name instead: torch's "empty" planner rebuilds the entries from
-the checkpoint's own metadata, and only the entries asked for are read from disk.
+the checkpoint's own metadata, and only the entries asked for are read from disk. Nothing read runs code:
+``.metadata`` and the non-tensor entries go through a restricted unpickler (``dcp_safe``).
 """
 
 from __future__ import annotations
@@ -21,15 +22,20 @@ def read_entries(directory: str, wanted: Optional[Iterable[str]] = None) -> dict
     """The checkpoint's entries under ``wanted`` (top-level keys like ``"model"``, or dotted paths into them
     like ``"model.0.weight"`` or ``"optimizer.state.0.weight"``; None: everything), nested as saved. Reads in
     this process only (no collective), so each rank of a job may read its own part."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from .dcp_safe import SafeEmptyPlanner, SafeReader, unwrapped
 
     found: dict[str, Any] = {}
     # What torch's dcp_to_torch_save does, in memory; no_dist: this process reads every entry it plans.
+    # Its reader and planner, but reading nothing that could run code (see dcp_safe).
     keys = None if wanted is None else set(wanted)
-    _load_state_dict(found, storage_reader=FileSystemReader(directory),
-                     planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    try:
+        _load_state_dict(found, storage_reader=SafeReader(directory), planner=SafeEmptyPlanner(keys=keys),
+                         no_dist=True)
+    except CheckpointException as e:
+        raise unwrapped(e) from None
     return found
 
 

@@ -2,6 +2,7 @@
 
 - :mod:`.context`: a worker's place in the job (rank, device, cores) and how it joins the group;
 - :mod:`.local`: starting and watching the workers of a job on one machine (:func:`launch`);
+- :mod:`.loopback`: a one-machine job's store and groups listen on loopback only;
 - :mod:`.joined`: a worker of a job torchrun or srun started, and how it leaves;
 - :mod:`.stopping`: how the launcher takes a stop request (SIGTERM, SIGINT), wherever it arrived;
 - the process's life: :mod:`.env` (which launcher started this process: pure, free of torch), :mod:`.startup`

@@ -1,9 +1,9 @@
 """Start and watch the workers of a job on one machine (or hand over to :mod:`.joined`).
 
-The parent process owns a ``TCPStore`` on 127.0.0.1 with a port the kernel chose (never a fixed
-port, so two jobs never collide) and starts one process per worker, forked by a fork server that
-imported torch once (:mod:`phalanx.launcher.forkserver`); every worker joins the process group through that
-store.
+The parent process owns a ``TCPStore`` listening on 127.0.0.1 only (so do the workers' groups: see
+:mod:`.loopback`), with a port the kernel chose (never a fixed port, so two jobs never collide), and starts
+one process per worker, forked by a fork server that imported torch once
+(:mod:`phalanx.launcher.forkserver`); every worker joins the process group through that store.
 
 Failure: the parent polls its children; the first one that raises or dies takes the job down
 (the others get SIGTERM, then SIGKILL) and the parent raises :class:`WorkerFailed` with that
@@ -36,6 +36,7 @@ from .. import errors
 from ..errors import JobHung, PhalanxError, WorkerFailed
 from ..kinds import Kind
 from ..log import show_on_streams, shown_on_streams
+from . import loopback
 from .forkserver import start_method
 from .watch import Progress, Watcher, is_gone, launcher_view, say_gone, say_raised, store_client
 from .context import DEFAULT_TIMEOUT_S, init_worker, local_world_size, shutdown, threads_per_worker
@@ -234,14 +235,13 @@ def launch(
         with signals_to(lambda name: ctx.progress.request_stop(name)):
             return fn(ctx, *args)
 
-    store = dist.TCPStore(addr, 0, len(devices), is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
+    store = loopback.store(addr, len(devices), timeout_s)  # on addr only (torch's own: on every interface)
     method = start_method()
     results = mp.get_context(method).SimpleQueue()
     procs = mp.start_processes(
         _spawned_worker,
         args=(fn, args, list(devices), threads, addr, store.port, timeout_s, results, hang_timeout_s > 0,
-              _Parents(), shown_on_streams()),
+              _Parents(loopback.worker_environment()), shown_on_streams()),
         nprocs=len(devices),
         join=False,
         start_method=method,

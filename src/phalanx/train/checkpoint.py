@@ -15,7 +15,10 @@
 - **One job per directory.** :class:`DirectoryLock` (``flock`` on ``.phalanx.lock``, released by
   the kernel when the holder dies, so it is never stale) refuses a second job, naming the first.
 
-Everything loads with ``torch.load(weights_only=True)`` (tensors, numbers, strings, lists, dicts).
+- **Private.** Files 0600, the directories phalanx creates 0700, whatever the umask (``files.py``).
+
+Everything loads with ``torch.load(weights_only=True)`` (tensors, numbers, strings, lists, dicts); a sharded
+checkpoint's DCP index and entries through a restricted unpickler (``dcp_safe.py``): nothing read runs code.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ..errors import PhalanxError, StorageError
+from ..files import PRIVATE_FILE, private_dir, write_private
 from . import sharded
 
 FORMAT = "phalanx-checkpoint-1"
@@ -85,7 +89,7 @@ def write_run(directory: str | os.PathLike, record: RunRecord) -> None:
     """Atomically (temporary file, rename), so a reader sees the old record or the new one."""
     root = Path(directory)
     tmp = root / f".{RUN_NAME}.tmp"
-    tmp.write_text(json.dumps(record._asdict()) + "\n")
+    write_private(tmp, json.dumps(record._asdict()) + "\n")
     os.replace(tmp, root / RUN_NAME)
 
 
@@ -116,7 +120,7 @@ def ensure_writable(directory: str | os.PathLike) -> Path:
     """Create ``directory`` if needed and prove a file can be written there (then remove it)."""
     root = Path(directory)
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        private_dir(root)
         fd, probe = tempfile.mkstemp(prefix=".phalanx-probe-", dir=root)
         os.close(fd)
         os.unlink(probe)
@@ -359,7 +363,7 @@ class DirectoryLock:
         self.fd: Optional[int] = None
 
     def acquire(self) -> "DirectoryLock":
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -15,6 +15,7 @@ from typing import Any, Optional
 from tqdm import tqdm
 
 from ..errors import StorageError
+from ..files import open_private, private_dir, write_private
 
 
 def step_line(step: int, loss: float, examples_per_sec: float, sec_per_batch: float) -> str:
@@ -37,7 +38,7 @@ def keep_until(path: str, step: int) -> None:
         if not isinstance(at, int) or at <= step:
             kept.append(line)
     tmp = file.with_name(f".{file.name}.tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept))
+    write_private(tmp, "".join(f"{line}\n" for line in kept))
     os.replace(tmp, file)
 
 
@@ -92,10 +93,10 @@ class Reporter:
         """A continued run appends to its metrics (the parent checked the file is this run's or new);
         a new run's first line names its run, so that no other run's takes it for its own."""
         try:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            private_dir(Path(path).parent)
             if resumed_from is not None:
                 keep_until(path, start_step)
-            self.metrics = open(path, "a" if resumed_from is not None else "w", buffering=1)
+            self.metrics = open_private(path, "a" if resumed_from is not None else "w", buffering=1)
         except OSError as e:
             raise metrics_error(path, e) from None
         if resumed_from is not None:

@@ -32,6 +32,7 @@ waits for a save before it starts the next one and before it exits; rank 0 seals
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import os
 from pathlib import Path
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PhalanxError, StorageError
+from ..files import PRIVATE_DIR, PRIVATE_FILE
 from ..shard_read import ALIASES, read_entries, with_aliases
 from . import checkpoint as ckpt
 
@@ -75,7 +77,7 @@ class ShardWriter:
         if self.ctx.rank == 0:
             try:
                 ckpt.remove(tmp)  # a save of this step that an earlier attempt left unfinished
-                tmp.mkdir()
+                tmp.mkdir(mode=PRIVATE_DIR)  # no one else reaches the files torch writes into it
             except OSError as e:
                 raise ckpt.storage_error(e, final, previous) from None
         dist.barrier()  # every rank writes into the directory rank 0 made, empty
@@ -139,7 +141,11 @@ def seal(tmp: Path, final: Path, state: dict[str, Any]) -> None:
     """Rank 0, once every rank's shards are in ``tmp``: their checksums and ``state`` into its state file,
     then ``tmp`` renamed to ``final`` (an older ``final`` of the same step is replaced)."""
     payload = ckpt.to_cpu(state)
-    payload["files"] = {p.name: file_digest(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+    files = [p for p in sorted(tmp.iterdir()) if p.is_file()]
+    for p in files:  # 0600 as a .pt is (torch's open() made them 0666 less the umask)
+        with contextlib.suppress(PermissionError):  # (another node's rank wrote it as another user)
+            os.chmod(p, PRIVATE_FILE)
+    payload["files"] = {p.name: file_digest(p) for p in files}
     payload["checksum"] = ckpt.payload_digest(payload)
     ckpt.write_file(payload, tmp / STATE)
     _fsync_directory(tmp)
@@ -182,6 +188,8 @@ def read(p: Path, use: str = "--resume", verify: bool = True) -> dict[str, Any]:
         state = torch.load(p / STATE, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a bad file
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        if first.startswith("Weights only load failed"):  # (weights_only: nothing it names was run)
+            first = "it holds objects a checkpoint never holds; nothing in it was run"
         raise PhalanxError(f"checkpoint {p} is corrupt: its {STATE} is unreadable ({first}); {earlier}") from None
     if not isinstance(state, dict) or state.get("format") != ckpt.FORMAT or "files" not in state:
         raise PhalanxError(f"{p} is not a phalanx checkpoint; pass a step-* checkpoint written by phalanx train")
@@ -193,6 +201,10 @@ def read(p: Path, use: str = "--resume", verify: bool = True) -> dict[str, Any]:
         if file_digest(p / name) != expected:
             raise PhalanxError(f"checkpoint {p} is corrupt: its shard {name} does not match its checksum (the file "
                                f"changed after it was written); {earlier}")
+    if verify:  # its checksums are no signature: whoever made the files made them too. Refused here, in one line.
+        from ..dcp_safe import read_metadata
+
+        read_metadata(p)
     state.update(path=str(p), shards=str(p), shard_keys=list(KEYS))
     return state
 

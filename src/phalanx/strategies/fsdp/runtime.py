@@ -206,12 +206,15 @@ class FSDPRuntime(Runtime):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+        from ...dcp_safe import SafePlanner, SafeReader
+
         # The state dicts to fill in place: this rank's shards, with an optimizer state (torch makes one).
         target = {key: value for key, value in self.shard_state_dict().items() if key in keys}
         # A pipeline's checkpoint holds a tied weight once, under its first key: the others are filled from it.
+        # (read_entries also refuses, in one line, a checkpoint that would run code when read)
         aliases = read_entries(path, [ALIASES]).get(ALIASES, {})
         dcp.load({**target, "model": {k: v for k, v in target["model"].items() if k not in aliases}},
-                 checkpoint_id=path)
+                 storage_reader=SafeReader(path), planner=SafePlanner())
         target["model"] = with_aliases(target["model"], aliases)
         if "optimizer" in target:
             set_state_dict(self.model, self.optimizer, model_state_dict=target["model"],
