@@ -128,7 +128,7 @@ if __name__ == "__main__":
                                  max_restarts=1, progress="lines", checkpoint_dir=sys.argv[1])
     summary = phalanx.Trainer(config, model=DiesInTheFinalEvaluation(),
                               train_data=(data.train.x, data.train.y)).fit()
-    print("summary", summary)
+    print("result", type(summary).__name__, summary.already_complete, summary.steps, summary["checkpoint"])
 '''
 
 
@@ -141,7 +141,8 @@ def test_a_restart_that_finds_its_run_complete_exits_0(tmp_path):
     # (the step a dead rank is named with is the last it published: a quarter second old at most)
     assert re.search(r"^worker 1 died at step \d+ \(SIGKILL\); already complete at step 60: checkpoint "
                      r"ck/step-00000060.pt$", out.stdout, re.M), out.stdout + out.stderr
-    assert "restart 1 of 1" not in out.stderr and "'already_complete': True" in out.stdout
+    assert "restart 1 of 1" not in out.stderr
+    assert "result TrainResult True 60 ck/step-00000060.pt" in out.stdout  # the same type as a run's
 
 
 def _free_port():

@@ -18,7 +18,7 @@ _WHERE = {
     **{name: "strategies" for name in ("FSDP", "SSP", "STRATEGIES", "Backup", "DiLoCo", "Hogwild", "LocalSGD",
                                        "Options", "ParameterServer", "Pipeline", "Runtime", "Sync")},
     "Topology": "topology", "detect_topology": "topology",
-    "Schedule": "train", "TrainConfig": "train", "Trainer": "train",
+    "Schedule": "train", "TrainConfig": "train", "TrainResult": "train", "Trainer": "train",
     "ArrayDataset": "data",
     "evaluate": "train.evaluate",
 }

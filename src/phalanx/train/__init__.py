@@ -2,6 +2,7 @@
 
 from .config import TrainConfig
 from ..task.schedules import Schedule, scaled_lr
+from .result import TrainResult
 from .trainer import Trainer
 
-__all__ = ["Schedule", "TrainConfig", "Trainer", "scaled_lr"]
+__all__ = ["Schedule", "TrainConfig", "TrainResult", "Trainer", "scaled_lr"]

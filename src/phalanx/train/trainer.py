@@ -33,6 +33,7 @@ from . import checks, rundir, tensorboard
 from .config import TrainConfig
 from .loop import run_worker
 from .plan import Plan
+from .result import TrainResult
 
 log = logging.getLogger(__name__)
 
@@ -131,14 +132,14 @@ class Trainer:
                     self.config.recipe_line(task.model_name), len(devices), run_id, remove, began,
                     round(time.time() - began, 4))
 
-    def fit(self) -> dict[str, Any]:
+    def fit(self) -> Optional[TrainResult]:
         began = startup.take()
         try:
             plan = self.plan(began)
         except rundir.RunComplete as done:  # a restarted attempt after the run's last checkpoint
             if launcher_rank() == 0:
                 print(done, flush=True)
-            return {"steps": done.step, "checkpoint": done.path, "already_complete": True}
+            return TrainResult.complete(done.step, done.path, self.config.metrics)
         cfg = plan.config
         created = not Path(cfg.checkpoint_dir).exists()
         made_runs = Path(cfg.checkpoint_dir).parent == Path(rundir.RUNS) and not Path(rundir.RUNS).exists()
@@ -168,7 +169,7 @@ class Trainer:
         if summary is not None and summary.get("stopped_by"):
             raise Stopped(f"stopped at step {summary['steps']} by {summary['stopped_by']}; checkpoint "
                           f"{summary['checkpoint']}", summary["stopped_by"], summary)
-        return summary
+        return None if summary is None else TrainResult.from_summary(summary)
 
     def _run_restarting(self, plan: Plan) -> dict[str, Any]:
         """Launch; when a worker dies or the job hangs, start every worker again from the newest
@@ -191,7 +192,7 @@ class Trainer:
                 if point is not None and point["step"] >= cfg.steps:  # it died after the last checkpoint
                     print(f"{_what_failed(e, plan.layout)}; {rundir.RunComplete(point['step'], point['path'])}",
                           flush=True)
-                    return {"steps": point["step"], "checkpoint": point["path"], "already_complete": True}
+                    return TrainResult.complete(point["step"], point["path"], cfg.metrics)
                 restarts += 1
                 plan = dataclasses.replace(plan, resume_path=point["path"] if point else None)
                 where = f"checkpoint step {point['step']}" if point else "the start (no checkpoint yet)"
