@@ -72,19 +72,19 @@ def shards(ctx: WorkerContext, model: dict[str, Any], module: nn.Module, optimiz
     return {"model": model, **main, REPLICAS: {str(ctx.rank): own}, **equal}
 
 
-def read(state: dict[str, Any], ctx: WorkerContext, strategy: str, module: nn.Module,
-         optimizer: torch.optim.Optimizer, equal: tuple[str, ...] = ()) -> tuple[dict, Optional[dict], Optional[str]]:
+def read(state: dict[str, Any], ctx: WorkerContext, strategy: str, module: nn.Module, optimizer: torch.optim.Optimizer,
+         equal: tuple[str, ...] = (), model: str = "their average") -> tuple[dict, Optional[dict], Optional[str]]:
     """(the checkpoint's whole state: ``model``, ``optimizer`` in this optimizer's numbering and the ``equal``
     entries; this rank's own replica, None where the checkpoint holds none for it; the header's line where
-    the replicas were left for their average). ``state``: any strategy's checkpoint as ``load_checkpoint``
-    gives it (a sharded one: still on disk)."""
+    the replicas were left for ``model``, what the checkpoint's model is to them). ``state``: any strategy's
+    checkpoint as ``load_checkpoint`` gives it (a sharded one: still on disk)."""
     meta = state.get("meta", {})
     ours = meta.get("strategy") == strategy and meta.get("world_size", 0) > 1  # (one process: no replicas)
     mine = ours and meta["world_size"] == ctx.world_size
     note = None
     if ours and not mine:
         note = (f"{strategy}: the checkpoint holds {meta['world_size']} replicas of their own and this run has "
-                f"{ctx.world_size} worker{'s' if ctx.world_size > 1 else ''}: every worker starts from their average "
+                f"{ctx.world_size} worker{'s' if ctx.world_size > 1 else ''}: every worker starts from {model} "
                 f"(the replicas continue exactly only on {meta['world_size']} workers)")
     if "shards" not in state:  # a file (one process, a strategy that saves whole), or read whole already
         return state, None, note

@@ -50,6 +50,7 @@ class DiLoCo(Options):
     name: ClassVar[str] = "diloco"
     one_piece_backward: ClassVar[bool] = True
     checkpoints_activations: ClassVar[bool] = True
+    sharded_checkpoints: ClassVar[bool] = True  # each replica's own state, by rank (replica_state.py)
     summary: ClassVar[str] = ("H local steps, then the averaged pseudo-gradient applied by an outer Nesterov SGD; "
                               "streaming fragments")
 

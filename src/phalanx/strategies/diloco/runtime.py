@@ -192,7 +192,7 @@ class DiLoCoRuntime(Runtime):
         (a sharded one's replicas; a file's gathered ``workers``), else the global model; the global model,
         the outer optimizer and the fragments that owe a round as saved."""
         whole, own, note = replica_state.read(state, self.ctx, self.options.name, self.module, self.optimizer,
-                                              equal=("diloco",))
+                                              equal=("diloco",), model="the global model")
         saved = whole.get("diloco")
         outer = saved.get("outer_optimizer") if saved else None
         if saved is not None and "workers" in saved:  # a file: every rank's state gathered into it

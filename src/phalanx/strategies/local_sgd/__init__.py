@@ -37,6 +37,7 @@ class LocalSGD(Options):
     name: ClassVar[str] = "local-sgd"
     one_piece_backward: ClassVar[bool] = True
     checkpoints_activations: ClassVar[bool] = True
+    sharded_checkpoints: ClassVar[bool] = True  # each replica's own state, by rank (replica_state.py)
     summary: ClassVar[str] = "local steps, parameters averaged every H steps; torch's PeriodicModelAverager"
 
     sync_every: int = option(8, "average the parameters every H optimizer steps")
