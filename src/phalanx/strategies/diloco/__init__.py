@@ -19,9 +19,9 @@ at a target) with an outer round of every fragment that took a local step since 
 whether H divides the steps or not, so the global model holds every step's work and every rank holds
 it. A stop (a signal) leaves that round owed: its checkpoint holds the global model, every rank's local
 model and inner optimizer, and the fragments that owe a round (``replica_state.py``), so a resume on
-the same worker count continues exactly. Buffers (BatchNorm's running statistics) are not pseudo-gradients: they are averaged
-over the ranks with fragment 0's rounds (integer step counts: rank 0's) and kept as the global
-model's, which is what is evaluated and saved. ``--outer-precision`` sets the pseudo-gradient on the
+the same worker count continues exactly. Buffers (BatchNorm's running statistics) are not
+pseudo-gradients: they are averaged over the ranks with fragment 0's rounds (integer step counts:
+rank 0's) and kept as the global model's, which is what is evaluated and saved. ``--outer-precision`` sets the pseudo-gradient on the
 wire (see :func:`average`); the outer step is always fp32.
 """
 
