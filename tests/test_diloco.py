@@ -15,6 +15,7 @@ from torch import nn
 from helpers import only_run, run_in_process, run_workers
 from phalanx import DiLoCo, LocalSGD, PhalanxError, Sync
 from phalanx.compare.tokens import parse_strategy
+from phalanx.shard_read import read_entries
 from phalanx.strategies import Job, runtime_for
 from phalanx.strategies.diloco.outer import (average, dequantize_int8, due, fragment_bounds, fragment_offsets,
                                              quantize_int8, wire_bytes)
@@ -273,22 +274,26 @@ def test_cli_trains_digits_and_reports_its_syncs(digits):
 @pytest.mark.slow
 def test_resume_from_a_checkpoint_between_syncs_is_exact(digits):
     cwd, _ = digits
-    # Step 45: fragment 0 last synced after step 41, fragment 1 after 36: every rank's weights differ.
-    middle = torch.load(only_run(cwd) / "step-00000045.pt", weights_only=True)
-    workers = middle["diloco"]["workers"]
-    assert len(workers) == 2 and not torch.equal(workers[0]["model"]["3.weight"], workers[1]["model"]["3.weight"])
+    # Step 45: fragment 0 last synced after step 41, fragment 1 after 36: every rank's weights differ, and each
+    # rank saved its own (a sharded checkpoint: replica_state.py).
+    middle = read_entries(str(only_run(cwd) / "step-00000045.dcp"), ["replicas", "diloco"])
+    replicas = middle["replicas"]
+    assert sorted(replicas) == ["0", "1"]
+    assert not torch.equal(replicas["0"]["model"]["3.weight"], replicas["1"]["model"]["3.weight"])
+    assert middle["diloco"]["unsynced"] == [0, 1]
     out = run_in_process("train", "--strategy", "diloco", "--sync-every", "10", "--fragments", "2", "--optimizer",
                          "adam", "--lr", "0.002", "--steps", "100", "--log-every", "50", "--checkpoint-dir", "resumed",
-                         "--outer-momentum", "0.9", "--resume", "runs/diloco-1/step-00000045.pt", cwd=cwd)
+                         "--outer-momentum", "0.9", "--resume", "runs/diloco-1/step-00000045.dcp", cwd=cwd)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming at step 45" in out.stdout
-    straight = torch.load(only_run(cwd) / "step-00000100.pt", weights_only=True)
-    resumed = torch.load(cwd / "resumed" / "step-00000100.pt", weights_only=True)
+    straight = read_entries(str(only_run(cwd) / "step-00000100.dcp"), ["model", "diloco"])
+    resumed = read_entries(str(cwd / "resumed" / "step-00000100.dcp"), ["model", "diloco"])
     for name, value in straight["model"].items():
         torch.testing.assert_close(resumed["model"][name], value, atol=1e-6, rtol=0, msg=name)
-    for a, b in zip(straight["diloco"]["outer_optimizer"]["state"].values(),
-                    resumed["diloco"]["outer_optimizer"]["state"].values(), strict=True):
-        torch.testing.assert_close(a["momentum_buffer"], b["momentum_buffer"], atol=1e-6, rtol=0)
+    momenta = [entry["diloco"]["outer_optimizer"]["state"] for entry in (straight, resumed)]
+    assert sorted(momenta[0]) == sorted(momenta[1]) and momenta[0]
+    for name, state in momenta[0].items():
+        torch.testing.assert_close(momenta[1][name]["momentum_buffer"], state["momentum_buffer"], atol=1e-6, rtol=0)
 
 
 @pytest.mark.slow
@@ -300,7 +305,7 @@ def test_the_default_run_trains_on_2_workers_and_progress_none_still_prints_its_
     accuracy = float(re.search(r"^test accuracy (\d\.\d+).* after 300 steps$", out.stdout, re.M).group(1))
     assert accuracy >= 0.9
     assert "phalanx train:" not in out.stdout and "step 20, loss" not in out.stdout  # no header, no progress
-    assert re.search(r"^checkpoint runs/diloco-1/step-00000300\.pt$", out.stdout, re.M)
+    assert re.search(r"^checkpoint runs/diloco-1/step-00000300\.dcp$", out.stdout, re.M)
 
 
 def test_the_header_says_when_the_outer_momentum_is_the_papers_and_the_workers_few():

@@ -17,7 +17,7 @@
       runtime.arrive_for_evaluation()       # meet before a collective evaluation's clock starts
       sums = runtime.evaluate(batches, totals)  # metrics' (sum, count)s over every rank's part
       runtime.state_dict() / runtime.load_state_dict(state)    # checkpoints
-      changed = runtime.finish()            # what the model still owes (True: it changed it)
+      changed = runtime.finish(stopping)    # what the model still owes (True: it changed it)
       runtime.report(final); runtime.close()
 
 World size 1 runs every strategy unchanged in one process with no process group.
@@ -324,11 +324,14 @@ class Runtime:
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
 
-    def finish(self) -> bool:
+    def finish(self, stopping: bool = False) -> bool:
         """After the last step, before the final evaluation and checkpoint: whatever the strategy still
         owes the model (a last averaging, an outer round, the gradients in flight) goes into it here.
         Returns whether that changed the model, so that a checkpoint of this step written before is
         written again (ranks in step must all return the same: a checkpoint is a collective there).
+        ``stopping``: a signal stopped the run, to be resumed: what is owed only to the run's end (local
+        SGD's last averaging, DiLoCo's last outer round) stays owed, so the checkpoint holds the state
+        a resume continues exactly (it holds the averaged model too: see ``replica_state.py``).
 
         By default every rank waits for the slowest, so that the measured training time (and
         throughput) covers every worker's steps, not only rank 0's; nothing changes.

@@ -152,9 +152,9 @@ class TrainConfig:
     init_from: Optional[str] = option(None, "start from a checkpoint's model weights (a file, or the newest in a "
                                             "directory) with a fresh optimizer, step 0 and a fresh schedule: "
                                             "fine-tuning", argparse_extra={"metavar": "PATH"})
-    async_checkpoint: bool = option(False, "write sharded checkpoints (fsdp or a pipeline on 2+ workers) in the "
-                                           "background: the step waits only while each rank copies its shards to "
-                                           "CPU memory")
+    async_checkpoint: bool = option(False, "write sharded checkpoints (fsdp, a pipeline, local-sgd or diloco on 2+ "
+                                           "workers) in the background: the step waits only while each rank copies "
+                                           "its shards to CPU memory")
     overwrite: bool = option(False, "start a new run in a --checkpoint-dir that holds another run: remove its "
                                     "checkpoints and metrics file first (phalanx's own files only)")
     progress: str = option("auto", "auto draws a bar on a terminal; none shows no header or progress, only the "

@@ -246,11 +246,13 @@ class WorkerRun:
         the summary."""
         self.ctx.progress.at(self.step, "finishing")
         # What the strategy still owes the model goes in now (a last averaging, an outer round, the
-        # gradients in flight): what is printed, saved and evaluated afterwards is that one model.
-        changed = self.runtime.finish()
+        # gradients in flight): what is printed, saved and evaluated afterwards is that one model. A stop
+        # (a signal) is no end: what only the end owes stays owed, and the checkpoint holds the state at
+        # the step where the run stopped, which a resume continues exactly.
+        stopped = self.stop.stopped_by(self.step)
+        changed = self.runtime.finish(stopping=bool(stopped))
         self.summary.count_wire(False)
         elapsed = time.perf_counter() - self.began - self.eval_seconds
-        stopped = self.stop.stopped_by(self.step)
         values = hit
         if stopped:  # a stop asked for speed: save, go
             values = None

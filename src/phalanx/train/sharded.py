@@ -1,7 +1,8 @@
 """Sharded checkpoints: every rank writes its own shard with torch's distributed checkpoint (DCP).
 
-A strategy whose ranks each hold a part of the model (fsdp or a pipeline on 2+ workers) saves a directory,
-``step-00000120.dcp/``, and no rank ever gathers the whole model:
+A strategy whose ranks each hold a part of the model (fsdp or a pipeline on 2+ workers), or a replica of
+its own (local-sgd, diloco: ``strategies/replica_state.py``), saves a directory, ``step-00000120.dcp/``, and
+no rank ever gathers the whole model:
 
 - ``__<rank>_<n>.distcp``: that rank's shards of the parameters and of the optimizer state, written
   by the rank itself (DCP's files);

@@ -14,12 +14,14 @@ With ``--fragments F`` (streaming DiLoCo) the parameters are cut into F contiguo
 about equal size; fragment f goes through the same round at its own staggered steps, so each
 sync sends 1/F of the model. Rounds are counted as torch's ``PeriodicModelAverager`` counts them
 (a fragment with offset 0 syncs after steps 1, H+1, 2H+1, ...), so with outer lr 1 and no momentum
-DiLoCo is exactly local-sgd. The run ends (:meth:`DiLoCoRuntime.finish`, after its last step
-whatever stopped it) with an outer round of every fragment that took a local step since its last
-round, whether H divides the steps or not, so the global model holds every step's work and every
-rank holds it. Buffers (BatchNorm's running statistics) are not pseudo-gradients: they are averaged
-over the ranks with fragment 0's rounds (integer step counts: rank 0's) and kept as the global
-model's, which is what is evaluated and saved. ``--outer-precision`` sets the pseudo-gradient on the
+DiLoCo is exactly local-sgd. The run ends (:meth:`DiLoCoRuntime.finish`, after its last step or
+at a target) with an outer round of every fragment that took a local step since its last round,
+whether H divides the steps or not, so the global model holds every step's work and every rank holds
+it. A stop (a signal) leaves that round owed: its checkpoint holds the global model, every rank's local
+model and inner optimizer, and the fragments that owe a round (``replica_state.py``), so a resume on
+the same worker count continues exactly. Buffers (BatchNorm's running statistics) are not
+pseudo-gradients: they are averaged over the ranks with fragment 0's rounds (integer step counts:
+rank 0's) and kept as the global model's, which is what is evaluated and saved. ``--outer-precision`` sets the pseudo-gradient on the
 wire (see :func:`average`); the outer step is always fp32.
 """
 
@@ -48,6 +50,7 @@ class DiLoCo(Options):
     name: ClassVar[str] = "diloco"
     one_piece_backward: ClassVar[bool] = True
     checkpoints_activations: ClassVar[bool] = True
+    sharded_checkpoints: ClassVar[bool] = True  # each replica's own state, by rank (replica_state.py)
     summary: ClassVar[str] = ("H local steps, then the averaged pseudo-gradient applied by an outer Nesterov SGD; "
                               "streaming fragments")
 

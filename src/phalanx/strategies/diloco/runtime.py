@@ -12,6 +12,7 @@ from torch import nn
 from ..base import COUNT_CORRECT, Build, Report, Runtime
 from ..replicas import average_buffers, verify_replicas
 from .outer import average, due, fragment_bounds, fragment_offsets, wire_bytes
+from .. import replica_state
 
 if TYPE_CHECKING:
     from . import DiLoCo
@@ -72,11 +73,12 @@ class DiLoCoRuntime(Runtime):
         self.unsynced = set(range(len(self.fragments))) - set(fragments)
         return loss
 
-    def finish(self) -> bool:
+    def finish(self, stopping: bool = False) -> bool:
         """The last outer round, of every fragment with local steps since its own last round: the run's
-        global model holds every step's work, and every rank holds it (evaluated and saved as it is)."""
+        global model holds every step's work, and every rank holds it (evaluated and saved as it is). Not on
+        a stop: the checkpoint holds the fragments that owe a round, and a resume takes them at their steps."""
         super().finish()
-        if not self.unsynced:
+        if not self.unsynced or stopping:
             return False
         self._rounds(sorted(self.unsynced))
         self.unsynced = set()
@@ -143,10 +145,11 @@ class DiLoCoRuntime(Runtime):
 
     # ---- checkpoints ----
     def state_dict(self) -> Optional[dict[str, Any]]:
-        """Rank 0's checkpoint: ``model`` is the global model (what ``phalanx evaluate`` and other
-        strategies load), ``optimizer`` rank 0's inner optimizer, and ``diloco`` the outer optimizer
-        and every rank's local model and inner optimizer, gathered (a collective), so a resume is
-        exact at any step, not only at sync steps. The other ranks return None."""
+        """The whole checkpoint in one file (one process; see :meth:`shard_state_dict` for 2+): ``model`` is the
+        global model (what ``phalanx evaluate`` and other strategies load), ``optimizer`` rank 0's inner
+        optimizer, and ``diloco`` the outer optimizer and every rank's local model and inner optimizer,
+        gathered (a collective), so a resume is exact at any step, not only at sync steps. The other ranks
+        return None."""
         mine = _to_cpu(super().state_dict())
         workers: list = [None] * self.ctx.world_size if self.ctx.is_main else None
         if self.ctx.distributed:
@@ -158,6 +161,20 @@ class DiLoCoRuntime(Runtime):
         return {**mine, "model": self._global_state(mine["model"]),
                 "diloco": {"outer_optimizer": self.outer.state_dict(), "workers": workers,
                            "unsynced": sorted(self.unsynced)}}
+
+    @property
+    def writes_shards(self) -> bool:
+        return self.ctx.distributed  # every rank's local model and inner optimizer in its own file
+
+    def shard_state_dict(self) -> dict[str, Any]:
+        """On 2+ workers (``replica_state.py``): the global model as the checkpoint's model, this rank's local
+        model and inner optimizer as its replica, and ``diloco`` (equal on every rank, written once): the outer
+        optimizer (by parameter name) and the fragments that owe a round. Nothing is gathered."""
+        names = [name for name, _ in self.module.named_parameters()]  # (the outer optimizer's numbering)
+        diloco = {"outer_optimizer": replica_state.by_name(self.outer.state_dict(), names),
+                  "unsynced": sorted(self.unsynced)}
+        return replica_state.shards(self.ctx, self._global_state(self.module.state_dict()), self.module,
+                                    self.optimizer, diloco=diloco)
 
     def _global_state(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's model state with the global model's weights and buffers in it."""
@@ -171,25 +188,32 @@ class DiLoCoRuntime(Runtime):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state.get("diloco")
-        if saved is not None and len(saved["workers"]) == self.ctx.world_size:
-            super().load_state_dict(saved["workers"][self.ctx.rank])  # this rank's local model and inner optimizer
-        else:
-            # Another strategy's checkpoint, or another world size: every rank starts a round from the global model.
-            super().load_state_dict(state)
+        """This rank's local model and inner optimizer where the checkpoint holds them for this worker count
+        (a sharded one's replicas; a file's gathered ``workers``), else the global model; the global model,
+        the outer optimizer and the fragments that owe a round as saved."""
+        whole, own, note = replica_state.read(state, self.ctx, self.options.name, self.module, self.optimizer,
+                                              equal=("diloco",), model="the global model")
+        saved = whole.get("diloco")
+        outer = saved.get("outer_optimizer") if saved else None
+        if saved is not None and "workers" in saved:  # a file: every rank's state gathered into it
+            own = saved["workers"][self.ctx.rank] if len(saved["workers"]) == self.ctx.world_size else None
+        elif saved is not None:  # a sharded one: the outer optimizer by parameter name
+            outer = replica_state.by_index(outer, [name for name, _ in self.module.named_parameters()])
+        super().load_state_dict(own or whole)  # the local model and inner optimizer
+        self.notes += [note] if note else []
         names = dict(self.module.named_parameters())
         index = {id(p): i for i, p in enumerate(self.params)}
         for name, p in names.items():
-            self.global_params[index[id(p)]].copy_(state["model"][name])
+            self.global_params[index[id(p)]].copy_(whole["model"][name])
         for name, g in zip(self.buffer_names, self.global_buffers):
-            if name in state["model"]:
-                g.copy_(state["model"][name])
-        if saved is not None:
-            self.outer.load_state_dict(saved["outer_optimizer"])
+            if name in whole["model"]:
+                g.copy_(whole["model"][name])
+        if outer:
+            self.outer.load_state_dict(outer)
         self.steps = int(state.get("step", 0))
         # Which fragments owe a round: as saved with the local models (none where every rank starts from
         # the global model: another strategy's checkpoint, another world size).
-        mine = saved is not None and len(saved["workers"]) == self.ctx.world_size
+        mine = own is not None and saved is not None
         self.unsynced = {f for f in saved.get("unsynced", ()) if f < len(self.fragments)} if mine else set()
 
     def report(self, final: bool = False) -> Report:

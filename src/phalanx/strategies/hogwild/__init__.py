@@ -144,7 +144,7 @@ class HogwildRuntime(Runtime):
         if self.ctx.distributed:
             dist.barrier()
 
-    def finish(self) -> bool:
+    def finish(self, stopping: bool = False) -> bool:
         """Every worker's last write is in the shared memory once all have passed the barrier: rank 0's
         checkpoint of its last step may predate the others', so the final one is written again."""
         super().finish()

@@ -7,12 +7,16 @@ counts, taken from rank 0). Optimizer state (momentum) stays local to each worke
 as in the usual post-local SGD. The run ends with a last averaging of whatever steps came after the
 previous one, so the model evaluated and saved is the one every rank holds, every step's work in it.
 With ``sync_every=1`` and plain SGD this computes exactly what ``sync`` computes.
+
+Checkpoints (on 2+ workers, sharded: ``replica_state.py``): ``model`` is the replicas' average, what is
+printed and evaluated; each rank also saves its own replica and optimizer state, so a resume on the same
+worker count continues exactly, from any step; a stop (a signal) leaves the last averaging owed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed.algorithms.model_averaging import utils as averaging
@@ -23,6 +27,7 @@ from .simulated import LOCAL_SGD
 from ...options import option
 from ...errors import PhalanxError
 from ..base import Build, Options, Runtime
+from .. import replica_state
 from ..registry import register
 from ..replicas import average_buffers, verify_replicas
 
@@ -32,6 +37,7 @@ class LocalSGD(Options):
     name: ClassVar[str] = "local-sgd"
     one_piece_backward: ClassVar[bool] = True
     checkpoints_activations: ClassVar[bool] = True
+    sharded_checkpoints: ClassVar[bool] = True  # each replica's own state, by rank (replica_state.py)
     summary: ClassVar[str] = "local steps, parameters averaged every H steps; torch's PeriodicModelAverager"
 
     sync_every: int = option(8, "average the parameters every H optimizer steps")
@@ -70,11 +76,12 @@ class LocalSGDRuntime(Runtime):
             average_buffers(self.buffers)
         self.since = 0 if due else self.since + 1
 
-    def finish(self) -> bool:
+    def finish(self, stopping: bool = False) -> bool:
         """A last averaging of the steps since the previous one (parameters and buffers): every rank then
-        holds the model that is evaluated and saved. Returns whether it averaged (every rank alike)."""
+        holds the model that is evaluated and saved. Returns whether it averaged (every rank alike). Not on a
+        stop: the checkpoint holds every replica as it is (and their average as its model)."""
         super().finish()
-        if not self.ctx.distributed or not self.since:
+        if not self.ctx.distributed or not self.since or stopping:
             return False
         # torch's own averaging, without the averager's filter: after the step no parameter has a gradient.
         averaging.average_parameters(iter(self.params), self.averager.process_group)
@@ -85,3 +92,26 @@ class LocalSGDRuntime(Runtime):
     def global_losses(self, losses: torch.Tensor) -> torch.Tensor:
         # No collective: that would put the workers back in lockstep at every log step.
         return losses
+
+    # ---- checkpoints ----
+    @property
+    def writes_shards(self) -> bool:
+        return self.ctx.distributed  # every replica's own state, each rank's in its own file
+
+    def shard_state_dict(self) -> dict[str, Any]:
+        """The replicas' average as the model (this replica's own where they are equal: just averaged), and
+        this rank's replica and optimizer state (see ``replica_state.py``). A collective."""
+        model = replica_state.averaged(self.module) if self.since else self.module.state_dict()
+        return replica_state.shards(self.ctx, model, self.module, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """This rank's own replica where the checkpoint holds one for this worker count, else the average; the
+        averaging schedule goes on from the checkpoint's step (after steps 1, H+1, 2H+1, ...)."""
+        whole, own, note = replica_state.read(state, self.ctx, LocalSGD.name, self.module, self.optimizer)
+        super().load_state_dict(own or whole)
+        self.notes += [note] if note else []
+        step = int(state.get("step", 0))
+        if self.ctx.distributed:
+            self.averager.step = step  # (its count of steps decides which steps average)
+        # The replicas differ by the steps since the last averaging; started from their average, by none.
+        self.since = (step - 1) % self.averager.period if own is not None and step else 0

@@ -218,7 +218,7 @@ class ServerRuntime(Runtime):
         super().load_state_dict(state)
         self.server.start_at(int(state["step"]))
 
-    def finish(self) -> bool:
+    def finish(self, stopping: bool = False) -> bool:
         # The gradients still in flight are applied (or counted as dropped) here, after the last step:
         # a checkpoint of this step written in the loop no longer holds the model; the final one does.
         return self.server.drain()

@@ -81,5 +81,5 @@ class WorkerRuntime(Runtime):
     def load_state_dict(self, state) -> None:
         pass  # the first reply brings the server's (restored) parameters
 
-    def finish(self) -> bool:
+    def finish(self, stopping: bool = False) -> bool:
         return False  # no collective: the server drains the workers instead (its model is the one saved)
