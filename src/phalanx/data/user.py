@@ -100,6 +100,10 @@ def _materialise(dataset: Any, name: str, target_key: Optional[str] = None) -> A
     items = [first] + [read_item(dataset, i, name) for i in range(1, n)]
     if not _pair_item(first):
         return Columns(collate(items, name), target_key, name)
+    odd = next((i for i, item in enumerate(items) if not _pair_item(item)), None)
+    if odd is not None:
+        raise PhalanxError(f"{name}[{odd}] is a {type(items[odd]).__name__} where {name}[0] is an (input, target) "
+                           "pair: give every example the same structure")
     try:
         x = torch.stack([as_tensor(item[0], name) for item in items])
         y = torch.stack([as_tensor(item[1], name) for item in items])
