@@ -224,6 +224,27 @@ def test_a_users_step_returns_the_loss_or_the_loss_and_outputs():
         UserStep(lambda m, batch: m(**batch)["logits"])(model, b)
 
 
+def _no_gradient(model, batch):
+    return F.cross_entropy(model(batch[0]), batch[1]).detach()
+
+
+def _integer(model, batch):
+    return (model(batch[0]).argmax(1) == batch[1]).sum()
+
+
+@pytest.mark.parametrize("given, message", [
+    (dict(training_step=_no_gradient), "the training step gives a loss with no gradient (detached from the model"),
+    (dict(training_step=_integer), "the training step gives a loss of dtype int64, which has no gradient"),
+    (dict(loss_fn=lambda out, y: F.cross_entropy(out, y).item() * torch.ones(())), "loss_fn gives a loss with no "
+                                                                                   "gradient"),
+])
+def test_a_loss_backward_cannot_start_from_is_refused_by_the_parents_check(given, message):
+    """Was a 30-line traceback from every worker's first backward ("element 0 of tensors does not require grad")."""
+    with pytest.raises(PhalanxError) as e:
+        Trainer(TrainConfig(steps=1), **given).plan()
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
 def test_accuracy_leaves_minus_100_out_and_the_loss_is_exact_over_batches_cut_anyhow():
     logits = torch.randn(2, 4, 7)
     labels = logits.argmax(-1)

@@ -155,14 +155,15 @@ def check_model(model: nn.Module, facts: DataFacts, loss_fn: Callable, metrics: 
                 else:
                     _check_class_scores(out, y, facts.num_classes)
             takes = "(outputs, float targets)" if regression else "(scores, integer labels)"
-            result = _first_line_of_failure(lambda: step(model, batch), f"loss_fn fails on the model's output of "
-                                            f"shape {_shape(out)}", f"make it take {takes}")
+            with torch.enable_grad():  # as it trains: check_loss refuses a loss backward cannot start from
+                result = _first_line_of_failure(lambda: step(model, batch), f"loss_fn fails on the model's output "
+                                                f"of shape {_shape(out)}", f"make it take {takes}")
             _first_line_of_failure(lambda: Totals(metrics, loss_fn).add(result, batch),
                                    f"a metric ({', '.join(m.name for m in metrics)}) fails on the model's output "
                                    f"of shape {_shape(out)}", "make it return (sum, count) for the batch")
     finally:
         model.train(was_training)
-    check_loss(result.loss, "loss_fn")
+    check_loss(result.loss, "loss_fn", model)
 
 
 def _shape(out: Any) -> Any:
