@@ -245,6 +245,18 @@ def test_a_loss_backward_cannot_start_from_is_refused_by_the_parents_check(given
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("data", [
+    (torch.randn(40, 8), torch.full((40,), -100)),
+    {"input_ids": torch.randint(0, 9, (40, 6)), "labels": torch.full((40, 6), -100)},
+])
+def test_every_target_minus_100_is_no_loss_to_take_not_a_divergence(data):
+    """Was `model diverged with loss = nan at step 1 (lower --lr)`: a mean over no counted targets is nan."""
+    with pytest.raises(PhalanxError) as e:
+        Trainer(TrainConfig(steps=1), train_data=data).plan()
+    assert str(e.value) == ("train_data: every target is -100 (torch's ignore_index, a position no loss counts), so "
+                            "there is no loss to take; give the labels, marking only padding -100")
+
+
 def test_accuracy_leaves_minus_100_out_and_the_loss_is_exact_over_batches_cut_anyhow():
     logits = torch.randn(2, 4, 7)
     labels = logits.argmax(-1)
