@@ -221,7 +221,7 @@ def commit(directory: str | os.PathLike, final: Path, run_id: str, keep: int, wr
 
 def storage_error(e: BaseException, target: Path, previous: Optional[Path]) -> BaseException:
     """The one-line StorageError for ``e`` where a storage error caused it (else ``e`` itself)."""
-    cause = _os_error(e)
+    cause = os_error(e)
     return e if cause is None else _storage_error(cause, target, previous)
 
 
@@ -245,7 +245,7 @@ def _keep_newest(root: Path, keep: int) -> None:
         remove(old)
 
 
-def _os_error(e: BaseException) -> Optional[OSError]:
+def os_error(e: BaseException) -> Optional[OSError]:
     """The OSError behind ``e``: torch's zip writer reports a full disk as a RuntimeError ("unexpected
     pos ...") raised while handling the OSError."""
     seen = 0
