@@ -135,6 +135,41 @@ def test_a_corrupted_shard_is_refused_in_one_line(runs, tmp_path):
     assert load_checkpoint(tmp_path / "c")["step"] == 4
 
 
+def test_init_from_a_directory_says_which_newer_checkpoint_it_skipped_and_a_lost_state_file_is_incomplete(
+        runs, tmp_path):
+    """``--init-from DIR`` took the older checkpoint without the warning ``--resume`` and ``evaluate`` print; a
+    ``.dcp`` whose phalanx.pt was lost was "a directory, not a checkpoint" (a resume in its directory refused)."""
+    import shutil
+    import warnings
+
+    for damage in ("flipped", "lost"):
+        root = tmp_path / damage
+        shutil.copytree(runs["root"] / "straight", root)
+        newest = root / "step-00000008.dcp"
+        if damage == "flipped":
+            shard = newest / "__1_0.distcp"
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            shard.write_bytes(bytes(data))
+            why = (f"checkpoint {newest} is corrupt: its shard __1_0.distcp does not match its checksum (the file "
+                   "changed after it was written)")
+        else:
+            (newest / "phalanx.pt").unlink()
+            why = f"checkpoint {newest} is incomplete: its phalanx.pt is missing"
+        given = dict(strategy="fsdp", workers=2, devices="cpu", batch_size=12, progress="none")
+        plans = {"--init-from": TrainConfig(init_from=str(root), checkpoint_dir=str(tmp_path / f"new-{damage}"),
+                                            steps=1, **given),
+                 "--resume": TrainConfig(resume=str(root), checkpoint_dir=str(root), steps=12, **given)}
+        for flag, cfg in plans.items():
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                Trainer(cfg).plan()
+            assert [str(w.message) for w in said] == [f"skipped {newest}, newer than step-00000004.dcp: {why}"], flag
+    with pytest.raises(PhalanxError, match=rf"^checkpoint {newest} is incomplete: its phalanx.pt is missing; give "
+                                           r"--checkpoint an earlier checkpoint of the same directory$"):
+        evaluate(str(newest))
+
+
 WRITER = """
 import os, sys, torch, torch.nn.functional as F
 from phalanx import FSDP

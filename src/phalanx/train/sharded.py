@@ -200,6 +200,8 @@ def read(p: Path, use: str = "--resume", verify: bool = True) -> dict[str, Any]:
     """A sharded checkpoint's small state, every file verified against its checksum (``verify``); its
     tensors stay on disk (``state["shards"]``: the directory; :func:`joined` or the runtime reads them)."""
     earlier = f"{'resume from' if use == '--resume' else f'give {use}'} an earlier checkpoint of the same directory"
+    if not (p / STATE).is_file():  # written last, before the rename: lost since (see is_damaged_checkpoint)
+        raise PhalanxError(f"checkpoint {p} is incomplete: its {STATE} is missing; {earlier}")
     try:
         state = torch.load(p / STATE, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a bad file
