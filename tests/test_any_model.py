@@ -516,6 +516,7 @@ def test_a_pipeline_traces_the_users_step_on_dict_batches_at_the_split_point_giv
                          "--lr", "0.1", *SMALL, "--checkpoint-dir", "pipe", cwd=project)
     assert out.returncode == 0, out.stderr
     assert "split at head into 2 stages (as given)" in out.stdout, out.stdout
+    assert "your training step runs once, when traced" in out.stdout, out.stdout  # (its Python: not every step)
     summary = _summary(project, "pipe")
     assert summary["test_metrics"]["accuracy"] > 0.4, summary  # as sync's bar above
 
