@@ -110,8 +110,7 @@ def list_checkpoints(directory: str | os.PathLike, damaged: bool = False) -> lis
     ``damaged``: with the sharded ones that lost their state file (to be tried, refused and named)."""
     root = Path(directory)
     record = read_run(root) if root.is_dir() else None
-    def wanted(p: Path) -> bool:
-        return is_checkpoint(p) or (damaged and is_damaged_checkpoint(p))
+    wanted = (lambda p: is_checkpoint(p) or is_damaged_checkpoint(p)) if damaged else is_checkpoint
     if record is None:
         return [p for p in step_entries(root) if wanted(p)]
     return [root / name for name in record.checkpoints if wanted(root / name)]
