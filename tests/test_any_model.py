@@ -224,6 +224,39 @@ def test_a_users_step_returns_the_loss_or_the_loss_and_outputs():
         UserStep(lambda m, batch: m(**batch)["logits"])(model, b)
 
 
+def _no_gradient(model, batch):
+    return F.cross_entropy(model(batch[0]), batch[1]).detach()
+
+
+def _integer(model, batch):
+    return (model(batch[0]).argmax(1) == batch[1]).sum()
+
+
+@pytest.mark.parametrize("given, message", [
+    (dict(training_step=_no_gradient), "the training step gives a loss with no gradient (detached from the model"),
+    (dict(training_step=_integer), "the training step gives a loss of dtype int64, which has no gradient"),
+    (dict(loss_fn=lambda out, y: F.cross_entropy(out, y).item() * torch.ones(())), "loss_fn gives a loss with no "
+                                                                                   "gradient"),
+])
+def test_a_loss_backward_cannot_start_from_is_refused_by_the_parents_check(given, message):
+    """Was a 30-line traceback from every worker's first backward ("element 0 of tensors does not require grad")."""
+    with pytest.raises(PhalanxError) as e:
+        Trainer(TrainConfig(steps=1), **given).plan()
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("data", [
+    (torch.randn(40, 8), torch.full((40,), -100)),
+    {"input_ids": torch.randint(0, 9, (40, 6)), "labels": torch.full((40, 6), -100)},
+])
+def test_every_target_minus_100_is_no_loss_to_take_not_a_divergence(data):
+    """Was `model diverged with loss = nan at step 1 (lower --lr)`: a mean over no counted targets is nan."""
+    with pytest.raises(PhalanxError) as e:
+        Trainer(TrainConfig(steps=1), train_data=data).plan()
+    assert str(e.value) == ("train_data: every target is -100 (torch's ignore_index, a position no loss counts), so "
+                            "there is no loss to take; give the labels, marking only padding -100")
+
+
 def test_accuracy_leaves_minus_100_out_and_the_loss_is_exact_over_batches_cut_anyhow():
     logits = torch.randn(2, 4, 7)
     labels = logits.argmax(-1)
@@ -483,6 +516,7 @@ def test_a_pipeline_traces_the_users_step_on_dict_batches_at_the_split_point_giv
                          "--lr", "0.1", *SMALL, "--checkpoint-dir", "pipe", cwd=project)
     assert out.returncode == 0, out.stderr
     assert "split at head into 2 stages (as given)" in out.stdout, out.stdout
+    assert "your training step runs once, when traced" in out.stdout, out.stdout  # (its Python: not every step)
     summary = _summary(project, "pipe")
     assert summary["test_metrics"]["accuracy"] > 0.4, summary  # as sync's bar above
 

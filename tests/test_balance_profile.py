@@ -112,6 +112,17 @@ def test_plan_prices_its_own_partition_and_any_other_from_the_same_measurements(
     assert unmeasured.step_seconds() is None and unmeasured.speedup_over((3, 1)) is None
 
 
+def test_a_traced_plan_says_the_users_step_runs_once_when_traced():
+    """Under pipeline a user's step is traced once: a step that raised at its 31st call trained to exit 0, where
+    sync, ps and fsdp fail at step 31. The plan says so, for the user's step alone (phalanx's own has no Python
+    of the user's to run)."""
+    said = "  your training step runs once, when traced (and once per evaluation batch shape): every step runs "
+    for users_step in (True, False):
+        p = StagePlan((1, 1), ["(start)", "h.1"], [10, 20], None, "params", 4, "gpipe", traced=("h.1",),
+                      users_step=users_step)
+        assert any(line.startswith(said) for line in p.lines()) == users_step
+
+
 def test_plan_lines_show_boundaries_prediction_and_conditions():
     lines = plan((3, 1), message=[1e-4] * 4, conditions="in every worker at once").lines()
     assert lines[0] == ("pipeline plan: 4 blocks in 2 stages, balanced by measured time; 4 micro-batches per step, "

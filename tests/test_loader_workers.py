@@ -178,3 +178,53 @@ def test_a_dataset_that_raises_is_one_line_exit_2_before_or_during_the_run(tmp_p
                                             r"__getitem__ for that example, or the file it reads", lines[0]), out.stderr
     # (It ends at all: the rank the launcher killed left its loader workers and their fork server waiting
     # for each other for ever, holding this command's stdout and stderr; this test hung before leave_with.)
+
+
+class SomeNone(torch.utils.data.Dataset):
+    """A __getitem__ that skips example 5 by returning nothing (``every``: all of them)."""
+
+    def __init__(self, every=False):
+        self.every = every
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return None if self.every or i == 5 else (torch.zeros(4), i % 2)
+
+
+@pytest.mark.parametrize("every", [False, True])
+def test_a_dataset_with_none_items_is_one_line_naming_the_first(every):
+    with pytest.raises(PhalanxError) as e:
+        Trainer(TrainConfig(), train_data=SomeNone(every))
+    assert str(e.value) == (f"train_data[{0 if every else 5}] is None: the Dataset's __getitem__ returned nothing "
+                            "for that example; return the example, or leave it out of the Dataset")
+
+
+class Odd(torch.utils.data.Dataset):
+    """Examples from 20 on, read by a DataLoader worker, are None (``none``) or of another shape."""
+
+    def __init__(self, none):
+        self.none = none
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        if torch.utils.data.get_worker_info() is not None and i >= 20:
+            return None if self.none else (torch.zeros(63), i % 10)
+        return torch.zeros(64), i % 10
+
+
+def test_a_batch_that_fails_in_a_loader_worker_is_the_one_line_alone():
+    """An item None, or items that do not collate, in a loader worker reached the rank wrapped as ``Caught
+    PhalanxError in DataLoader worker process 0`` and the worker's traceback (14-17 lines)."""
+    expected = {True: r"train_data\[2\d\] is None: the Dataset's __getitem__ returned nothing for that example; "
+                      r"return the example, or leave it out of the Dataset",
+                False: r"the items of a Dataset must all have the same shape \(stack expects each tensor to be "
+                       r"equal size, but got \[6\d\] at entry 0 and \[6\d\] at entry \d+\)"}
+    for none, pattern in expected.items():
+        lazy = LazyExamples(Odd(none), 2, "train_data")  # real loader workers, from the fork server
+        with pytest.raises(PhalanxError) as e:
+            list(lazy.read((torch.arange(s, s + 8), None) for s in range(0, 40, 8)))
+        assert re.fullmatch(pattern, str(e.value)), str(e.value)

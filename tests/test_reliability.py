@@ -99,6 +99,30 @@ def test_metrics_after_a_resume_carry_a_marker_and_repeat_no_step(trained, tmp_p
     assert [e["event"] for e in events].count("summary") == 1  # the first run's summary (step 30) is gone too
 
 
+def test_a_kill_that_cut_the_metrics_line_and_the_run_record_leaves_an_explicit_resume_clean(trained, tmp_path):
+    """A metrics line cut by a kill stayed in the file after --resume, and a cut .phalanx-run.json refused even
+    an explicit --resume FILE of a checkpoint that verifies."""
+    import shutil
+
+    shutil.copytree(trained / "checkpoints", tmp_path / "checkpoints")
+    root = tmp_path / "checkpoints"
+    (root / "step-00000030.pt").unlink()
+    with open(root / "metrics.jsonl", "a") as f:
+        f.write('{"event": "step", "step": 3')  # a kill mid-line
+    record = (root / ".phalanx-run.json").read_text()
+    (root / ".phalanx-run.json").write_text(record[: len(record) // 2])  # a record cut as well
+    out = run_in_process("train", "--steps", "40", "--checkpoint-dir", "checkpoints", "--resume",
+                         "checkpoints/step-00000020.pt", "--log-every", "10", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == ["warning: checkpoints/.phalanx-run.json is unreadable; --resume "
+                                       "checkpoints/step-00000020.pt verifies, so the run continues it and the "
+                                       "record is rewritten (its checkpoints in step order)"], out.stderr
+    events = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]  # every line whole
+    assert [e["step"] for e in events if e["event"] == "step"] == [10, 20, 30, 40]
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000010.pt", "step-00000020.pt", "step-00000040.pt"]
+    assert json.loads((root / ".phalanx-run.json").read_text())["run_id"] == load_checkpoint(root)["run_id"]
+
+
 def test_a_second_job_on_the_same_checkpoint_directory_is_refused_naming_the_first(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     with DirectoryLock(tmp_path / "checkpoints"):

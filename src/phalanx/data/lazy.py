@@ -96,7 +96,7 @@ class LazyExamples:
 
     def take(self, idx: torch.Tensor, params: Optional[torch.Tensor] = None) -> Any:
         """The examples ``idx`` as one batch, read here."""
-        return self.collate_fn([self[int(i)] for i in idx])
+        return collate_items(self.collate_fn, [self[int(i)] for i in idx], self.name)
 
     def read(self, plan: Iterable[tuple[torch.Tensor, Optional[torch.Tensor]]]) -> Iterator[tuple[torch.Tensor,
                                                                                                     torch.Tensor]]:
@@ -106,7 +106,7 @@ class LazyExamples:
             return
         indices = (idx.tolist() for idx, _ in plan)
         stream = iter(DataLoader(_Guarded(self), batch_sampler=indices, num_workers=self.workers,
-                                 collate_fn=functools.partial(guarded, self.collate_fn),
+                                 collate_fn=functools.partial(guarded, self.collate_fn, self.name),
                                  worker_init_fn=functools.partial(loader_worker, os.getpid()),
                                  multiprocessing_context=loader_context(type(self.dataset).__module__)))
         try:
@@ -184,11 +184,15 @@ class _Guarded:
 def read_item(dataset: Any, i: int, name: str) -> Any:
     """``dataset[i]``; an error of the user's ``__getitem__`` (it may raise anything) is one line naming the example."""
     try:
-        return dataset[i]
+        item = dataset[i]
     except Exception as e:
         first = (str(e).strip().splitlines() or [""])[0][:160]
         raise PhalanxError(f"{name}[{users_index(dataset, i)}] cannot be read ({type(e).__name__}: {first}); fix "
                            "the Dataset's __getitem__ for that example, or the file it reads") from None
+    if item is None:  # a __getitem__ that skips a bad example by returning nothing: no collate takes it
+        raise PhalanxError(f"{name}[{users_index(dataset, i)}] is None: the Dataset's __getitem__ returned nothing "
+                           "for that example; return the example, or leave it out of the Dataset")
+    return item
 
 
 def users_index(dataset: Any, i: int) -> int:
@@ -198,11 +202,29 @@ def users_index(dataset: Any, i: int) -> int:
     return i
 
 
-def guarded(collate_fn: Any, items: list[Any]) -> Any:
+def guarded(collate_fn: Any, name: str, items: list[Any]) -> Any:
     """``collate_fn(items)``, in a loader worker: a batch holding an example that could not be read is the first
-    such failure (see :class:`Unreadable`)."""
+    such failure, and so is a batch that cannot be collated (see :class:`Unreadable`: raised here, the one line
+    would reach the rank as ``Caught PhalanxError in DataLoader worker process 0`` and the worker's traceback)."""
     failed = next((item for item in items if isinstance(item, Unreadable)), None)
-    return failed if failed is not None else collate_fn(items)
+    if failed is not None:
+        return failed
+    try:
+        return collate_items(collate_fn, items, name)
+    except PhalanxError as e:
+        return Unreadable(str(e))
+
+
+def collate_items(collate_fn: Any, items: list[Any], name: str) -> Any:
+    """``collate_fn(items)``; an error of the user's own ``collate_fn`` (it may raise anything) is one line."""
+    try:
+        return collate_fn(items)
+    except PhalanxError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        raise PhalanxError(f"{name}: its collate_fn fails on a batch of {len(items)} items ({type(e).__name__}: "
+                           f"{first}); make it take a list of the Dataset's items") from None
 
 
 def collate(items: list) -> Any:

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from ..errors import PhalanxError
 from .datasets import ArrayDataset, DataBundle
-from .batch import collate
+from .batch import IGNORE, collate
 from .columns import Columns, check_targets
 from .lazy import LazyExamples, as_tensor, read_item
 
@@ -100,6 +100,10 @@ def _materialise(dataset: Any, name: str, target_key: Optional[str] = None) -> A
     items = [first] + [read_item(dataset, i, name) for i in range(1, n)]
     if not _pair_item(first):
         return Columns(collate(items, name), target_key, name)
+    odd = next((i for i, item in enumerate(items) if not _pair_item(item)), None)
+    if odd is not None:
+        raise PhalanxError(f"{name}[{odd}] is a {type(items[odd]).__name__} where {name}[0] is an (input, target) "
+                           "pair: give every example the same structure")
     try:
         x = torch.stack([as_tensor(item[0], name) for item in items])
         y = torch.stack([as_tensor(item[1], name) for item in items])
@@ -126,9 +130,9 @@ def user_bundle(train: Any, test: Any, validation_split: Optional[float] = None,
             raise PhalanxError("--validation-split holds out part of the training data when there is no test set, "
                                "and this data has one; drop --validation-split")
         test_ds, held_out = as_arrays(test, test_name, loader_workers, target_key), "test"
-        classes = _outputs(train_ds, test_ds)
+        classes = _outputs(train_ds, test_ds, train_name, test_name)
     else:
-        classes = _outputs(train_ds, train_ds)  # before the split: one pass over a lazy set
+        classes = _outputs(train_ds, train_ds, train_name, train_name)  # before the split: one pass over a lazy set
         train_ds, test_ds = _split(train_ds, DEFAULT_VALIDATION_SPLIT if validation_split is None
                                    else validation_split, seed)
         held_out = "validation"
@@ -142,12 +146,22 @@ def user_bundle(train: Any, test: Any, validation_split: Optional[float] = None,
     return DataBundle(name, train_ds, test_ds, train_ds.example_shape, classes, held_out=held_out)
 
 
-def _outputs(train: ArrayDataset, test: ArrayDataset) -> int:
+def _outputs(train: ArrayDataset, test: ArrayDataset, train_name: str, test_name: str) -> int:
     """What ``num_classes`` tells a model factory: the classes, or for regression the values per example."""
     if regression(train):
         return max(1, int(torch.tensor(train.target_shape).prod()))
-    largest = train.largest_target() if test is train else max(train.largest_target(), test.largest_target())
-    return max(largest + 1, 2)
+    largest = [_largest_counted(train, train_name)] + ([] if test is train else [_largest_counted(test, test_name)])
+    return max(max(largest) + 1, 2)
+
+
+def _largest_counted(data: ArrayDataset, name: str) -> int:
+    """The largest class index; every target -100 (-100 is the one negative allowed: the largest is -100 only
+    then) leaves no loss to take: a mean over no targets is nan, which read as a divergence at step 1."""
+    largest = data.largest_target()
+    if largest == IGNORE:
+        raise PhalanxError(f"{name}: every target is -100 (torch's ignore_index, a position no loss counts), so "
+                           "there is no loss to take; give the labels, marking only padding -100")
+    return largest
 
 
 def _split(data: ArrayDataset, fraction: float, seed: int) -> tuple[ArrayDataset, ArrayDataset]:

@@ -32,6 +32,7 @@ import re
 import shutil
 import socket
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
@@ -54,6 +55,12 @@ def checkpoint_path(directory: str | os.PathLike, step: int, sharded: bool = Fal
 def is_checkpoint(p: Path) -> bool:
     """A finished checkpoint: a file, or a sharded one's directory (it has its state file only once renamed)."""
     return p.is_file() or (p.suffix == ".dcp" and (p / sharded.STATE).is_file())
+
+
+def is_damaged_checkpoint(p: Path) -> bool:
+    """A sharded checkpoint's directory without its state file: renamed only once complete, so one damaged
+    since (its ``phalanx.pt`` lost); read, it is refused as incomplete, and a directory read falls back."""
+    return p.suffix == ".dcp" and p.is_dir() and not (p / sharded.STATE).is_file()
 
 
 def remove(p: Path) -> None:
@@ -102,13 +109,15 @@ def step_entries(directory: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """The directory's checkpoint files, oldest written first (by step where it has no run record)."""
+def list_checkpoints(directory: str | os.PathLike, damaged: bool = False) -> list[Path]:
+    """The directory's checkpoint files, oldest written first (by step where it has no run record);
+    ``damaged``: with the sharded ones that lost their state file (to be tried, refused and named)."""
     root = Path(directory)
     record = read_run(root) if root.is_dir() else None
+    wanted = (lambda p: is_checkpoint(p) or is_damaged_checkpoint(p)) if damaged else is_checkpoint
     if record is None:
-        return [p for p in step_entries(root) if is_checkpoint(p)]
-    return [root / name for name in record.checkpoints if is_checkpoint(root / name)]
+        return [p for p in step_entries(root) if wanted(p)]
+    return [root / name for name in record.checkpoints if wanted(root / name)]
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -225,7 +234,7 @@ def commit(directory: str | os.PathLike, final: Path, run_id: str, keep: int, wr
 
 def storage_error(e: BaseException, target: Path, previous: Optional[Path]) -> BaseException:
     """The one-line StorageError for ``e`` where a storage error caused it (else ``e`` itself)."""
-    cause = _os_error(e)
+    cause = os_error(e)
     return e if cause is None else _storage_error(cause, target, previous)
 
 
@@ -249,7 +258,7 @@ def _keep_newest(root: Path, keep: int) -> None:
         remove(old)
 
 
-def _os_error(e: BaseException) -> Optional[OSError]:
+def os_error(e: BaseException) -> Optional[OSError]:
     """The OSError behind ``e``: torch's zip writer reports a full disk as a RuntimeError ("unexpected
     pos ...") raised while handling the OSError."""
     seen = 0
@@ -312,7 +321,7 @@ def load_checkpoint(path: str | os.PathLike, use: str = "--resume", verify: bool
     if p.is_dir() and _NAME.match(p.name) and p.suffix == ".dcp":
         return sharded.read(p, use, verify)
     if p.is_dir():
-        found = list_checkpoints(p)
+        found = list_checkpoints(p, damaged=True)
         if not found:
             raise PhalanxError(f"no checkpoint (step-*.pt) in {p}; train first, or pass a checkpoint file to {use}")
         skipped: list[tuple[str, str]] = []
@@ -329,6 +338,13 @@ def load_checkpoint(path: str | os.PathLike, use: str = "--resume", verify: bool
     if not p.is_file():
         raise PhalanxError(f"checkpoint {p} does not exist; pass an existing file or directory to {use}")
     return _read(p, use)
+
+
+def warn_skipped(state: dict[str, Any]) -> None:
+    """One warning for each newer checkpoint a directory's read skipped (it did not verify), naming why."""
+    for path, why in state.get("skipped", []):
+        reason = why.split("; resume from")[0].split("; give")[0]
+        warnings.warn(f"skipped {path}, newer than {Path(state['path']).name}: {reason}")
 
 
 def tensors(state: dict[str, Any], optimizer: bool = True) -> dict[str, Any]:

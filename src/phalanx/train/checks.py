@@ -14,7 +14,6 @@ import socket
 import sys
 import tempfile
 import threading
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -155,14 +154,15 @@ def check_model(model: nn.Module, facts: DataFacts, loss_fn: Callable, metrics: 
                 else:
                     _check_class_scores(out, y, facts.num_classes)
             takes = "(outputs, float targets)" if regression else "(scores, integer labels)"
-            result = _first_line_of_failure(lambda: step(model, batch), f"loss_fn fails on the model's output of "
-                                            f"shape {_shape(out)}", f"make it take {takes}")
+            with torch.enable_grad():  # as it trains: check_loss refuses a loss backward cannot start from
+                result = _first_line_of_failure(lambda: step(model, batch), f"loss_fn fails on the model's output "
+                                                f"of shape {_shape(out)}", f"make it take {takes}")
             _first_line_of_failure(lambda: Totals(metrics, loss_fn).add(result, batch),
                                    f"a metric ({', '.join(m.name for m in metrics)}) fails on the model's output "
                                    f"of shape {_shape(out)}", "make it return (sum, count) for the batch")
     finally:
         model.train(was_training)
-    check_loss(result.loss, "loss_fn")
+    check_loss(result.loss, "loss_fn", model)
 
 
 def _shape(out: Any) -> Any:
@@ -345,7 +345,7 @@ def check_checkpoint_dir(cfg: TrainConfig) -> None:
     if not os.access(probe, os.W_OK):
         raise PhalanxError(f"cannot write checkpoints to {root}: permission denied; choose another --checkpoint-dir")
     for entry in ckpt.step_entries(root):
-        if not ckpt.is_checkpoint(entry):  # phalanx writes (and reads) checkpoints by these names
+        if not (ckpt.is_checkpoint(entry) or ckpt.is_damaged_checkpoint(entry)):  # phalanx writes (and reads) checkpoints by these names
             what = "a directory" if entry.is_dir() else "not a regular file"
             raise PhalanxError(f"{entry} is {what}, not a checkpoint, but phalanx names its checkpoints so; move it "
                                "out of --checkpoint-dir, or choose another --checkpoint-dir")
@@ -357,6 +357,7 @@ def check_init(cfg: TrainConfig, model: nn.Module) -> TrainConfig:
     if cfg.init_from is None:
         return cfg
     state = ckpt.load_checkpoint(cfg.init_from, "--init-from")
+    ckpt.warn_skipped(state)  # as --resume and evaluate say it: a newer checkpoint that did not verify
     check_fits(state, model, state["path"], "start from it")
     if cfg.overwrite and Path(state["path"]).resolve().parent == Path(cfg.checkpoint_dir).resolve():
         raise PhalanxError(f"--overwrite would remove {state['path']} before --init-from starts from it; choose "
@@ -371,8 +372,7 @@ def check_resume(cfg: TrainConfig, layout: Layout, task: Task, model: nn.Module,
     if cfg.resume is None:
         return None, 0, None
     state = ckpt.load_checkpoint(cfg.resume)
-    for path, why in state.get("skipped", []):
-        warnings.warn(f"skipped {path}, newer than {Path(state['path']).name}: {why.split('; resume from')[0]}")
+    ckpt.warn_skipped(state)
     meta = state.get("meta", {})
     # Only another model or data set is refused: the worker count, the strategy and the batch may
     # change (every strategy saves the whole model and a plain optimizer's state; see resume.py).

@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import warnings
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -64,8 +62,7 @@ class Evaluation:
             raise PhalanxError(f"--checkpoint is empty ({checkpoint!r}); give a step-*.pt written by phalanx train, "
                                "or its directory, e.g. --checkpoint checkpoints")
         self.state = ckpt.load_checkpoint(checkpoint, "--checkpoint")
-        for path, why in self.state.get("skipped", []):  # a directory whose newer checkpoints do not verify
-            warnings.warn(f"skipped {path}, newer than {Path(self.state['path']).name}: {why.split('; give')[0]}")
+        ckpt.warn_skipped(self.state)  # a directory whose newer checkpoints do not verify
         meta = self.state.get("meta", {})
         config = dict(config or {})
         self.batch = config.pop("batch_size", None) or EVAL_BATCH

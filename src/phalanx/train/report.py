@@ -24,12 +24,18 @@ def step_line(step: int, loss: float, examples_per_sec: float, sec_per_batch: fl
 
 def keep_until(path: str, step: int) -> None:
     """Drop the records of steps after ``step`` (a run that went past its last checkpoint before it
-    stopped), so that a resumed run's records follow on without repeating steps. Atomic rewrite."""
+    stopped), so that a resumed run's records follow on without repeating steps, and a last line that a kill
+    cut short (no newline, and not JSON: the resumed run's first record would have continued it). Atomic
+    rewrite."""
     file = Path(path)
     if not file.is_file():
         return
+    text = file.read_text(errors="replace")
+    lines = text.splitlines()
+    if lines and not text.endswith("\n") and not _is_json(lines[-1]):
+        lines.pop()
     kept = []
-    for line in file.read_text().splitlines():
+    for line in lines:
         try:
             event = json.loads(line)
             at = event.get("step", event.get("steps", 0))
@@ -40,6 +46,14 @@ def keep_until(path: str, step: int) -> None:
     tmp = file.with_name(f".{file.name}.tmp")
     write_private(tmp, "".join(f"{line}\n" for line in kept))
     os.replace(tmp, file)
+
+
+def _is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+        return True
+    except ValueError:
+        return False
 
 
 class Reporter:

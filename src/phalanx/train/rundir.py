@@ -33,6 +33,7 @@ import os
 import re
 import socket
 import uuid
+import warnings
 from pathlib import Path
 from typing import Mapping, Optional
 
@@ -154,7 +155,7 @@ def new_run_id(launcher: str) -> str:
 def claim(cfg: TrainConfig) -> Claim:
     """The run this job is: a torchrun attempt continuing its own, a --resume, or a new run."""
     root = Path(cfg.checkpoint_dir)
-    record = ckpt.read_run(root) if root.is_dir() else None
+    record = _record(root, cfg)
     launcher = launcher_identity()
     if restart_attempt() > 0 and launcher and record is not None and record.launcher == launcher:
         resume = str(root) if ckpt.list_checkpoints(root) else cfg.resume
@@ -182,7 +183,7 @@ def _new_run(cfg: TrainConfig, root: Path, record: Optional[ckpt.RunRecord]) -> 
 def resumed_run(cfg: TrainConfig, state: dict) -> str:
     """The run a resume continues (its checkpoint's); refused when the directory holds another run."""
     root = Path(cfg.checkpoint_dir)
-    record = ckpt.read_run(root) if root.is_dir() else None
+    record = _record(root, cfg)
     here = Path(state["path"]).resolve().parent == root.resolve()
     theirs = record.run_id if record is not None and record.run_id else None
     run_id = state.get("run_id") or (theirs if here else None) or new_run_id(launcher_identity())
@@ -194,6 +195,41 @@ def resumed_run(cfg: TrainConfig, state: dict) -> str:
                            f"--checkpoint-dir {root} holds (newest {newest}); write this run to another "
                            f"--checkpoint-dir, or continue that one with --resume {root}")
     return run_id
+
+
+def _record(root: Path, cfg: TrainConfig) -> Optional[ckpt.RunRecord]:
+    """The directory's run record. An unreadable one (cut) is none where ``--resume`` names a checkpoint itself:
+    that checkpoint, which must verify, says which run this is (see :func:`cut_record`)."""
+    if not root.is_dir():
+        return None
+    try:
+        return ckpt.read_run(root)
+    except PhalanxError:
+        if not names_a_checkpoint(cfg.resume):
+            raise
+        return None
+
+
+def names_a_checkpoint(path: Optional[str]) -> bool:
+    """``--resume`` names one checkpoint (a file, or a sharded one's directory), not a directory of them."""
+    return path is not None and (Path(path).is_file() or ckpt.is_checkpoint(Path(path)))
+
+
+def cut_record(cfg: TrainConfig, resumed: Optional[str]) -> tuple[Path, ...]:
+    """Where ``--resume`` named a checkpoint that verified (``resumed``) and the directory's run record is
+    unreadable: one warning, and the record to remove (then rewritten from the checkpoints, in step order, by
+    :func:`take` once the directory is locked). Was: refused with the record's own error."""
+    root = Path(cfg.checkpoint_dir)
+    if resumed is None or not names_a_checkpoint(cfg.resume) or not (root / ckpt.RUN_NAME).exists():
+        return ()
+    try:
+        ckpt.read_run(root)
+        return ()
+    except PhalanxError:
+        pass
+    warnings.warn(f"{root / ckpt.RUN_NAME} is unreadable; --resume {resumed} verifies, so the run continues it "
+                  "and the record is rewritten (its checkpoints in step order)")
+    return (root / ckpt.RUN_NAME,)
 
 
 # --------------------------------------------------------------------------- the metrics file

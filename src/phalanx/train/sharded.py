@@ -84,14 +84,14 @@ class ShardWriter:
         dist.barrier()  # every rank writes into the directory rank 0 made, empty
         if not self.asynchronous:
             try:
-                dcp.save(shards, checkpoint_id=str(tmp))
+                dcp.save(shards, storage_writer=writer(tmp))
             except _errors() as e:
                 raise _failed(e, final, previous) from None
             self._seal(tmp, final, state, keep, previous)
             return final
         if self.group is None:
             self.group = dist.new_group(backend="gloo")
-        upload = dcp.async_save(shards, checkpoint_id=str(tmp), process_group=self.group)
+        upload = dcp.async_save(shards, storage_writer=writer(tmp), process_group=self.group)
         upload = getattr(upload, "upload_completion", upload)  # (a response object where staging is async too)
         self.pending = self.thread.submit(self._finish, upload, tmp, final, state, keep, previous)
         return final
@@ -117,6 +117,28 @@ class ShardWriter:
     def close(self) -> None:
         if self.thread is not None:
             self.thread.shutdown(wait=False)
+
+
+def writer(tmp: Path) -> Any:
+    """DCP's file writer, whose storage errors keep their errno on the way to rank 0.
+
+    torch's zip writer reports a write the disk refused as a RuntimeError (``[enforce fail at
+    inline_container.cc:672] . unexpected pos 704 vs 598``) raised while handling the OSError; DCP pickles
+    every rank's error to its coordinator, and pickling drops ``__context__``: a full disk read as that
+    line, exit 2 (ENOSPC was said only where the OSError itself was raised). Here the OSError is raised."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class Writer(FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            try:
+                return super().write_data(plan, planner)
+            except Exception as e:
+                cause = ckpt.os_error(e)
+                if cause is None or cause is e:
+                    raise
+                raise OSError(cause.errno, cause.strerror, cause.filename) from None
+
+    return Writer(str(tmp))
 
 
 def _errors() -> tuple[type, ...]:
@@ -185,6 +207,8 @@ def read(p: Path, use: str = "--resume", verify: bool = True) -> dict[str, Any]:
     """A sharded checkpoint's small state, every file verified against its checksum (``verify``); its
     tensors stay on disk (``state["shards"]``: the directory; :func:`joined` or the runtime reads them)."""
     earlier = f"{'resume from' if use == '--resume' else f'give {use}'} an earlier checkpoint of the same directory"
+    if not (p / STATE).is_file():  # written last, before the rename: lost since (see is_damaged_checkpoint)
+        raise PhalanxError(f"checkpoint {p} is incomplete: its {STATE} is missing; {earlier}")
     try:
         state = torch.load(p / STATE, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a bad file

@@ -32,9 +32,11 @@ def check_step(model: nn.Module, batch: Any, step: Callable, loss_fn: Callable, 
     model.eval()
     try:
         with torch.no_grad():
-            result = first_line_of_failure(lambda: step(model, batch), f"{what} fails on an example batch "
-                                            f"{batches.describe(batch)}", "make it take the batches your data yields")
-            check_loss(result.loss, what)
+            with torch.enable_grad():  # as it trains: a loss backward cannot start from is refused here
+                result = first_line_of_failure(lambda: step(model, batch), f"{what} fails on an example batch "
+                                               f"{batches.describe(batch)}", "make it take the batches your data "
+                                               "yields")
+            check_loss(result.loss, what, model)
             if result.outputs is None and any(m.tally is not None for m in metrics):
                 names = ", ".join(m.name for m in metrics if m.tally is not None)
                 raise PhalanxError(f"the metrics {names} need the model's outputs, and {what} returns the loss alone; "
@@ -51,6 +53,16 @@ def check_step(model: nn.Module, batch: Any, step: Callable, loss_fn: Callable, 
         model.train(was_training)
 
 
-def check_loss(loss: Any, what: str) -> None:
+def check_loss(loss: Any, what: str, model: nn.Module) -> None:
+    """One number that backward can start from: a floating tensor with a gradient (where anything trains), computed
+    with gradients enabled. A detached or integer loss failed in every worker's first backward, a 30-line traceback."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise PhalanxError(f"{what} must give one number (a mean over the batch), as F.cross_entropy does")
+    if not (loss.is_floating_point() or loss.is_complex()):
+        raise PhalanxError(f"{what} gives a loss of dtype {str(loss.dtype).replace('torch.', '')}, which has no "
+                           "gradient: give a floating-point loss computed from the model's outputs (a mean over the "
+                           "batch, as F.cross_entropy gives)")
+    if not loss.requires_grad and any(p.requires_grad for p in model.parameters()):
+        raise PhalanxError(f"{what} gives a loss with no gradient (detached from the model: .detach(), .item(), "
+                           "torch.no_grad() or a new tensor made from it): give the loss as computed from the model's "
+                           "outputs, so that backward reaches the parameters")

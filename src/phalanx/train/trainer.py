@@ -128,6 +128,7 @@ class Trainer:
         resume_path, _, resumed = checks.check_resume(cfg, layout, task, model, restarted=claim.restarted)
         run_id = resumed or claim.run_id
         remove = claim.remove + rundir.check_metrics(cfg, run_id, new=cfg.resume is None and not claim.restarted)
+        remove += rundir.cut_record(cfg, resume_path)
         return Plan(cfg, layout, dataclasses.replace(task, data=None), facts.bundle, resume_path,
                     self.config.recipe_line(task.model_name), len(devices), run_id, remove, began,
                     round(time.time() - began, 4))

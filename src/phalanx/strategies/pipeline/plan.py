@@ -31,6 +31,7 @@ class StagePlan:
     conditions: str = ""  #: how the times were measured, as printed
     #: the model split by tracing: the submodules where stages 1.. begin (empty: cut at its blocks)
     traced: tuple = ()
+    users_step: bool = False  #: the traced step is the user's (--training-step): its Python runs once, at the trace
 
     @property
     def stages(self) -> int:
@@ -81,6 +82,10 @@ class StagePlan:
             among = "as given" if self.how == "explicit" else f"{how}, among {len(self.names) - 1} repeated blocks"
             out[0] = (f"pipeline plan: the training step traced (torch.export) and split at {', '.join(self.traced)} "
                       f"into {p} stages ({among}); {m} micro-batches per step, {self.schedule} schedule")
+            if self.users_step:
+                out.append("  your training step runs once, when traced (and once per evaluation batch shape): every "
+                           "step runs the graph it recorded, so its Python (a counter, a print, a branch on a step "
+                           "count) does not run again")
         per_stage = self.stage_seconds()
         r = self.replicas
         if r > 1:

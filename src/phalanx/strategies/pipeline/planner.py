@@ -18,6 +18,7 @@ from torch import nn
 
 from ...data import batch as tree
 from ...errors import PhalanxError
+from ...task.step import UserStep
 from ..balance import bounds, check_counts, check_stages, partition
 from ..base import Build
 from .messages import interpolate, time_messages
@@ -64,7 +65,7 @@ class StagePlanner:
             raise PhalanxError("--balance time needs a batch to profile the pieces on: give Build(example=...), "
                                "or use --balance params")
         plan = StagePlan((), ["(start)", *points], params, None, how, options.chunks, options.schedule,
-                         self.replicas)
+                         self.replicas, users_step=isinstance(build.step, UserStep))
         if how == "time":
             self._measure_pieces(model, build, points, plan)
         if options.split_points:
