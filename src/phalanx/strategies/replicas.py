@@ -94,3 +94,19 @@ def _write(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
     with torch.no_grad():
         for t, value in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
             t.copy_(value)
+
+
+def average_over(tensors: list[torch.Tensor], group) -> None:
+    """Like :func:`average_buffers`, over ``group``: a process group of its own (the survivors' of a lost peer,
+    ``launcher/survivors.py``), not torch's registered one, so its own calls, through the CPU (gloo). Floating
+    tensors become their mean over it, the others its first rank's. None: one rank alone, nothing to do."""
+    if group is None:
+        return
+    for chunk in _by_dtype(tensors):
+        flat = _flatten_dense_tensors([t.detach() for t in chunk]).cpu()
+        if flat.is_floating_point():
+            group.allreduce([flat]).wait()
+            flat /= group.size()
+        else:
+            group.broadcast(flat, 0).wait()
+        _write(chunk, flat.to(chunk[0].device))

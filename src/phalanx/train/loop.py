@@ -12,6 +12,7 @@ checkpoints (``saving.py``), the header and the summary (``summary.py``).
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, Iterator, Optional
 
@@ -21,6 +22,8 @@ from torch import nn
 from ..data import eval_batches, load_data
 from ..errors import TrainingDiverged
 from ..launcher import WorkerContext
+from ..launcher.joined import lost_peer
+from ..launcher.survivors import survivors
 from ..task.metrics import Totals, said
 from ..comm.wire import Meter, metering
 from ..task import is_import_path, resolve
@@ -180,8 +183,13 @@ class WorkerRun:
         inputs = self.feed.inputs(self.step, self.ctx.device, self.cfg.prefetch)
         self.began, first_step = time.perf_counter(), self.step
         self.ctx.progress.handle_signals()  # from here on SIGTERM/SIGINT mean: stop at a step boundary and save
-        hit = self._steps(inputs)
-        return self._finish(hit, first_step)
+        try:
+            hit = self._steps(inputs)
+            return self._finish(hit, first_step)
+        except RuntimeError as e:  # (torch's DistError is one)
+            if lost_peer(e) is not None:
+                self._save_survivors()  # the survivors save what they hold; the lost peer stays the error
+            raise
 
     def _steps(self, inputs: Iterator) -> Optional[dict[str, float]]:
         """Global steps until the last one, a stop the ranks agreed on, an asynchronous worker told to stop, or
@@ -330,6 +338,39 @@ class WorkerRun:
         record = self.saver.save(self.step, self.lr.state(self.step), self.feed.position(self.step), self._diverged)
         if record is not None:
             self.reporter.record("checkpoint", **record)
+
+    def _save_survivors(self) -> None:
+        """A peer was lost: a collective with it failed here, and the job's group is broken. Where every rank
+        holds the whole model, the survivors agree who they are through the store and the first of them saves
+        what they hold at the step they finished, without that group (``launcher/survivors.py``), so a restart
+        loses at most the step in flight. What goes wrong here is said in one line, and saves nothing."""
+        if not self.cfg.strategy.survivors_save or not self.ctx.distributed:
+            return
+        self.ctx.progress.at(self.step, "saving what the survivors hold")
+        try:
+            found = survivors(self.ctx.store, self.ctx.rank, self.ctx.world_size, self.step, self.cfg.timeout_s)
+            saved = self.runtime.survivor_state(self.step, found) if found is not None else None
+            if saved is None:
+                return
+            if saved.step > self.step:  # (its update went in before the collective failed: its rate moves on)
+                self.lr.advance()
+            fresh = saved.step > (self.saver.saved_step or 0)  # (not a step saved already, nor step 0)
+            finite = all(torch.isfinite(t).all() for t in saved.state["model"].values() if t.is_floating_point())
+            if self.ctx.rank != found.writer or not fresh or not finite:
+                return
+            path = self.saver.save_alone(saved.step, saved.state, found.rng(), self.lr.state(saved.step),
+                                         self.feed.position(saved.step),
+                                         survivors={"ranks": list(found.ranks), "lost": list(found.lost)})
+        except Exception as e:  # (the save's own errors: a full disk, a survivor lost too)
+            print(f"{self.me.label}: the survivors could not save ({str(e).splitlines()[0][:160]})", file=sys.stderr,
+                  flush=True)
+            return
+        lost = ", ".join(self.plan.layout.label(r) for r in found.lost) or "a peer"
+        why = f" ({saved.note})" if saved.note else ""
+        print(f"{lost} lost; {self.me.label} saved step {saved.step}, the last step the survivors finished{why}: "
+              f"{path}", flush=True)
+        self.reporter.record("checkpoint", step=saved.step, path=path, survivors=list(found.ranks),
+                             lost=list(found.lost))
 
     def close(self) -> None:
         self.saver.close()

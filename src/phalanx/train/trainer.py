@@ -176,7 +176,8 @@ class Trainer:
                 return launch(run_worker, list(plan.layout.devices), (plan,), threads=cfg.threads,
                               addr=cfg.master_addr, timeout_s=max(cfg.timeout_s, 2 * cfg.hang_timeout_s),
                               tolerate=plan.layout.expendable, hang_timeout_s=cfg.hang_timeout_s,
-                              label=plan.layout.label, lockstep=plan.layout.lockstep)
+                              label=plan.layout.label, lockstep=plan.layout.lockstep,
+                              survivors_save=cfg.strategy.survivors_save)
             except (WorkerFailed, JobHung) as e:
                 newest = ckpt.latest_checkpoint(cfg.checkpoint_dir)
                 if restarts >= cfg.max_restarts:

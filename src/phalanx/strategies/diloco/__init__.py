@@ -20,7 +20,10 @@ round, whether H divides the steps or not, so the global model holds every step'
 rank holds it. Buffers (BatchNorm's running statistics) are not pseudo-gradients: they are averaged
 over the ranks with fragment 0's rounds (integer step counts: rank 0's) and kept as the global
 model's, which is what is evaluated and saved. ``--outer-precision`` sets the pseudo-gradient on the
-wire (see :func:`average`); the outer step is always fp32.
+wire (see :func:`average`); the outer step is always fp32. When a worker dies, the survivors run an outer
+round of every fragment that owes one over a group of their own (``launcher/survivors.py``: their
+pseudo-gradients averaged, the lost worker's local steps since its last round lost with it), and one of them
+saves the global model it gives.
 """
 
 
@@ -47,6 +50,7 @@ PAPER_MOMENTUM, PAPER_WORKERS = 0.9, 8
 class DiLoCo(Options):
     name: ClassVar[str] = "diloco"
     one_piece_backward: ClassVar[bool] = True
+    survivors_save: ClassVar[bool] = True
     checkpoints_activations: ClassVar[bool] = True
     summary: ClassVar[str] = ("H local steps, then the averaged pseudo-gradient applied by an outer Nesterov SGD; "
                               "streaming fragments")
