@@ -307,7 +307,8 @@ def _exited(processes: list, alive: set) -> list[int]:
     first step ends at once, and its peers fail in their next collective a moment later; the stop, not
     their gloo tracebacks, is what happened (and the order in which exits are seen is the kernel's)."""
     done = [r for r in alive if processes[r].exitcode is not None]
-    return sorted(done, key=lambda r: (processes[r].exitcode not in STOP_CODES, r))
+    # (then a rank killed by a signal: its peers fail in their next collective with it, or save first and fail)
+    return sorted(done, key=lambda r: (processes[r].exitcode not in STOP_CODES, processes[r].exitcode >= 0, r))
 
 
 def _ended(rank: int, processes: list, alive: set, results: Any, received: list[Report],

@@ -346,6 +346,7 @@ class WorkerRun:
         loses at most the step in flight. What goes wrong here is said in one line, and saves nothing."""
         if not self.cfg.strategy.survivors_save or not self.ctx.distributed:
             return
+        phase = self.ctx.progress.phase  # (where the peer was lost, for whoever names it next)
         self.ctx.progress.at(self.step, "saving what the survivors hold")
         try:
             found = survivors(self.ctx.store, self.ctx.rank, self.ctx.world_size, self.step, self.cfg.timeout_s)
@@ -365,6 +366,8 @@ class WorkerRun:
             print(f"{self.me.label}: the survivors could not save ({str(e).splitlines()[0][:160]})", file=sys.stderr,
                   flush=True)
             return
+        finally:
+            self.ctx.progress.at(self.step, phase)
         lost = ", ".join(self.plan.layout.label(r) for r in found.lost) or "a peer"
         why = f" ({saved.note})" if saved.note else ""
         print(f"{lost} lost; {self.me.label} saved step {saved.step}, the last step the survivors finished{why}: "

@@ -193,6 +193,7 @@ class Trainer:
                 restarts += 1
                 plan = dataclasses.replace(plan, resume_path=point["path"] if point else None)
                 where = f"checkpoint step {point['step']}" if point else "the start (no checkpoint yet)"
+                where += " (the survivors' save)" if point and "survivors" in point else ""
                 log.warning("%s; restart %s of %s from %s", _what_failed(e, plan.layout), restarts, cfg.max_restarts,
                             where)
 
