@@ -10,7 +10,8 @@ Buffers (BatchNorm's running statistics, its step count) are not parameters: no 
 each rank's forward passes update its own. Where a strategy averages the parameters (local SGD,
 DiLoCo) :func:`average_buffers` averages them too; where the parameters are equal on every rank
 (DDP, FSDP) :func:`broadcast_buffers` gives every rank rank 0's, DDP's own rule. Either way every
-rank then holds the one model that is evaluated and saved.
+rank then holds the one model that is evaluated and saved. :func:`average_over` does the same over a group of
+the survivors of a lost worker (``launcher/survivors.py``), never the job's broken one.
 """
 
 from __future__ import annotations
