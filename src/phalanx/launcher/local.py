@@ -336,7 +336,7 @@ def _ended(rank: int, processes: list, alive: set, results: Any, received: list[
     died = code < 0 or not any(r.rank == rank and r.kind in RAISED for r in received)
     if survivors_save and died:
         say_gone(watcher.store, rank)  # (the survivors need not wait for it to say it survived)
-        let_survivors_save(processes, alive, lambda: received.extend(_drain(results)))
+        let_survivors_save(processes, alive, watcher.store, lambda: received.extend(_drain(results)))
     _terminate([processes[r] for r in alive])
     received += _drain(results)
     steps_made = watcher.steps_made()

@@ -63,6 +63,14 @@ class Survivors:
         """Every rank's RNG state as it recorded it, by rank; None for a lost one (a resume leaves its own)."""
         return [_tensor(self.store.get(f"rng/{r}")) if r in self.ranks else None for r in range(self.world_size)]
 
+    def done(self) -> None:
+        """This survivor's part is over (saved, or given up): counted, so the launcher need not wait for a rank that
+        never joined them (stuck in a collective with another survivor: gloo gives up only at its timeout)."""
+        try:
+            self.store.add("survivors-done", 1)
+        except Exception:
+            pass
+
     def group(self) -> Optional[dist.ProcessGroup]:
         """A gloo group of the survivors alone (None: this rank is the only one). Every survivor calls it."""
         if len(self.ranks) == 1:
@@ -112,10 +120,21 @@ def _tensor(data: bytes) -> torch.Tensor:
 # --------------------------------------------------------------------------- parent side
 
 
-def let_survivors_save(processes: list, alive: set, drain: Callable[[], None], grace_s: float = SAVE_GRACE_S) -> None:
-    """A worker died without a word: wait (up to ``grace_s``) for the others to end on their own, after saving
-    what they hold; ``drain()`` meanwhile (their reports must not block them in a full pipe)."""
+def let_survivors_save(processes: list, alive: set, store: dist.Store, drain: Callable[[], None],
+                       grace_s: float = SAVE_GRACE_S) -> None:
+    """A worker died without a word: wait for the others to end on their own, after saving what they hold, until
+    every survivor of the sealed set is done (``store``: the launcher's view) or ``grace_s`` passed; ``drain()``
+    meanwhile (their reports must not block them in a full pipe)."""
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(processes[r].is_alive() for r in alive):
+    while time.monotonic() < deadline and any(processes[r].is_alive() for r in alive) and not _all_done(store):
         drain()
         mp_connection.wait([processes[r].sentinel for r in alive if processes[r].is_alive()], timeout=0.2)
+
+
+def _all_done(store: dist.Store) -> bool:
+    try:
+        if not store.check(["survivors", "survivors-done"]):
+            return False
+        return store.add("survivors-done", 0) >= len(json.loads(store.get("survivors")))
+    except Exception:  # (the store is going away with the job)
+        return False

@@ -349,6 +349,7 @@ class WorkerRun:
             return
         phase = self.ctx.progress.phase  # (where the peer was lost, for whoever names it next)
         self.ctx.progress.at(self.step, "saving what the survivors hold")
+        found = None
         try:
             found = survivors(self.ctx.store, self.ctx.rank, self.ctx.world_size, self.step, self.cfg.timeout_s)
             saved = self.runtime.survivor_state(self.step, found) if found is not None else None
@@ -360,21 +361,21 @@ class WorkerRun:
             finite = all(torch.isfinite(t).all() for t in saved.state["model"].values() if t.is_floating_point())
             if self.ctx.rank != found.writer or not fresh or not finite:
                 return
+            who = {"ranks": list(found.ranks), "lost": list(found.lost)}
             path = self.saver.save_alone(saved.step, saved.state, found.rng(), self.lr.state(saved.step),
-                                         self.feed.position(saved.step),
-                                         survivors={"ranks": list(found.ranks), "lost": list(found.lost)})
+                                         self.feed.position(saved.step), survivors=who)
+            lost = ", ".join(self.plan.layout.label(r) for r in found.lost) or "a peer"
+            why = f" ({saved.note})" if saved.note else ""
+            print(f"{lost} lost; {self.me.label} saved step {saved.step}, the last step the survivors finished"
+                  f"{why}: {path}", flush=True)
+            self.reporter.record("checkpoint", step=saved.step, path=path, survivors=who)
         except Exception as e:  # (the save's own errors: a full disk, a survivor lost too)
             print(f"{self.me.label}: the survivors could not save ({str(e).splitlines()[0][:160]})", file=sys.stderr,
                   flush=True)
-            return
         finally:
             self.ctx.progress.at(self.step, phase)
-        lost = ", ".join(self.plan.layout.label(r) for r in found.lost) or "a peer"
-        why = f" ({saved.note})" if saved.note else ""
-        print(f"{lost} lost; {self.me.label} saved step {saved.step}, the last step the survivors finished{why}: "
-              f"{path}", flush=True)
-        self.reporter.record("checkpoint", step=saved.step, path=path, survivors=list(found.ranks),
-                             lost=list(found.lost))
+            if found is not None:
+                found.done()  # (the launcher waits for every survivor's, then ends whoever is left)
 
     def close(self) -> None:
         self.saver.close()
