@@ -343,8 +343,8 @@ def _ended(rank: int, processes: list, alive: set, results: Any, received: list[
     if forward.explains_failure(steps_made):
         raise forward.stopped(steps_made)
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-    raise _failure(received, (rank, f"process {processes[rank].pid} {how}"), killed=code < 0 or (survivors_save and died),
-                   last_step=last_step)
+    killed = code < 0 or (survivors_save and died)  # (the survivors' own failures come after it)
+    raise _failure(received, (rank, f"process {processes[rank].pid} {how}"), killed=killed, last_step=last_step)
 
 
 def _expendable_that_raised(processes: list, alive: set, reports: list[Report],

@@ -8,7 +8,8 @@ checkpoint, the summary. The runtime is the only thing that knows the strategy; 
 methods (see ``strategies/base.py``) the same way for all. Around the loop, each a class of its own: the
 stop agreement (``stop.py``), this rank's data (``feed.py``), the learning rate (``learning_rate.py``),
 checkpoints (``saving.py``), the header and the summary (``summary.py``). A peer lost in a collective (a
-worker killed) ends the run as before, after the survivors saved the step they finished (:meth:`WorkerRun._save_survivors`).
+worker killed) ends the run as before, after the survivors saved the step they finished
+(:meth:`WorkerRun._save_survivors`).
 """
 
 from __future__ import annotations
