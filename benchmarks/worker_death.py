@@ -4,6 +4,7 @@ torchrun (``torchrun --standalone --nproc-per-node 2 --max-restarts 1``).
 
     python3 benchmarks/worker_death.py                 # N = 254, 300 steps
     python3 benchmarks/worker_death.py --die-at 150 --save
+    python3 benchmarks/worker_death.py --devices cuda  # on a machine with 2 GPUs: NCCL
 
 The death is exact: the model (:class:`DiesAt`, a small MLP on digits) kills its own process with SIGKILL in its
 N-th training forward on rank 1 (the start of step N), once per job (a marker file keeps the restarted worker
@@ -62,10 +63,11 @@ def last_averaging(step: int) -> int:
     return max(s for s in range(1, step) if (s - 1) % SYNC_EVERY == 0)
 
 
-def run(strategy: str, launcher: str, die_at: int, steps: int) -> dict:
+def run(strategy: str, launcher: str, die_at: int, steps: int, devices: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="phalanx-death-") as tmp:
         train = ["train", "--strategy", strategy, "--model", "worker_death:DiesAt", "--steps", str(steps),
-                 "--checkpoint-every", "100", "--log-every", "50", "--progress", "lines", "--checkpoint-dir", "ck"]
+                 "--checkpoint-every", "100", "--log-every", "50", "--progress", "lines", "--checkpoint-dir", "ck",
+                 "--devices", devices] + (["--workers", "2"] if launcher == "phalanx" else [])
         if launcher == "phalanx":
             cmd = [sys.executable, "-m", "phalanx", *train, "--max-restarts", "1"]
         else:
@@ -98,6 +100,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--launchers", default="phalanx,torchrun")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--devices", default="cpu", help="cpu (gloo), or cuda on a machine with 2 GPUs (NCCL)")
     args = p.parse_args()
     rows = []
     print(f"worker 1 SIGKILLed as it begins step {args.die_at}; 2 workers, --checkpoint-every 100\n")
@@ -105,7 +108,7 @@ def main() -> None:
           f"{'(periodic only)':>16} {'dead replica':>13}")
     for launcher in args.launchers.split(","):
         for strategy in args.strategies.split(","):
-            row = run(strategy, launcher, args.die_at, args.steps)
+            row = run(strategy, launcher, args.die_at, args.steps, args.devices)
             rows.append(row)
             replica = row.get("dead_replica_local_steps_lost")
             print(f"  {strategy:<10} {launcher:<13} {row['resumed_at']:>10} {row['steps_lost']:>10} "
