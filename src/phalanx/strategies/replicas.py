@@ -98,8 +98,8 @@ def _write(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
 
 
 def average_over(tensors: list[torch.Tensor], group) -> None:
-    """Like :func:`average_buffers`, over ``group``: a process group of its own (the survivors' of a lost peer,
-    ``launcher/survivors.py``), not torch's registered one, so its own calls, through the CPU (gloo). Floating
+    """Like :func:`average_buffers`, over ``group``: a process group built outside torch's registry (the
+    survivors' of a lost peer, ``launcher/survivors.py``), so called directly, through the CPU (gloo). Floating
     tensors become their mean over it, the others its first rank's. None: one rank alone, nothing to do."""
     if group is None:
         return

@@ -101,8 +101,9 @@ class LocalSGDRuntime(Runtime):
         group = survivors.group()
         average_over(self.params + self.buffers, group)
         kept = "its own replica" if group is None else "the survivors' replicas averaged"
-        return SurvivorState(held, self.state_dict(), f"{kept}; the lost worker's local steps since the last "
-                                                      "averaging are lost with it")
+        # (the base's state: this rank's own, no collective, whatever a checkpoint of the whole job holds)
+        return SurvivorState(held, Runtime.state_dict(self), f"{kept}; the lost worker's local steps since the last "
+                                                             "averaging are lost with it")
 
     def global_losses(self, losses: torch.Tensor) -> torch.Tensor:
         # No collective: that would put the workers back in lockstep at every log step.
