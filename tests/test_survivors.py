@@ -7,8 +7,12 @@ import signal
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from helpers import gather, only_run, run_and_signal, run_workers
+from phalanx import TrainConfig, Trainer
+from phalanx.errors import WorkerFailed
 from phalanx.launcher.survivors import survivors
 from phalanx.launcher.watch import launcher_view, say_gone
 from phalanx.strategies.replicas import average_over
@@ -60,3 +64,30 @@ def test_the_survivors_seal_one_set_and_average_over_a_group_of_their_own():
         assert (ranks, writer, lost) == ((0, 1), 0, (2,))
         assert values == [[0.5, 1.0], [10]]  # floating: the mean; integer: the first survivor's
         assert missing == [False, False, True] and own_rng and late is None
+
+
+class RaisesOnRank1(nn.Module):
+    """A small MLP whose rank 1 raises in its 20th training forward: a bug, which every worker may share."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += self.training
+        if self.training and dist.is_initialized() and dist.get_rank() == 1 and self.calls == 20:
+            raise ValueError("tower exploded")
+        return self.net(x)
+
+
+@pytest.mark.slow
+def test_a_worker_that_raises_is_named_with_its_traceback_not_its_survivors_lost_peer(tmp_path):
+    from phalanx.data import load_digits
+
+    data = load_digits()
+    config = TrainConfig(workers=2, devices="cpu", steps=60, batch_size=16, progress="none",
+                         checkpoint_dir=str(tmp_path / "c"))
+    with pytest.raises(WorkerFailed) as info:
+        Trainer(config, model=RaisesOnRank1(), train_data=(data.train.x, data.train.y)).fit()
+    assert info.value.rank == 1 and "ValueError: tower exploded" in info.value.detail
