@@ -49,8 +49,9 @@ def _survive_one_of_three(ctx):
     their own."""
     if ctx.rank == 0:
         say_gone(launcher_view(ctx.store), 2)
+    dist.barrier()  # (rank 2 is recorded gone before either looks: the set is complete without a deadline)
     torch.manual_seed(ctx.rank)
-    found = survivors(ctx.store, ctx.rank, 3, step=7 + ctx.rank)
+    found = survivors(ctx.store, ctx.rank, 3, step=7 + ctx.rank, settle_s=600)
     values = [torch.tensor([float(ctx.rank), 2.0 * ctx.rank]), torch.tensor([10 + ctx.rank])]
     average_over(values, found.group())
     rng = found.rng()
