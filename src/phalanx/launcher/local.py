@@ -39,6 +39,7 @@ from ..log import show_on_streams, shown_on_streams
 from . import loopback
 from .forkserver import start_method
 from .watch import Progress, Watcher, is_gone, launcher_view, say_gone, say_raised, store_client
+from .survivors import let_survivors_save
 from .context import DEFAULT_TIMEOUT_S, init_worker, local_world_size, shutdown, threads_per_worker
 from .env import joined
 from .joined import collect_before_exit, run_joined
@@ -212,6 +213,7 @@ def launch(
     hang_timeout_s: float = 0.0,
     label: Optional[Callable[[int], str]] = None,
     lockstep: bool = True,
+    survivors_save: bool = False,
 ) -> Any:
     """Run ``fn(ctx, *args)`` on one worker per entry of ``devices``; return rank 0's result.
 
@@ -222,7 +224,8 @@ def launch(
     ``hang_timeout_s`` > 0 the parent watches every rank's progress and ends a job in which no
     rank it needs moved for that long with :class:`JobHung` naming who is stuck where. SIGTERM
     and SIGINT are passed on to the workers, which stop together at a step boundary; a second
-    one stops them at once.
+    one stops them at once. With ``survivors_save`` (every rank holds the whole model), a worker that dies
+    without a word leaves the others time to save what they hold (:mod:`.survivors`) before they are ended.
     """
     job = joined()
     if threads is None and all(d.type == "cpu" for d in devices):
@@ -249,7 +252,7 @@ def launch(
     watcher = Watcher(launcher_view(store), len(devices), hang_timeout_s, label or (lambda r: f"rank {r}"),
                       tolerate or (lambda r: False), lockstep)
     try:
-        received = _monitor(procs.processes, results, tolerate, watcher)
+        received = _monitor(procs.processes, results, tolerate, watcher, survivors_save)
     finally:
         _terminate(procs.processes)  # whatever happened, no worker outlives the launch
     for report in received:
@@ -259,7 +262,7 @@ def launch(
 
 
 def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], bool]],
-             watcher: Watcher) -> list[Report]:
+             watcher: Watcher, survivors_save: bool = False) -> list[Report]:
     """Wait for every worker; drain their reports meanwhile; on a failure or a hang stop the rest and raise.
 
     A rank for which ``tolerate(rank)`` is true may die without ending the job (an asynchronous
@@ -280,7 +283,7 @@ def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], b
                 done_at = time.monotonic()
             mp_connection.wait([processes[r].sentinel for r in alive], timeout=0.2)
             for rank in _exited(processes, alive):
-                _ended(rank, processes, alive, results, received, tolerate, watcher, forward)
+                _ended(rank, processes, alive, results, received, tolerate, watcher, forward, survivors_save)
             raised = _expendable_that_raised(processes, alive, received, tolerate) if done_at is None else None
             if raised is not None:  # a bug (the user's model, say), not a lost machine: end the job with it
                 _terminate([processes[r] for r in alive])
@@ -304,11 +307,13 @@ def _exited(processes: list, alive: set) -> list[int]:
     first step ends at once, and its peers fail in their next collective a moment later; the stop, not
     their gloo tracebacks, is what happened (and the order in which exits are seen is the kernel's)."""
     done = [r for r in alive if processes[r].exitcode is not None]
-    return sorted(done, key=lambda r: (processes[r].exitcode not in STOP_CODES, r))
+    # (then a rank killed by a signal: its peers fail in their next collective with it, or save first and fail)
+    return sorted(done, key=lambda r: (processes[r].exitcode not in STOP_CODES, processes[r].exitcode >= 0, r))
 
 
 def _ended(rank: int, processes: list, alive: set, results: Any, received: list[Report],
-           tolerate: Optional[Callable[[int], bool]], watcher: Watcher, forward: Forward) -> None:
+           tolerate: Optional[Callable[[int], bool]], watcher: Watcher, forward: Forward,
+           survivors_save: bool = False) -> None:
     """Rank ``rank`` exited: carry on without it, take its exit as the job's stop request, or end the job."""
     if rank not in alive:  # (already taken: a stop exit seen while another rank's failure was looked at)
         return
@@ -325,13 +330,21 @@ def _ended(rank: int, processes: list, alive: set, results: Any, received: list[
     for other in _exited(processes, alive):
         if processes[other].exitcode in STOP_CODES:
             _ended(other, processes, alive, results, received, tolerate, watcher, forward)
+    received += _drain(results)
+    # Died without a word (killed, out of memory), not raised: where every rank holds the whole model the others
+    # save it first, then fail in their own time; the death stays the failure named.
+    died = code < 0 or not any(r.rank == rank and r.kind in RAISED for r in received)
+    if survivors_save and died:
+        say_gone(watcher.store, rank)  # (the survivors need not wait for it to say it survived)
+        let_survivors_save(processes, alive, watcher.store, lambda: received.extend(_drain(results)))
     _terminate([processes[r] for r in alive])
     received += _drain(results)
     steps_made = watcher.steps_made()
     if forward.explains_failure(steps_made):
         raise forward.stopped(steps_made)
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-    raise _failure(received, (rank, f"process {processes[rank].pid} {how}"), killed=code < 0, last_step=last_step)
+    killed = code < 0 or (survivors_save and died)  # (the survivors' own failures come after it)
+    raise _failure(received, (rank, f"process {processes[rank].pid} {how}"), killed=killed, last_step=last_step)
 
 
 def _expendable_that_raised(processes: list, alive: set, reports: list[Report],

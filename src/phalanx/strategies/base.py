@@ -18,6 +18,7 @@
       sums = runtime.evaluate(batches, totals)  # metrics' (sum, count)s over every rank's part
       runtime.state_dict() / runtime.load_state_dict(state)    # checkpoints
       changed = runtime.finish(stopping)    # what the model still owes (True: it changed it)
+      saved = runtime.survivor_state(step, survivors)  # a peer lost: what this rank saves without it
       runtime.report(final); runtime.close()
 
 World size 1 runs every strategy unchanged in one process with no process group.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, ClassVar, Iterable, Optional, Sequence
+from typing import Any, Callable, ClassVar, Iterable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,9 @@ class Options:
     #: its ranks run the model as one piece and communicate only after backward, never inside it, so --compile
     #: compiles the model whole (see :meth:`compiles_whole`)
     one_piece_backward: ClassVar[bool] = False
+    #: every rank holds the whole model, so when a worker dies the survivors save it at the step they hold
+    #: (:meth:`Runtime.survivor_state`), and the launcher waits for them before it restarts the job
+    survivors_save: ClassVar[bool] = False
 
     def layout(self, job: Job) -> Layout:
         """Pure: the processes of the job (raise PhalanxError for a job this strategy cannot run)."""
@@ -154,6 +158,14 @@ class Build:
     @property
     def plan(self) -> RankPlan:
         return self.layout.ranks[self.ctx.rank]
+
+
+class SurvivorState(NamedTuple):
+    """What a rank that survived a lost peer saves (:meth:`Runtime.survivor_state`)."""
+
+    step: int  #: the step its state holds
+    state: dict[str, Any]  #: as :meth:`Runtime.state_dict` returns it: the whole model
+    note: str = ""  #: what the survivors did to it, for the run's log ("the survivors' replicas averaged")
 
 
 @dataclasses.dataclass
@@ -323,6 +335,16 @@ class Runtime:
             self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+
+    def survivor_state(self, step: int, survivors: Any) -> Optional[SurvivorState]:
+        """After a peer was lost (a collective with it failed here, and the job's group is broken): the whole
+        model's state as this rank holds it, made without that group, and the step it holds (``step``, the
+        loop's last, or the one after where this step's update went in before its collective failed).
+        ``survivors`` (``launcher/survivors.py``): the ranks that survived; its ``group()``, called by every one
+        of them alike, joins them where they combine their replicas. None (the default): this rank holds a part
+        of the model only, so nothing is saved (fsdp's shards, a pipeline's stage, a parameter server's worker).
+        """
+        return None
 
     def finish(self, stopping: bool = False) -> bool:
         """After the last step, before the final evaluation and checkpoint: whatever the strategy still

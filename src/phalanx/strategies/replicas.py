@@ -10,7 +10,8 @@ Buffers (BatchNorm's running statistics, its step count) are not parameters: no 
 each rank's forward passes update its own. Where a strategy averages the parameters (local SGD,
 DiLoCo) :func:`average_buffers` averages them too; where the parameters are equal on every rank
 (DDP, FSDP) :func:`broadcast_buffers` gives every rank rank 0's, DDP's own rule. Either way every
-rank then holds the one model that is evaluated and saved.
+rank then holds the one model that is evaluated and saved. :func:`average_over` does the same over a group of
+the survivors of a lost worker (``launcher/survivors.py``), never the job's broken one.
 """
 
 from __future__ import annotations
@@ -94,3 +95,19 @@ def _write(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
     with torch.no_grad():
         for t, value in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
             t.copy_(value)
+
+
+def average_over(tensors: list[torch.Tensor], group) -> None:
+    """Like :func:`average_buffers`, over ``group``: a process group built outside torch's registry (the
+    survivors' of a lost peer, ``launcher/survivors.py``), so called directly, through the CPU (gloo). Floating
+    tensors become their mean over it, the others its first rank's. None: one rank alone, nothing to do."""
+    if group is None:
+        return
+    for chunk in _by_dtype(tensors):
+        flat = _flatten_dense_tensors([t.detach() for t in chunk]).cpu()
+        if flat.is_floating_point():
+            group.allreduce([flat]).wait()
+            flat /= group.size()
+        else:
+            group.broadcast(flat, 0).wait()
+        _write(chunk, flat.to(chunk[0].device))

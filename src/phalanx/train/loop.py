@@ -7,11 +7,14 @@ evaluation and a checkpoint where due), what the strategy still owes the model, 
 checkpoint, the summary. The runtime is the only thing that knows the strategy; the loop calls its few
 methods (see ``strategies/base.py``) the same way for all. Around the loop, each a class of its own: the
 stop agreement (``stop.py``), this rank's data (``feed.py``), the learning rate (``learning_rate.py``),
-checkpoints (``saving.py``), the header and the summary (``summary.py``).
+checkpoints (``saving.py``), the header and the summary (``summary.py``). A peer lost in a collective (a
+worker killed) ends the run as before, after the survivors saved the step they finished
+(:meth:`WorkerRun._save_survivors`).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, Iterator, Optional
 
@@ -21,6 +24,8 @@ from torch import nn
 from ..data import eval_batches, load_data
 from ..errors import TrainingDiverged
 from ..launcher import WorkerContext
+from ..launcher.joined import lost_peer
+from ..launcher.survivors import survivors
 from ..task.metrics import Totals, said
 from ..comm.wire import Meter, metering
 from ..task import is_import_path, resolve
@@ -180,8 +185,13 @@ class WorkerRun:
         inputs = self.feed.inputs(self.step, self.ctx.device, self.cfg.prefetch)
         self.began, first_step = time.perf_counter(), self.step
         self.ctx.progress.handle_signals()  # from here on SIGTERM/SIGINT mean: stop at a step boundary and save
-        hit = self._steps(inputs)
-        return self._finish(hit, first_step)
+        try:
+            hit = self._steps(inputs)
+            return self._finish(hit, first_step)
+        except RuntimeError as e:  # (torch's DistError is one)
+            if lost_peer(e) is not None:
+                self._save_survivors()  # the survivors save what they hold; the lost peer stays the error
+            raise
 
     def _steps(self, inputs: Iterator) -> Optional[dict[str, float]]:
         """Global steps until the last one, a stop the ranks agreed on, an asynchronous worker told to stop, or
@@ -332,6 +342,43 @@ class WorkerRun:
         record = self.saver.save(self.step, self.lr.state(self.step), self.feed.position(self.step), self._diverged)
         if record is not None:
             self.reporter.record("checkpoint", **record)
+
+    def _save_survivors(self) -> None:
+        """A peer was lost: a collective with it failed here, and the job's group is broken. Where every rank
+        holds the whole model, the survivors agree who they are through the store and the first of them saves
+        what they hold at the step they finished, without that group (``launcher/survivors.py``), so a restart
+        loses at most the step in flight. What goes wrong here is said in one line, and saves nothing."""
+        if not self.cfg.strategy.survivors_save or not self.ctx.distributed:
+            return
+        phase = self.ctx.progress.phase  # (where the peer was lost, for whoever names it next)
+        self.ctx.progress.at(self.step, "saving what the survivors hold")
+        found = None
+        try:
+            found = survivors(self.ctx.store, self.ctx.rank, self.ctx.world_size, self.step, self.cfg.timeout_s)
+            saved = self.runtime.survivor_state(self.step, found) if found is not None else None
+            if saved is None:
+                return
+            if saved.step > self.step:  # (its update went in before the collective failed: its rate moves on)
+                self.lr.advance()
+            fresh = saved.step > (self.saver.saved_step or 0)  # (not a step saved already, nor step 0)
+            finite = all(torch.isfinite(t).all() for t in saved.state["model"].values() if t.is_floating_point())
+            if self.ctx.rank != found.writer or not fresh or not finite:
+                return
+            who = {"ranks": list(found.ranks), "lost": list(found.lost)}
+            path = self.saver.save_alone(saved.step, saved.state, found.rng(), self.lr.state(saved.step),
+                                         self.feed.position(saved.step), survivors=who)
+            lost = ", ".join(self.plan.layout.label(r) for r in found.lost) or "a peer"
+            why = f" ({saved.note})" if saved.note else ""
+            print(f"{lost} lost; {self.me.label} saved step {saved.step}, the last step the survivors finished"
+                  f"{why}: {path}", flush=True)
+            self.reporter.record("checkpoint", step=saved.step, path=path, survivors=who)
+        except Exception as e:  # (the save's own errors: a full disk, a survivor lost too)
+            print(f"{self.me.label}: the survivors could not save ({str(e).splitlines()[0][:160]})", file=sys.stderr,
+                  flush=True)
+        finally:
+            self.ctx.progress.at(self.step, phase)
+            if found is not None:
+                found.done()  # (the launcher waits for every survivor's, then ends whoever is left)
 
     def close(self) -> None:
         self.saver.close()

@@ -35,7 +35,7 @@ def restore(runtime: Any, state: dict[str, Any], fresh_optimizer: bool, rank: in
     runtime.load_state_dict(state)
     restore_settings(runtime.optimizer, settings)
     rng = state.get("rng") or []
-    if rank < len(rng):
+    if rank < len(rng) and rng[rank] is not None:  # (None: a rank lost before the survivors saved)
         torch.set_rng_state(rng[rank])
     return int(state["step"]), data_position(state, examples)
 
@@ -107,14 +107,31 @@ class Checkpointer:
         self.last, self.saved_step = path, step
         if state is None:  # (a rank whose part rank 0 gathered, e.g. a pipeline's later stage: nothing to write)
             return None
-        small = {"format": ckpt.FORMAT, "step": step, "run_id": self.run_id, **scheduler, "rng": rng,
-                 "meta": {**self.meta, "parameter_shapes": self._shapes(state)},
-                 "data_position": {"epoch": position.epoch, "examples_in_epoch": position.offset}}
+        small = self._small(step, rng, scheduler, position, self._shapes(state))
         if shards:  # every rank writes its own shards; rank 0 adds the small state and seals the directory
             self.shard_writer.save(state, small, self.cfg.checkpoint_dir, step, self.cfg.keep_checkpoints)
         elif self.ctx.is_main:
             ckpt.save_checkpoint({**small, **state}, self.cfg.checkpoint_dir, step, self.cfg.keep_checkpoints)
         return path if self.ctx.is_main else None
+
+    def save_alone(self, step: int, state: dict[str, Any], rng: list, scheduler: dict[str, Any], position: Position,
+                   **extra: Any) -> str:
+        """The checkpoint of ``step``, whole, written by this rank with no collective (a survivor of a lost peer:
+        ``state`` and every rank's ``rng`` came without the job's group); the same file, digest and atomic
+        rename as any other. ``extra``: what else it records (who survived). Returns its path."""
+        shapes = {name: list(t.shape) for name, t in state["model"].items()}
+        small = self._small(step, rng, scheduler, position, shapes)
+        path = ckpt.save_checkpoint({**small, **extra, **state}, self.cfg.checkpoint_dir, step,
+                                    self.cfg.keep_checkpoints)
+        self.last, self.saved_step = str(path), step
+        return str(path)
+
+    def _small(self, step: int, rng: list, scheduler: dict[str, Any], position: Position,
+               shapes: dict[str, list[int]]) -> dict[str, Any]:
+        """Everything a checkpoint holds besides the model and optimizer state."""
+        return {"format": ckpt.FORMAT, "step": step, "run_id": self.run_id, **scheduler, "rng": rng,
+                "meta": {**self.meta, "parameter_shapes": shapes},
+                "data_position": {"epoch": position.epoch, "examples_in_epoch": position.offset}}
 
     def _rng(self) -> list:
         """This rank's RNG state; every rank's where the ranks are in step (each resumes its own)."""

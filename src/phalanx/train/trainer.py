@@ -181,7 +181,8 @@ class Trainer:
                 return launch(run_worker, list(plan.layout.devices), (plan,), threads=cfg.threads,
                               addr=cfg.master_addr, timeout_s=max(cfg.timeout_s, 2 * cfg.hang_timeout_s),
                               tolerate=plan.layout.expendable, hang_timeout_s=cfg.hang_timeout_s,
-                              label=plan.layout.label, lockstep=plan.layout.lockstep)
+                              label=plan.layout.label, lockstep=plan.layout.lockstep,
+                              survivors_save=cfg.strategy.survivors_save)
             except (WorkerFailed, JobHung) as e:
                 newest = ckpt.latest_checkpoint(cfg.checkpoint_dir)
                 if restarts >= cfg.max_restarts:
@@ -197,6 +198,7 @@ class Trainer:
                 restarts += 1
                 plan = dataclasses.replace(plan, resume_path=point["path"] if point else None)
                 where = f"checkpoint step {point['step']}" if point else "the start (no checkpoint yet)"
+                where += " (the survivors' save)" if point and "survivors" in point else ""
                 log.warning("%s; restart %s of %s from %s", _what_failed(e, plan.layout), restarts, cfg.max_restarts,
                             where)
 

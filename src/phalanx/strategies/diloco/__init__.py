@@ -22,7 +22,10 @@ model and inner optimizer, and the fragments that owe a round (``replica_state.p
 the same worker count continues exactly. Buffers (BatchNorm's running statistics) are not
 pseudo-gradients: they are averaged over the ranks with fragment 0's rounds (integer step counts:
 rank 0's) and kept as the global model's, which is what is evaluated and saved. ``--outer-precision`` sets the pseudo-gradient on the
-wire (see :func:`average`); the outer step is always fp32.
+wire (see :func:`average`); the outer step is always fp32. When a worker dies, the survivors run an outer
+round of every fragment that owes one over a group of their own (``launcher/survivors.py``: their
+pseudo-gradients averaged, the lost worker's local steps since its last round lost with it), and one of them
+saves the global model it gives.
 """
 
 
@@ -49,6 +52,7 @@ PAPER_MOMENTUM, PAPER_WORKERS = 0.9, 8
 class DiLoCo(Options):
     name: ClassVar[str] = "diloco"
     one_piece_backward: ClassVar[bool] = True
+    survivors_save: ClassVar[bool] = True
     checkpoints_activations: ClassVar[bool] = True
     sharded_checkpoints: ClassVar[bool] = True  # each replica's own state, by rank (replica_state.py)
     summary: ClassVar[str] = ("H local steps, then the averaged pseudo-gradient applied by an outer Nesterov SGD; "

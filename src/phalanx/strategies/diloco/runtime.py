@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..base import COUNT_CORRECT, Build, Report, Runtime
-from ..replicas import average_buffers, verify_replicas
+from ..base import COUNT_CORRECT, Build, Report, Runtime, SurvivorState
+from ..replicas import average_buffers, average_over, verify_replicas
 from .outer import average, due, fragment_bounds, fragment_offsets, wire_bytes
 from .. import replica_state
 
@@ -69,8 +69,10 @@ class DiLoCoRuntime(Runtime):
         loss = super().train_step(batch, y, parts)
         index, self.steps = self.steps, self.steps + 1
         fragments = due(index, self.options.sync_every, self.offsets)
+        # Every fragment took a local step; those due are synced now (a round that fails leaves them owed).
+        self.unsynced = set(range(len(self.fragments)))
         self._rounds(fragments)
-        self.unsynced = set(range(len(self.fragments))) - set(fragments)
+        self.unsynced -= set(fragments)
         return loss
 
     def finish(self, stopping: bool = False) -> bool:
@@ -118,6 +120,33 @@ class DiLoCoRuntime(Runtime):
         self.outer.zero_grad(set_to_none=True)
         for g, p in zip(glob, local):
             p.copy_(g, non_blocking=True)
+
+    @torch.no_grad()
+    def survivor_state(self, step: int, survivors) -> SurvivorState:
+        """The outer round every fragment still owes, over the survivors' own group (their pseudo-gradients
+        averaged in fp32; the lost worker's local steps since its last round are lost with it), then the global
+        model it gives, saved as a checkpoint from which every rank starts a round (no rank's local replica in
+        it: the lost one's is gone). ``self.steps`` already counts a step whose round failed."""
+        group, owed = survivors.group(), sorted(self.unsynced)
+        indices = [i for f in owed for i in range(*self.fragments[f])]
+        pseudo = [self.global_params[i] - self.params[i].detach().float().cpu() for i in indices]
+        average_over(pseudo, group)
+        for i, m in zip(indices, pseudo):
+            self.global_params[i].grad = m
+        if indices:
+            self.outer.step()
+            self.outer.zero_grad(set_to_none=True)
+        if 0 in owed:
+            average_over(self.buffers, group)
+            for g, b in zip(self.global_buffers, self.buffers):
+                g.copy_(b)
+        mine = _to_cpu(Runtime.state_dict(self))
+        state = {**mine, "model": self._global_state(mine["model"]),
+                 "diloco": {"outer_optimizer": self.outer.state_dict(), "workers": [], "unsynced": []}}
+        kept = "an outer round of its own pseudo-gradient" if group is None else \
+            "an outer round of the survivors' averaged pseudo-gradients"
+        return SurvivorState(self.steps, state, f"{kept}; the lost worker's local steps since its last round are "
+                                                "lost with it")
 
     def global_losses(self, losses: torch.Tensor) -> torch.Tensor:
         # No collective: that would put a sync point at every log step (as local-sgd).

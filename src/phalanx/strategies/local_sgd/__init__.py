@@ -11,6 +11,9 @@ With ``sync_every=1`` and plain SGD this computes exactly what ``sync`` computes
 Checkpoints (on 2+ workers, sharded: ``replica_state.py``): ``model`` is the replicas' average, what is
 printed and evaluated; each rank also saves its own replica and optimizer state, so a resume on the same
 worker count continues exactly, from any step; a stop (a signal) leaves the last averaging owed.
+When a worker dies, the survivors average their replicas over a group of their own
+(``launcher/survivors.py``) and one of them saves the average: the lost worker's local steps since the
+last averaging are lost with it.
 """
 
 from __future__ import annotations
@@ -26,16 +29,17 @@ from .costs import LocalSGDCost
 from .simulated import LOCAL_SGD
 from ...options import option
 from ...errors import PhalanxError
-from ..base import Build, Options, Runtime
+from ..base import Build, Options, Runtime, SurvivorState
 from .. import replica_state
 from ..registry import register
-from ..replicas import average_buffers, verify_replicas
+from ..replicas import average_buffers, average_over, verify_replicas
 
 
 @dataclasses.dataclass(frozen=True)
 class LocalSGD(Options):
     name: ClassVar[str] = "local-sgd"
     one_piece_backward: ClassVar[bool] = True
+    survivors_save: ClassVar[bool] = True
     checkpoints_activations: ClassVar[bool] = True
     sharded_checkpoints: ClassVar[bool] = True  # each replica's own state, by rank (replica_state.py)
     summary: ClassVar[str] = "local steps, parameters averaged every H steps; torch's PeriodicModelAverager"
@@ -62,13 +66,21 @@ class LocalSGDRuntime(Runtime):
         super().__init__(build, description=options.describe())
         self.params, self.buffers = list(self.model.parameters()), list(self.model.buffers())
         self.since = 0  #: optimizer steps since the last averaging (every rank the same: they step together)
+        #: this step's update went in and the loop has not been told: an averaging that fails leaves it so
+        self.ahead = False
         if self.ctx.distributed:
             verify_replicas(self.model, self.ctx)
             self.averager = PeriodicModelAverager(period=options.sync_every, warmup_steps=0)
             # The optimizer stays the user's object; its step() now ends with the averager's turn.
             self.optimizer.register_step_post_hook(lambda *_: self._after_step())
 
+    def train_step(self, batch, y=None, parts=None) -> torch.Tensor:
+        loss = super().train_step(batch, y, parts)  # (its update ends with the averager's turn: _after_step)
+        self.ahead = False
+        return loss
+
     def _after_step(self) -> None:
+        self.ahead = True
         # The averager's own rule (no warm-up): it averages when its count of steps is a multiple of H.
         due = self.averager.step % self.averager.period == 0
         self.averager.average_parameters(self.params)
@@ -88,6 +100,18 @@ class LocalSGDRuntime(Runtime):
         average_buffers(self.buffers)
         self.since = 0
         return True
+
+    def survivor_state(self, step: int, survivors) -> SurvivorState:
+        """The survivors' replicas averaged over a group of their own (parameters and buffers, as an averaging
+        does): the lost replica's local steps since the last averaging are lost with it. This rank's optimizer
+        state is saved with it, as at any checkpoint."""
+        held = step + int(self.ahead)  # (an averaging that failed came after this step's update)
+        group = survivors.group()
+        average_over(self.params + self.buffers, group)
+        kept = "its own replica" if group is None else "the survivors' replicas averaged"
+        # (the base's state: this rank's own, no collective, whatever a checkpoint of the whole job holds)
+        return SurvivorState(held, Runtime.state_dict(self), f"{kept}; the lost worker's local steps since the last "
+                                                             "averaging are lost with it")
 
     def global_losses(self, losses: torch.Tensor) -> torch.Tensor:
         # No collective: that would put the workers back in lockstep at every log step.

@@ -8,7 +8,9 @@ rank then applies the same averaged gradient, so the replicas stay identical: N 
 batch B compute what one process computes with batch N·B. Gradient accumulation runs the inner
 micro-batches under ``no_sync`` (no all-reduce), so K accumulated steps cost one all-reduce.
 Buffers (BatchNorm's running statistics) are rank 0's, as DDP broadcasts them before every forward;
-an evaluation gives every rank rank 0's first, so the model it measures is the one saved.
+an evaluation gives every rank rank 0's first, so the model it measures is the one saved. When a
+worker dies, the survivors hold the model of the last step they finished, and one of them saves it (no
+collective: ``launcher/survivors.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ...options import option
 from ...comm.reduce import COMPRESSIONS, REDUCTIONS, apply_reduction, parse_islands, validate_islands
 from ...topology import order_by_islands, rank_islands
 from ...task.metrics import Totals
-from ..base import COUNT_CORRECT, Batch, Build, Options, Report, Runtime
+from ..base import COUNT_CORRECT, Batch, Build, Options, Report, Runtime, SurvivorState
 from ..layout import Job, Layout, data_parallel
 from ..registry import register
 from ..replicas import broadcast_buffers, verify_replicas
@@ -43,6 +45,7 @@ class Sync(Options):
     summary: ClassVar[str] = "gradients averaged every step, one update (= one large batch); PyTorch DDP"
     reference: ClassVar[bool] = True
     fp16_scaler: ClassVar[bool] = True
+    survivors_save: ClassVar[bool] = True
 
     reduce: str = option("flat", "how gradients are reduced: one all-reduce, within islands then across, "
                                  "or hierarchical only where the topology gives it something to win",
@@ -122,6 +125,11 @@ class SyncRuntime(Runtime):
         if isinstance(self.model, DDP):
             broadcast_buffers(list(self.module.buffers()))
         return super().evaluate(batches, totals)
+
+    def survivor_state(self, step: int, survivors) -> SurvivorState:
+        # Every rank holds the same model after every step, and a step's update follows its last collective
+        # (DDP's all-reduce ends inside backward): this rank holds ``step``, the same as any other survivor.
+        return SurvivorState(step, Runtime.state_dict(self))  # (the base's: this rank's own, no collective)
 
     def report(self, final: bool = False) -> Report:
         return Report({"reduction": getattr(self, "reduction", "none (one process)")})
