@@ -145,3 +145,61 @@ def test_the_trainer_trains_it_from_a_factory_and_the_data_alone(tmp_path):
     summary = Trainer(cfg, model=functools.partial(TinyGPT, TinyConfig()), train_data=windows(256, 1),
                       test_data=windows(64, 2)).fit()
     assert summary["test_metrics"]["perplexity"] < math.sqrt(V)  # (from about V: it learned the rule)
+
+
+# --------------------------------------------------------------------------- the model's own methods under sync
+
+
+class WordLM(nn.Module):
+    """pytorch/examples' word language model's interface: ``init_hidden(bsz)`` and ``forward(input, hidden) ->
+    (output, hidden)``, called by a step of the user's as its own training script calls it."""
+
+    def __init__(self, ntoken: int = V, nhid: int = 16):
+        super().__init__()
+        self.nhid = nhid
+        self.encoder, self.rnn, self.decoder = nn.Embedding(ntoken, nhid), nn.LSTM(nhid, nhid, batch_first=True), \
+            nn.Linear(nhid, ntoken)
+
+    def forward(self, input, hidden):
+        output, hidden = self.rnn(self.encoder(input), hidden)
+        return self.decoder(output), hidden
+
+    def init_hidden(self, bsz):
+        weight = next(self.parameters())
+        return weight.new_zeros(1, bsz, self.nhid), weight.new_zeros(1, bsz, self.nhid)
+
+
+def word_lm_step(model, batch):
+    x, y = batch
+    output, _ = model(x, model.init_hidden(x.size(0)))  # the model's own method, through the strategy's wrapper
+    return F.cross_entropy(output.reshape(-1, V), y.reshape(-1))
+
+
+def word_lm() -> WordLM:
+    torch.manual_seed(0)
+    return WordLM()
+
+
+def _word_lm_run(ctx) -> dict:
+    n = BATCH // ctx.world_size
+    mine = lambda b: tuple(t[ctx.rank * n:(ctx.rank + 1) * n] for t in b)  # noqa: E731
+    runtime = runtime_for(Sync(), ctx, word_lm(), sgd, example=mine(windows(BATCH, 0)), training_step=word_lm_step)
+    for k in range(K):
+        runtime.train_step(mine(windows(BATCH, k)))
+    wrapper = runtime.model
+    return {"model": runtime.state_dict()["model"], "wrapper": type(wrapper).__name__,
+            "nhid": wrapper.nhid, "own": wrapper.init_hidden(2)[0].shape}
+
+
+@pytest.mark.slow
+def test_a_step_reaches_the_models_own_methods_under_sync_and_its_forward_is_ddps():
+    got = run_workers(_word_lm_run, 2)
+    model = word_lm()
+    opt = sgd(model.parameters())
+    for k in range(K):
+        word_lm_step(model, windows(BATCH, k)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert got["wrapper"] == "ModelDDP" and got["nhid"] == 16 and got["own"] == (1, 2, 16)
+    for name, p in model.state_dict().items():  # the gradients were reduced: the two ranks stepped as one
+        torch.testing.assert_close(got["model"][name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
