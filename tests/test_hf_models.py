@@ -186,3 +186,55 @@ def test_llama_under_fsdp_on_two_workers_with_activation_checkpointing_ends_wher
 def test_llama_under_fsdp_built_on_meta_with_no_init_weights_trains_as_the_eagerly_built_one(fsdp_runs):
     eager, meta = (fsdp_runs[k]["summary"]["test_metrics"]["perplexity"] for k in ("plain", "meta"))
     assert abs(meta / eager - 1) < 0.10, (eager, meta)
+
+
+# --------------------------------------------------------------------------- tokens weighed across ranks
+
+B = 8  #: the global batch: 2 ranks x 4 rows
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    """No dropout, float64: the comparison is exact."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=T, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0)).double()
+
+
+def padded(k: int) -> dict:
+    """Rank 0's rows long, rank 1's short: their means over tokens weigh the tokens unequally."""
+    batch = lm_data(B, k)
+    lengths = torch.tensor([T, T, T - 2, T - 3, 4, 5, 3, 6])
+    mask = (torch.arange(T) < lengths[:, None]).long()
+    return {"input_ids": batch["input_ids"], "attention_mask": mask, "labels": batch["input_ids"].masked_fill(
+        mask == 0, -100)}
+
+
+def _token_run(ctx, options, accumulate: int) -> dict:
+    from phalanx.strategies import runtime_for
+
+    n = B // ctx.world_size
+    mine = lambda b: {key: t[ctx.rank * n:(ctx.rank + 1) * n] for key, t in b.items()}  # noqa: E731
+    runtime = runtime_for(options, ctx, tiny_gpt2(), lambda p: torch.optim.SGD(p, lr=0.5), accumulate=accumulate,
+                          example=mine(padded(0)))
+    for k in range(3):
+        runtime.train_step(mine(padded(k)))
+    state = runtime.state_dict()
+    return None if state is None else state["model"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options,accumulate", [("sync", 1), ("fsdp", 2)], ids=["sync", "fsdp accumulate 2"])
+def test_ranks_with_fewer_tokens_weigh_as_many_tokens_as_one_process_on_the_whole_batch(options, accumulate):
+    from helpers import run_workers
+    from phalanx import Sync
+
+    got = run_workers(_token_run, 2, Sync() if options == "sync" else FSDP(), accumulate)
+    model = tiny_gpt2()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for k in range(3):
+        model(**padded(k)).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for name, p in model.state_dict().items():
+        torch.testing.assert_close(got[name], p, rtol=1e-9, atol=1e-10, msg=lambda m: f"{name}: {m}")

@@ -188,6 +188,26 @@ def calls_model_alone(step: Any, model: nn.Module) -> bool:
     return isinstance(step, DefaultStep) and targets_parameter(model) is None
 
 
+def averages_tokens(step: Any, model: nn.Module, example: Any) -> bool:
+    """Whether ``step``'s loss is a mean over the batch's counted targets, one per position (a language model's,
+    ``-100`` left out), which several ranks must weigh by their tokens to be one batch: the default step, targets
+    per position of integers, and a loss that is torch's or Hugging Face's (not a model's that takes the targets
+    itself, whose ignored value phalanx does not know: nanoGPT ignores -1)."""
+    if not isinstance(step, DefaultStep) or example is None or targets_parameter(model) is not None:
+        return False
+    y = batches.targets(example, step.target_key)
+    return isinstance(y, torch.Tensor) and y.dim() >= 2 and not y.is_floating_point()
+
+
+def counted_targets(step: DefaultStep, model: nn.Module, batch: Any) -> torch.Tensor:
+    """How many targets of ``batch`` its loss averages over: those not ``-100`` (torch's and Hugging Face's
+    ignore index), a causal LM's from the second position on (its loss shifts them)."""
+    y = batches.targets(batch, step.target_key)
+    if not batches.is_pair(batch) and causal_lm(model):
+        y = shifted(y, y)[1]
+    return (y != -100).sum()
+
+
 @dataclasses.dataclass
 class UserStep:
     """The user's ``step(model, batch) -> loss | (loss, outputs)`` as a step (targets: the batch's, by convention)."""

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 class FSDPRuntime(Runtime):
     """One rank's shard of every block (and its tensor-parallel slice of them); the plain model when alone."""
 
+    one_batch = True  # (the reduce-scatter averages every rank's gradients before each update)
+
     def __init__(self, build: Build, options: FSDP):
         ctx, model = build.ctx, build.model
         self.ctx = ctx  # (the notes below read it before Runtime.__init__ sets it again)

@@ -109,6 +109,8 @@ class ModelDDP(DDP):
 
 
 class SyncRuntime(Runtime):
+    one_batch = True  # (DDP averages every rank's gradients before each update)
+
     def __init__(self, build: Build, options: Sync):
         ctx = build.ctx
         if not ctx.distributed:
