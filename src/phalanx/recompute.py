@@ -102,7 +102,7 @@ def declares_recompute(model: nn.Module) -> list[nn.Module]:
 
 
 def _enabler(module: nn.Module) -> Optional[Callable[..., Any]]:
-    """(name, method): the newer name first (the older warns that it is deprecated from transformers 5 on)."""
+    """The model's switch: the newer name first (the older warns that it is deprecated from transformers 5 on)."""
     for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
         if callable(getattr(module, name, None)):
             return getattr(module, name)
