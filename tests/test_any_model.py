@@ -356,7 +356,7 @@ def tiny_gpt2() -> nn.Module:
 
 def lm_batch(k: int) -> dict:
     """Every row padded alike (-100 on its last 3 labels): each worker's mean is over as many tokens as the
-    other's, so the mean of the two means is the whole batch's (a row-dependent padding would weigh them)."""
+    other's (row-dependent padding, weighed by tokens across ranks: test_hf_models.py)."""
     g = torch.Generator().manual_seed(k)
     ids = torch.randint(0, 32, (BATCH, 10), generator=g)
     return {"input_ids": ids, "labels": ids.masked_fill(torch.arange(10) >= 7, -100)}

@@ -62,15 +62,18 @@ def test_estimate_of_the_gpt_example_with_its_step_optimizer_scheduler_and_clipp
     assert all(p["step_s"] > 0 for p in data["predictions"])
 
 
-def test_the_gpt_example_without_its_step_is_one_line_naming_the_step_before_any_measurement():
-    """nanoGPT's forward scores the last position alone without targets: the convention's call cannot train it.
-    (It was a traceback from model_facts: ``'tuple' object has no attribute 'numel'``.)"""
-    out = run_in_process("estimate", "--model", "gpt:make", "--data", "gpt:load", "--workers", "2,8", *GIVEN_LINK,
-                         "--no-measure-link", cwd=EXAMPLES)
+def test_the_gpt_example_without_its_step_is_called_with_its_targets_and_a_pipeline_estimate_says_so():
+    """nanoGPT's forward takes the targets second: the default step calls model(x, y) as its train.py does (it was
+    refused here, its step required); a pipeline's estimate, timed through the blocks on model(x), says so in one
+    line before any measurement."""
+    out = run_in_process("estimate", "--model", "gpt:make", "--data", "gpt:load", "--strategy", "pipeline",
+                         "--workers", "2", *GIVEN_LINK, "--no-measure-link", cwd=EXAMPLES)
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == [
-        "error: the model fails on an example batch ((1, 64) int64, (1, 64) int64) (RuntimeError: Expected target "
-        "size [1, 105], got [1, 64]); make it take the batches your data yields, or give --training-step"]
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: pipeline on 2 workers: phalanx estimate times pipeline on batches (inputs, targets) run through the "
+        "model's blocks, and this model's forward takes the targets (it is called model(x, y)); phalanx train and "
+        "compare run it, estimate does not predict it")
+    assert "measuring" not in out.stderr
 
 
 def test_a_pipeline_estimate_of_the_gpt_examples_step_is_trains_one_line_before_any_measurement():

@@ -164,7 +164,7 @@ def test_without_the_tensorboard_package_one_line_names_the_extra_and_nothing_st
     ({"steps": 10}, "steps= is set for each run by the comparison; give max_steps= instead"),
     ({"checkpoint_dir": "c"}, "checkpoint_dir= is set for each run by the comparison"),
     ({"colour": "red"}, "compare() has no setting colour=;"),
-    ({"model": object()}, "model must be a torch.nn.Module, got object"),
+    ({"model": object()}, "model must be a torch.nn.Module or a factory that returns one"),
     ({"target": "f1>=0.5"}, "--target f1>=0.5: no metric is named f1"),
     ({"simulate_workers": (8, 64)}, "simulate_workers= are the worker counts of a simulation: add simulate=True"),
     ({"simulate": True, "workers": 2}, "workers=2 is a real comparison's worker count"),

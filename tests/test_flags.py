@@ -170,10 +170,15 @@ API_CASES = [
     (dict(model=nn.Linear(4, 2), train_data=X), "train_data must be a pair"),
     (dict(model=nn.Linear(4, 2), train_data=(X, Y), test_data=(torch.randn(8, 5), Y[:8])),
      r"test_data examples have shape \(5,\) but train_data examples \(4,\)"),
-    (dict(model=WithLambda(), train_data=(X, Y)), "the model cannot be sent to the worker processes"),
+    (dict(model=WithLambda(), train_data=(X, Y)), r"the model cannot be sent to the worker processes \(.*\): "
+     r"WithLambda holds something pickle cannot send \(a lambda, a local function\); pass a factory that pickle can "
+     r"send, which every worker calls: model=functools.partial\(GPT, config\) \(a lambda is not picklable either\)"),
+    (dict(model=lambda: nn.Linear(4, 2), train_data=(X, Y)), r"the model factory cannot be sent to the worker "
+     r"processes \(.*\); pass a factory that pickle can send"),
     (dict(model=nn.Linear(4, 2), train_data=(X, Y), loss_fn=lambda out, y: out.sum()),
      "loss_fn cannot be sent to the worker processes"),
-    (dict(model=lambda x: x, train_data=(X, Y)), "model must be a torch.nn.Module, got function"),
+    (dict(model="a string", train_data=(X, Y)), r"model must be a torch.nn.Module or a factory that returns one "
+     r"\(e.g. functools.partial\(Net, config\)\), got str"),
     (dict(model=nn.Flatten(0), train_data=(X, Y)), r"integer targets make a classifier: return scores of shape"),
     (dict(model=WithLock(), train_data=(X, Y)), re.escape("the model cannot be copied for the workers (TypeError: "
                                                           "cannot pickle '_thread.lock' object in attribute 'lock'); "

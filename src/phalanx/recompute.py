@@ -8,6 +8,15 @@ Not ``checkpoint_wrapper`` itself: it puts a module around each block, which ren
 it (``_checkpoint_wrapped_module.``), and the names are what fsdp numbers its optimizer state by and what
 ``--blocks`` and a user's optimizer factory see; the composable form keeps the model as written.
 
+Where the model declares how it recomputes (transformers' ``supports_gradient_checkpointing``), its own
+``activation_checkpointing_enable()`` (``gradient_checkpointing_enable()`` before transformers 5) is called
+with ``use_reentrant=False``, as Hugging Face's Trainer and Accelerate call it: it checkpoints the layers the
+model names (each layer's ``forward``, so fsdp's hooks stay outside) and turns the key/value cache off while
+it does, which a recomputation otherwise appends to a second time (a 128-long key against a 64-long mask).
+Elsewhere the rule above; a block's keyword inputs (masks, position embeddings) reach it unchanged, and its
+cache keywords (``use_cache``, ``past_key_values``, ``layer_past``, ``cache``) are turned off in training, as
+transformers' ``GradientCheckpointingLayer`` does, so the recomputation computes exactly what the forward did.
+
 What it saves is measured once, on rank 0, by counting what autograd keeps for backward in one forward
 of the first batch (``saved_tensors_hooks``: each distinct storage once, parameters not counted, and a
 checkpointed block's input, which the recomputation holds), without and with: CPU memory statistics do
@@ -17,12 +26,13 @@ not exist, and on a GPU the same count is what a step's peak grows by.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from .task.models import describe_blocks
+from .task.models import declared_blocks, describe_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +66,9 @@ def checkpoint_blocks(model: nn.Module, units: list[tuple[str, nn.Module]],
                       measure: Optional[Callable[[], Any]] = None, unmeasured: str = "") -> Recomputed:
     """Checkpoint every unit of ``model`` in place; ``measure``: one forward of a batch (and its loss), run before
     and after to count what is kept for backward. The model's state (buffers, random generators) is as before."""
-    from torch.distributed._composable import checkpoint
-
+    declaring = declares_recompute(model)
+    if declaring:  # the layers the model recomputes, by its own word (fsdp's units where it names none)
+        units = declared_blocks(model) or units
     modules = [module for _, module in units]
     without = None
     if measure is not None:
@@ -65,10 +76,87 @@ def checkpoint_blocks(model: nn.Module, units: list[tuple[str, nn.Module]],
             without = saved_bytes(model, modules, measure)
         except torch.OutOfMemoryError:  # the run asked for checkpointing because this does not fit: go on with it
             pass
-    for module in modules:
-        checkpoint(module)  # non-reentrant: hooks around the block's forward, the model's names unchanged
+    if declaring:
+        for root in declaring:
+            _enable_declared(root)
+    else:
+        _checkpoint_each(modules)
     with_ = saved_bytes(model, modules, measure) if measure is not None else None
-    return Recomputed(describe_blocks(units), len(units), without, with_, unmeasured)
+    how = f"; by {type(declaring[0]).__name__}'s own {_enabler(declaring[0]).__name__}()" if declaring else ""
+    return Recomputed(describe_blocks(units) + how, len(units), without, with_, unmeasured)
+
+
+def declares_recompute(model: nn.Module) -> list[nn.Module]:
+    """The outermost modules in ``model`` that declare how they recompute (transformers'
+    ``supports_gradient_checkpointing`` with its ``activation_checkpointing_enable`` or
+    ``gradient_checkpointing_enable``): the model itself, or the Hugging Face model a user's module holds."""
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        if getattr(module, "supports_gradient_checkpointing", False) is True and _enabler(module) is not None:
+            found.append(module)
+            inside |= {id(m) for m in module.modules()}
+    return found
+
+
+def _enabler(module: nn.Module) -> Optional[Callable[..., Any]]:
+    """The model's switch: the newer name first (the older warns that it is deprecated from transformers 5 on)."""
+    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        if callable(getattr(module, name, None)):
+            return getattr(module, name)
+    return None
+
+
+def _enable_declared(module: nn.Module) -> None:
+    """The model's own switch, non-reentrant (its keyword inputs pass through; the default's, from transformers
+    4.35 on, said explicitly as Accelerate does). It also turns the cache off while it recomputes."""
+    enable = _enabler(module)
+    kwargs = {"use_reentrant": False}
+    if enable.__name__ == "activation_checkpointing_enable":
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        enable(gradient_checkpointing_kwargs=kwargs)
+
+
+#: a block's inputs that keep or extend a key/value cache (transformers' names across its models), and what
+#: turns them off
+CACHES = {"past_key_values": None, "past_key_value": None, "layer_past": None, "cache": None, "use_cache": False}
+
+
+def _checkpoint_each(modules: list[nn.Module]) -> None:
+    from torch.distributed._composable import checkpoint
+
+    for module in modules:
+        # (first: the checkpoint's own pre-hook keeps the inputs it is given, to run the block again on them)
+        module.register_forward_pre_hook(_caches_off, with_kwargs=True, prepend=True)
+        checkpoint(module)  # non-reentrant: hooks around the block's forward, the model's names unchanged
+
+
+def _caches_off(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    """A block in training is given no cache, by keyword or by position (GPT-2's blocks take it second): a
+    recomputation would append to it a second time."""
+    if not (module.training and torch.is_grad_enabled()):
+        return None
+    args, kwargs, changed = list(args), dict(kwargs), False
+    for name, index in _cache_inputs(module).items():
+        if index is not None and index < len(args):
+            if args[index] is not None and args[index] is not False:
+                args[index], changed = CACHES[name], True
+        elif kwargs.get(name) is not None and kwargs[name] is not False:
+            kwargs[name], changed = CACHES[name], True
+    return (tuple(args), kwargs) if changed else None
+
+
+def _cache_inputs(module: nn.Module) -> dict[str, Optional[int]]:
+    """{name: its position (None: keyword only)} of the cache inputs ``module.forward`` takes."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return dict.fromkeys(CACHES)
+    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return {name: positional.index(name) if name in positional else None for name in CACHES}
 
 
 def saved_bytes(model: nn.Module, blocks: list[nn.Module], forward: Callable[[], Any]) -> int:
@@ -112,4 +200,4 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
-__all__ = ["Recomputed", "checkpoint_blocks", "saved_bytes"]
+__all__ = ["Recomputed", "checkpoint_blocks", "declares_recompute", "saved_bytes"]

@@ -33,7 +33,7 @@ from ..data import batch as trees  # (``batches`` names the sharded batches in p
 from ..launcher import launch
 from ..strategies.pipeline.split import blocks_or_whole
 from ..costs import Compute
-from ..task.step import DefaultStep
+from ..task.step import calls_model_alone
 from .overhead import FIGURES, fixed_costs
 from .timings import engine_seconds, now, time_block_sizes, time_whole, vector_ops
 
@@ -200,7 +200,7 @@ def _blocks(model, batch, device, spec: ProbeSpec, step: Callable) -> dict:
     step. Any other model, batch or step is timed whole, as its step calls it (:func:`time_whole`)."""
     blocks = [block for _, block in blocks_or_whole(model)]
     sizes = (1,) + tuple(spec.micro_batches)
-    if len(blocks) > 1 and trees.is_pair(batch) and isinstance(step, DefaultStep):
+    if len(blocks) > 1 and trees.is_pair(batch) and calls_model_alone(step, model):
         timed = time_block_sizes(blocks, batch[0], sizes, device)
     else:
         timed = time_whole(model, blocks, batch, step, sizes, device)

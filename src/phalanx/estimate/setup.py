@@ -21,7 +21,7 @@ from ..costs import Compute, CostModel, ModelFacts, Network, Prediction, cost_mo
 from ..devices import resolve_devices
 from ..errors import PhalanxError
 from ..launcher import available_cores
-from ..task.step import UserStep
+from ..task.step import UserStep, calls_model_alone
 from ..data import batch as batches
 from ..data.user import cast_to_model
 from ..task import Task, named_optimizer, task_from, user_task
@@ -181,6 +181,8 @@ def refuses_task(setup: Setup, options: Options) -> str:
         what = "this run's training step is your own"
     elif not batches.is_pair(setup.example):
         what = f"this data's batches are {batches.describe(setup.example)}"
+    elif not calls_model_alone(setup.task.step, setup.model):
+        what = "this model's forward takes the targets (it is called model(x, y))"
     else:
         return ""
     return (f"phalanx estimate times {options.name} on batches (inputs, targets) run through the model's blocks, and "

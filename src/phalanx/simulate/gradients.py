@@ -38,7 +38,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.utils import _pytree as pytree
 
 from ..data import batch as batches
-from ..task.step import DefaultStep
+from ..task.step import DefaultStep, calls_model_alone
 
 CHUNK = 64  #: workers per vmapped call (bounds the memory of stacked parameters and activations)
 
@@ -91,7 +91,7 @@ class Gradients:
     def _one_pass(self, shards: Sequence[Any]) -> bool:
         """Whether the shards can run as one forward of their concatenation: pairs called by the convention's step
         (the model, then the loss on each shard's slice of the outputs); any other step is called shard by shard."""
-        return type(self.step) is DefaultStep and all(batches.is_pair(b) for b in shards)
+        return calls_model_alone(self.step, self.model) and all(batches.is_pair(b) for b in shards)
 
     def mean(self, flat: torch.Tensor, shards: Sequence[Any], whole: Any = None) -> tuple[torch.Tensor, float]:
         """The mean of the workers' gradients on ``flat`` (one per batch) and their mean loss; ``whole``: the batch

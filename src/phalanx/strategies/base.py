@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, ClassVar, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, ClassVar, Iterable, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ from ..launcher import WorkerContext
 from ..task.metrics import ACCURACY, Totals, add_up
 from ..task.models import model_units
 from ..precision import Precision
-from ..task.step import DefaultStep, StepResult
+from ..task.step import DefaultStep, StepResult, averages_tokens, counted_targets
 from .layout import Job, Layout, RankPlan, data_parallel
 
 #: called with the module the strategy steps (see ``task.call_optimizer_factory``: a factory of the user's gets
@@ -188,6 +188,10 @@ class Runtime:
     #: this rank's optimizer applies the updates (a parameter server's worker: no, its server's does), so
     #: the LR scheduler steps here
     steps_optimizer: ClassVar[bool] = True
+    #: the ranks' batches are one batch each step (their gradients averaged before every update: sync, fsdp), so
+    #: a loss averaged over tokens is weighed by every rank's tokens (see ``_token_shares``)
+    one_batch: ClassVar[bool] = False
+    _weighs_tokens: Optional[bool] = None  #: decided at the first step, the same on every rank (shapes, dtypes)
 
     def __init__(self, build: Build, model: Optional[nn.Module] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None, description: str = "",
@@ -220,22 +224,41 @@ class Runtime:
         """
         batch = as_batch(batch, y)
         pieces = batches.split(batch, parts or self.build.accumulate)
-        if len(pieces) == 1:  # (the common case, without the micro-batches' bookkeeping)
+        shares = self._token_shares(pieces)
+        if len(pieces) == 1 and shares is None:  # (the common case, without the micro-batches' bookkeeping)
             return self._backward(batch, 1.0)
         size, total = batches.length(batch), None
         for i, piece in enumerate(pieces):
             with self.no_sync() if i < len(pieces) - 1 else contextlib.nullcontext():
-                part = self._backward(piece, batches.length(piece) / size)
+                part = self._backward(piece, shares[i] if shares is not None else batches.length(piece) / size)
             total = part if total is None else total + part
         return total
 
-    def _backward(self, batch: Batch, weight: float) -> torch.Tensor:
-        """Backward of the step's loss on ``batch`` times ``weight`` (its share of the examples); that loss, detached."""
+    def _token_shares(self, pieces: list[Batch]) -> Optional[list[torch.Tensor]]:
+        """Where the ranks' batches are one batch (``one_batch``) and the loss is a mean over counted tokens
+        (``-100`` left out): each piece's weight n · W / N, n its tokens and N the tokens of every rank's pieces
+        (one small all-reduce), so that the gradients DDP or fsdp average over W ranks are those of the mean over
+        all N tokens, as Hugging Face's Trainer does with ``average_tokens_across_devices``; a rank's mean alone
+        weighs a rank with fewer tokens as much (Llama 1.4% in perplexity). None: the examples' shares do."""
+        if self._weighs_tokens is None:
+            self._weighs_tokens = (self.one_batch and self.ctx.distributed
+                                   and averages_tokens(self.build.step, self.module, self.build.example))
+        if not self._weighs_tokens:
+            return None
+        counts = torch.stack([counted_targets(self.build.step, self.module, piece) for piece in pieces]).float()
+        total = counts.sum()
+        dist.all_reduce(total)
+        return list(counts * (self.ctx.world_size / total.clamp(min=1)))
+
+    def _backward(self, batch: Batch, weight: Union[float, torch.Tensor]) -> torch.Tensor:
+        """Backward of the step's loss on ``batch`` times ``weight`` (its share of the examples, or of the tokens
+        across ranks: a tensor); that loss, detached."""
         with self.build.precision.autocast():
             loss = self.build.step(self.model, batch).loss
-        scaled = loss * weight if weight != 1.0 else loss  # (under autocast the loss is computed in fp32)
+        weighted = isinstance(weight, torch.Tensor) or weight != 1.0  # (a tensor is not read on the host)
+        scaled = loss * weight if weighted else loss  # (under autocast the loss is computed in fp32)
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        return loss.detach() * weight if weight != 1.0 else loss.detach()
+        return loss.detach() * weight if weighted else loss.detach()
 
     # ---- what the loop calls ----
     def train_step(self, batch: Batch, y: Optional[torch.Tensor] = None, parts: Optional[int] = None) -> torch.Tensor:

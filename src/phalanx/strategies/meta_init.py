@@ -2,7 +2,8 @@
 
 Every rank runs the model's factory under ``torch.device("meta")``: shapes and dtypes, no storage,
 no random draws. The runtime then materialises the model **one shard unit at a time**: a unit's
-tensors are allocated on the rank's device, filled by the modules' own ``reset_parameters()`` (then
+tensors are allocated on the rank's device, filled by the modules' own ``reset_parameters()`` and what
+the model declares (transformers' ``_init_weights``: Llama's RMSNorm, GPT-2's Conv1D; then
 the user's ``--init-weights`` function, called on each module as ``model.apply(fn)`` calls it, children
 before their parent), and handed at once to ``fully_shard``, which keeps this rank's slice and frees
 the rest. So a rank never holds more than its shards plus one whole unit (the block fsdp gathers in
@@ -63,19 +64,44 @@ def _own(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
 
 
+def declared_init(model: nn.Module) -> dict[int, nn.Module]:
+    """{id(module): the model that declares how to initialise it}: transformers' ``PreTrainedModel`` (an
+    ``_init_weights(module)`` beside ``post_init``/``init_weights``), the nearest one above each module, as its
+    ``initialize_weights`` dispatches a composite model's sub-models (``smart_apply``). Empty where none declares."""
+    owners: dict[int, nn.Module] = {}
+
+    def walk(module: nn.Module, owner: Optional[nn.Module]) -> None:
+        if _declares_init(module):
+            owner = module
+        if owner is not None:
+            owners[id(module)] = owner
+        for child in module.children():
+            walk(child, owner)
+    walk(model, None)
+    return owners
+
+
+def _declares_init(module: nn.Module) -> bool:
+    return callable(getattr(module, "_init_weights", None)) and any(
+        callable(getattr(module, name, None)) for name in ("post_init", "init_weights", "_initialize_weights"))
+
+
 def check_initialisable(model: nn.Module, init: Optional[InitFn], flag: str = "--init-weights") -> None:
-    """Refuse, in one line, a model with a module that holds tensors and nothing that would initialise them."""
+    """Refuse, in one line, a model with a module that holds tensors and nothing that would initialise them: no
+    model above it declaring how (``_init_weights``), no ``reset_parameters()``, no ``--init-weights``."""
     if init is not None:
         return  # the user's function owns what reset_parameters does not cover (checked after, by NaN)
+    declared = declared_init(model)
     for name, module in _post_order(model):
         own = _own(module)
-        if own and not callable(getattr(module, "reset_parameters", None)):
+        if own and id(module) not in declared and not callable(getattr(module, "reset_parameters", None)):
             held = ", ".join(n for n, _ in own[:3]) + (", ..." if len(own) > 3 else "")
             where = f"'{name}'" if name else "the model itself"
             raise PhalanxError(
-                f"--init-device meta: {where} ({type(module).__name__}) holds {held} and has no reset_parameters() "
-                f"to initialise it after the model is built on the meta device; give {flag} MODULE:CALLABLE (a "
-                "function of one module, called on each as model.apply(fn) calls it), or drop --init-device meta")
+                f"--init-device meta: {where} ({type(module).__name__}) holds {held} and has no reset_parameters(), "
+                "nor a model above it that declares how it initialises (transformers' _init_weights), to initialise "
+                f"it after the model is built on the meta device; give {flag} MODULE:CALLABLE (a function of one "
+                "module, called on each as model.apply(fn) calls it), or drop --init-device meta")
 
 
 def check_run(init_from: Optional[str], straggler: object, build: Callable[[], nn.Module]) -> None:
@@ -98,23 +124,29 @@ def check_run(init_from: Optional[str], straggler: object, build: Callable[[], n
                            "builds none there: drop one")
 
 
-def materialise(root: nn.Module, device: torch.device, init: Optional[InitFn] = None, where: str = "") -> int:
+def materialise(root: nn.Module, device: torch.device, init: Optional[InitFn] = None, where: str = "",
+                declared: Optional[dict[int, nn.Module]] = None) -> int:
     """Allocate and initialise every meta tensor under ``root`` (named ``where`` in the model) on ``device``;
     returns the bytes allocated.
 
     A tensor two modules share (tied embeddings) stays one tensor: the memo maps it, within this call only
     (across calls it would keep every unit's whole tensors alive after fully_shard kept only a slice; fsdp's
     units never split a tied pair). Modules are initialised children first: ``reset_parameters()`` on each that
-    held meta tensors, the user's ``init`` on those and on every module above them (a parent may set its
-    children's tensors); a unit already materialised and sharded is never touched again.
+    held meta tensors, then the ``_init_weights`` of the model that declares it (``declared``: see
+    :func:`declared_init`, computed on the whole model) and the user's ``init``, on those and on every module above
+    them (a parent may set its children's tensors: GPT-2's scaled projections); a unit already materialised and
+    sharded is never touched again.
     """
     fresh, touched, allocated = _allocate_all(root, device, where)
+    declared = declared_init(root) if declared is None else declared
     with torch.no_grad():
         for _, module in _post_order(root):
             if id(module) not in touched:
                 continue
             if id(module) in fresh and callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()
+            if id(module) in declared:
+                declared[id(module)]._init_weights(module)
             if init is not None:
                 init(module)
     for name, module in fresh.values():
@@ -172,4 +204,4 @@ def reseed() -> None:
     torch.manual_seed(torch.initial_seed())
 
 
-__all__ = ["building", "check_initialisable", "check_run", "materialise", "on_meta", "reseed"]
+__all__ = ["building", "check_initialisable", "check_run", "declared_init", "materialise", "on_meta", "reseed"]

@@ -102,7 +102,7 @@ class Task:
 # --------------------------------------------------------------------------- building a Task
 
 
-def task_from(cfg: Any, *, model: Optional[nn.Module] = None, train_data: Any = None, test_data: Any = None,
+def task_from(cfg: Any, *, model: Optional[Any] = None, train_data: Any = None, test_data: Any = None,
               loss_fn: Optional[Callable] = None, optimizer: Optional[OptimizerFactory] = None,
               metrics: Optional[Sequence[Any]] = None, target_flag: str = "--stop-at",
               lr_scheduler: Optional[SchedulerFactory] = None, training_step: Optional[Callable] = None) -> Task:
@@ -130,14 +130,15 @@ def task_from(cfg: Any, *, model: Optional[nn.Module] = None, train_data: Any = 
     return task
 
 
-def user_task(cfg: Any, *, model: Optional[nn.Module] = None, train_data: Any = None, test_data: Any = None,
+def user_task(cfg: Any, *, model: Optional[Any] = None, train_data: Any = None, test_data: Any = None,
               loss_fn: Optional[Callable] = None, optimizer: Optional[OptimizerFactory] = None,
               metrics: Optional[Sequence[Any]] = None, target_flag: str = "--stop-at",
               lr_scheduler: Optional[SchedulerFactory] = None, training_step: Optional[Callable] = None) -> Task:
     """:func:`task_from` for what a Python caller passed (``Trainer``, ``phalanx.compare``,
     ``phalanx.estimate``): a wrong kind of object is one line here, not a TypeError deep in a worker."""
-    if model is not None and not isinstance(model, nn.Module):
-        raise PhalanxError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if model is not None and not isinstance(model, nn.Module) and not callable(model):
+        raise PhalanxError(f"model must be a torch.nn.Module or a factory that returns one (e.g. "
+                           f"functools.partial(Net, config)), got {type(model).__name__}")
     if optimizer is not None and not callable(optimizer):
         raise PhalanxError(f"optimizer must be a callable params -> torch.optim.Optimizer, got "
                            f"{type(optimizer).__name__}")
@@ -246,10 +247,12 @@ def _task_data(cfg: Any, train: Any, test: Any, target_key: Optional[str] = None
 
 
 def _task_parts(model_name: str, optimizer_name: Optional[str], loss_name: Optional[str],
-                model: Optional[nn.Module], loss_fn: Optional[Callable],
+                model: Optional[Any], loss_fn: Optional[Callable],
                 optimizer: Optional[OptimizerFactory], regression: bool = False) -> Task:
-    if model is not None:
+    if isinstance(model, nn.Module):
         make_model, name = functools.partial(copy_of, model), label(model)
+    elif model is not None:  # a factory given to the API: called in every worker, as --model's is
+        make_model, name = functools.partial(call_model_factory, model, label(model)), label(model)
     elif is_import_path(model_name):
         factory = resolve(model_name, "--model", "a callable returning a torch.nn.Module")
         make_model, name = functools.partial(call_model_factory, factory, model_name), model_name

@@ -139,11 +139,46 @@ def _called_children(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.
 def model_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of the blocks fsdp shards and ``--activation-checkpointing`` recomputes, when none are
     named: a ``pipeline_blocks()`` method's modules or an ``nn.Sequential``'s children (every built-in model);
-    else the model's repeated blocks (a transformer's layers, as Accelerate's and Lightning's auto-wrap find
+    else the blocks the model declares (transformers' ``_no_split_modules``); else its repeated blocks (a
+    transformer's layers, as Accelerate's and Lightning's auto-wrap find
     them), the rest staying with the root; else its top-level children. Only modules holding parameters."""
     if hasattr(model, "pipeline_blocks") or isinstance(model, nn.Sequential):
         return model_blocks_by_default(model)
-    return repeated_blocks(model) or model_blocks_by_default(model)
+    return declared_blocks(model) or repeated_blocks(model) or model_blocks_by_default(model)
+
+
+def declared_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules the model says must not be split (transformers' ``_no_split_modules``, read on every submodule
+    as its ``_get_no_split_modules`` does: ``LlamaDecoderLayer``, ``T5Block``), outermost only, holding parameters,
+    of a class the model holds twice or more (its layers); a module declared once (BERT's ``BertEmbeddings``) or
+    sharing a parameter with a module outside it (an embedding tied to the head) is left to the root, as
+    torchtitan leaves embeddings and the head. Empty where nothing is declared."""
+    names: list[str] = []
+    for module in model.modules():
+        for name in getattr(module, "_no_split_modules", None) or ():
+            if isinstance(name, str) and name not in names:
+                names.append(name)
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    found: list[tuple[str, nn.Module]] = []
+    for name in names:
+        of_class = blocks_of_class(model, name)
+        if len(of_class) >= 2:  # the layers; a module declared once (BERT's embeddings) stays with the root
+            found += [(n, m) for n, m in of_class if not _shared_outside(m, uses)]
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return sorted(_outermost(found), key=lambda unit: order[unit[0]])
+
+
+def _shared_outside(unit: nn.Module, uses: dict[int, int]) -> bool:
+    mine: dict[int, int] = {}
+    for _, p in unit.named_parameters(remove_duplicate=False):
+        mine[id(p)] = mine.get(id(p), 0) + 1
+    return any(uses[i] > n for i, n in mine.items())
+
+
+def _outermost(units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in units if not any(n.startswith(f"{other}.") for other, _ in units)]
 
 
 def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

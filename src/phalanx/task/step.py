@@ -6,7 +6,10 @@ loss themselves, so a model with keyword inputs and its own loss trains under ev
 
 :class:`DefaultStep`, by convention (Hugging Face's and torch's):
 
-- a pair ``(x, y)``: ``model(x)``, scored with the task's loss on (logits, y);
+- a pair ``(x, y)``: ``model(x)``, scored with the task's loss on (logits, y); where the model's forward takes
+  the targets second (``forward(idx, targets=None)``: a parameter named ``targets``, ``labels``, ``target`` or
+  ``y``), ``model(x, y)`` as its own training script calls it (nanoGPT's and minGPT's ``model(X, Y)``), and the
+  loss it returns is the loss (a ``(logits, loss)`` tuple, or an output's ``loss``);
 - a dict: ``model(**batch)``; an output with a ``loss`` (an attribute or a key, as ``ModelOutput`` has) *is*
   the loss, else the task's loss on (logits, the dict's ``labels``/``label``/``--target-key``);
 - logits for the metrics: the output itself, its ``.logits`` or ``["logits"]``, or a tuple's first element.
@@ -91,6 +94,8 @@ class DefaultStep:
     def __call__(self, model: nn.Module, batch: Any) -> StepResult:
         if batches.is_pair(batch):  # the fast path: phalanx's own form
             x, y = batch
+            if self._takes_targets(model):
+                return self._with_targets(model, x, y)
             out = model(x)
             if type(out) is torch.Tensor:
                 return StepResult(self.loss_fn(out, y), out, y)
@@ -102,6 +107,24 @@ class DefaultStep:
         raise PhalanxError(f"a batch {batches.describe(batch)} is neither a pair (inputs, targets) nor a dict of "
                            "keyword inputs; give --training-step MODULE:CALLABLE, a function step(model, batch) -> "
                            "loss that calls your model")
+
+    def _takes_targets(self, model: nn.Module) -> bool:
+        key = ("targets", id(model), type(model))
+        found = self._seen.get(key)
+        if found is None:
+            found = self._seen[key] = targets_parameter(model) is not None
+        return found
+
+    def _with_targets(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> StepResult:
+        """``model(x, y)``; its loss: an output's ``loss``, a one-number tensor a tuple holds after the logits
+        (``(logits, loss)``), or the output itself where it is one number; else the task's loss on its logits."""
+        out = model(x, y)
+        if isinstance(out, torch.Tensor) and out.dim() == 0:
+            return StepResult(out, None, y)
+        logits, loss = logits_of(out), own_loss(out)
+        if loss is None and isinstance(out, (tuple, list)):
+            loss = next((t for t in out[1:] if isinstance(t, torch.Tensor) and t.dim() == 0), None)
+        return StepResult(self.loss_fn(logits, y) if loss is None else loss, logits, y)
 
     def _keywords(self, model: nn.Module, batch: Mapping) -> StepResult:
         out = model(**self._renamed(model, batch) if "label" in batch else batch)
@@ -141,6 +164,48 @@ def takes(model: nn.Module, name: str) -> bool:
         return name in inspect.signature(inner.forward).parameters
     except (TypeError, ValueError):
         return False
+
+
+#: what a forward's second parameter is called where it takes the targets (nanoGPT, minGPT, Hugging Face, torch)
+TARGET_NAMES = ("targets", "labels", "target", "y")
+
+
+def targets_parameter(model: nn.Module) -> Optional[str]:
+    """The name of the model's forward's second parameter where it is the targets' (``forward(idx,
+    targets=None)``), else None (a wrapper's ``module`` looked through)."""
+    inner = getattr(model, "module", model)
+    try:
+        parameters = inspect.signature(inner.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional[1] if len(positional) >= 2 and positional[1] in TARGET_NAMES else None
+
+
+def calls_model_alone(step: Any, model: nn.Module) -> bool:
+    """Whether ``step`` on a pair is ``model(x)`` and the task's loss on its output, so that a caller may run the
+    model's forward itself (the simulation's one pass, a pipeline cut at blocks, the estimate's block timing)."""
+    return isinstance(step, DefaultStep) and targets_parameter(model) is None
+
+
+def averages_tokens(step: Any, model: nn.Module, example: Any) -> bool:
+    """Whether ``step``'s loss is a mean over the batch's counted targets, one per position (a language model's,
+    ``-100`` left out), which several ranks must weigh by their tokens to be one batch: the default step, targets
+    per position of integers, and a loss that is torch's or Hugging Face's (not a model's that takes the targets
+    itself, whose ignored value phalanx does not know: nanoGPT ignores -1)."""
+    if not isinstance(step, DefaultStep) or example is None or targets_parameter(model) is not None:
+        return False
+    y = batches.targets(example, step.target_key)
+    return isinstance(y, torch.Tensor) and y.dim() >= 2 and not y.is_floating_point()
+
+
+def counted_targets(step: DefaultStep, model: nn.Module, batch: Any) -> torch.Tensor:
+    """How many targets of ``batch`` its loss averages over: those not ``-100`` (torch's and Hugging Face's
+    ignore index), a causal LM's from the second position on (its loss shifts them)."""
+    y = batches.targets(batch, step.target_key)
+    if not batches.is_pair(batch) and causal_lm(model):
+        y = shifted(y, y)[1]
+    return (y != -100).sum()
 
 
 @dataclasses.dataclass

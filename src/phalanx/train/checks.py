@@ -25,7 +25,7 @@ from ..data.datasets import DATASETS, CIFAR_CROP, cifar10_sizes, check_cifar10_f
 from ..data import batch as batches
 from ..errors import PhalanxError
 from ..task.metrics import Metric, Totals
-from ..task.step import DefaultStep, logits_of, own_loss
+from ..task.step import DefaultStep, calls_model_alone, logits_of, own_loss
 from ..task.models import MODELS
 from ..strategies import STRATEGIES, Layout
 from ..task import Task, label
@@ -136,7 +136,7 @@ def check_model(model: nn.Module, facts: DataFacts, loss_fn: Callable, metrics: 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     step = step or DefaultStep(loss_fn)
     batch = batches.to_device(facts.example, device)
-    if not (batches.is_pair(batch) and isinstance(step, DefaultStep)):
+    if not (batches.is_pair(batch) and calls_model_alone(step, model)):
         return check_step(model, batch, step, loss_fn, metrics)
     x, y = batch
     regression = y.is_floating_point()
@@ -238,9 +238,24 @@ def check_sendable(task: Task) -> None:
             pickle.dumps(obj)
         except Exception as e:
             first = (str(e).splitlines() or [type(e).__name__])[0][:160]
+            if what == "the model":
+                raise PhalanxError(_unsendable_model(obj, first)) from None
             raise PhalanxError(f"{what} cannot be sent to the worker processes ({first}): it must be picklable; "
                                "define classes and functions at module level, not as lambdas or local "
                                "functions") from None
+
+
+def _unsendable_model(make_model: Any, first: str) -> str:
+    """What to do where the model (an object: minGPT's holds lambdas) or its factory cannot be pickled: a
+    factory every worker calls, in a form pickle takes (a lambda is not one)."""
+    given = next(iter(getattr(make_model, "args", ())), None)
+    fix = ("pass a factory that pickle can send, which every worker calls: model=functools.partial(GPT, config) "
+           "(a lambda is not picklable either) or a function defined at module level, or "
+           "TrainConfig(model='mymodule:make')")
+    if isinstance(given, nn.Module):
+        return (f"the model cannot be sent to the worker processes ({first}): {type(given).__name__} holds "
+                f"something pickle cannot send (a lambda, a local function); {fix}")
+    return f"the model factory cannot be sent to the worker processes ({first}); {fix}"
 
 
 def check_main_guard() -> None:

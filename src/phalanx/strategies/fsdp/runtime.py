@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 class FSDPRuntime(Runtime):
     """One rank's shard of every block (and its tensor-parallel slice of them); the plain model when alone."""
 
+    one_batch = True  # (the reduce-scatter averages every rank's gradients before each update)
+
     def __init__(self, build: Build, options: FSDP):
         ctx, model = build.ctx, build.model
         self.ctx = ctx  # (the notes below read it before Runtime.__init__ sets it again)
@@ -63,19 +65,20 @@ class FSDPRuntime(Runtime):
         from torch.distributed.fsdp import fully_shard
 
         init, made = options.init_fn() if on_meta else None, 0
+        declared = meta_init.declared_init(model) if on_meta else {}  # (read on the whole model: units are parts)
         mixed = {"mp_policy": self.policy} if self.policy is not None else {}
         if on_meta:
             meta_init.reseed()
         # fully_shard goes bottom-up: a unit nested in another must be wrapped first.
         for name, block in sorted(self.units, key=lambda unit: -unit[0].count(".")):
             if on_meta:  # this unit whole, then at once only this rank's shard of it: one unit at a time
-                made += meta_init.materialise(block, device, init, name)
+                made += meta_init.materialise(block, device, init, name, declared)
             if self.tp_mesh is not None:
                 tensor_parallel.apply(block, self.tp_plan[name], self.tp_mesh)
             if self.shard_mesh is not None:
                 fully_shard(block, mesh=self.shard_mesh, reshard_after_forward=options.reshard_after_forward, **mixed)
         if on_meta:
-            made += meta_init.materialise(model, device, init)
+            made += meta_init.materialise(model, device, init, declared=declared)
         if self.shard_mesh is not None:
             fully_shard(model, mesh=self.shard_mesh, **mixed)  # the root: what no block holds; stays gathered
         return made

@@ -46,7 +46,7 @@ from torch import nn
 from ...data import batch as tree
 from ...errors import PhalanxError
 from ...options import option
-from ...task.step import DefaultStep
+from ...task.step import calls_model_alone
 from ..balance import Balance, check_counts, check_stages, parse_balance
 from ..base import Build, Options, Runtime, require_positive
 from ..layout import Job, Layout, RankPlan, Role
@@ -155,7 +155,7 @@ class Pipeline(Options):
             return True
         if build is None:
             return False
-        return not isinstance(build.step, DefaultStep) or (build.example is not None
+        return not calls_model_alone(build.step, model) or (build.example is not None
                                                            and not tree.is_pair(build.example))
 
     def describe(self, stages: Any = "one per worker", replicas: int = 1) -> str:

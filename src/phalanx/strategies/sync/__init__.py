@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import ClassVar, Iterable, Optional
+from typing import Any, ClassVar, Iterable, Optional
 
 import torch
 from torch import nn
@@ -95,7 +95,25 @@ class Sync(Options):
 register(Sync, cost=SyncCost(), simulated=LOCKSTEP)
 
 
+class ModelDDP(DDP):
+    """DDP that still answers the model's own attributes (pytorch/examples' ``model.init_hidden(bsz)``, a
+    ``model.config``), so a training step of the user's finds on the model it is handed what it wrote there, while
+    calling it still runs DDP's forward (the gradients reduced). DDP's own attributes win; the rest is the
+    wrapped module's, as Horovod's and Accelerate's wrappers keep the wrapped interface."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")  # (absent while DDP's constructor runs)
+            if inner is None or name.startswith("__"):
+                raise
+            return getattr(inner, name)
+
+
 class SyncRuntime(Runtime):
+    one_batch = True  # (DDP averages every rank's gradients before each update)
+
     def __init__(self, build: Build, options: Sync):
         ctx = build.ctx
         if not ctx.distributed:
@@ -104,7 +122,7 @@ class SyncRuntime(Runtime):
         # Checked before DDP's own broadcast from rank 0 would silently paper over a difference.
         verify_replicas(build.model, ctx)
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        model = DDP(build.model, device_ids=device_ids, bucket_cap_mb=options.bucket_mb)
+        model = ModelDDP(build.model, device_ids=device_ids, bucket_cap_mb=options.bucket_mb)
         islands = [list(i) for i in build.layout.islands] if build.layout.islands else None
         applied = apply_reduction(model, options.reduce, options.compress, islands, ctx.world_size, ctx.rank,
                                   cpu=ctx.device.type == "cpu")
