@@ -128,7 +128,7 @@ class FSDP(Options):
             if self.builds_on_meta():
                 meta_init.check_initialisable(job.model, self.init_fn())
             if self.tensor_parallel > 1:
-                tensor_parallel.model_plan(units, self.tensor_parallel)
+                tensor_parallel.model_plan(job.model, units, self.tensor_parallel)
         if self.tensor_parallel > 1:
             return tensor_parallel.layout(job, self.tensor_parallel)
         return data_parallel(job)

@@ -40,7 +40,7 @@ class FSDPRuntime(Runtime):
         self.ctx = ctx  # (the notes below read it before Runtime.__init__ sets it again)
         self.units = shard_units(model, options.blocks)
         tp = options.tensor_parallel
-        self.tp_plan = tensor_parallel.model_plan(self.units, tp) if tp > 1 else {}
+        self.tp_plan = tensor_parallel.model_plan(model, self.units, tp) if tp > 1 else {}
         on_meta = meta_init.on_meta(model)
         if ctx.distributed and not on_meta:
             # fully_shard keeps each rank's own slice of its own copy (no broadcast from rank 0), so
