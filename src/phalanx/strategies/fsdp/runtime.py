@@ -23,7 +23,7 @@ from ...task.metrics import FORWARD_ONLY, Totals, add_up
 from ...task.models import describe_blocks
 from .. import meta_init
 from ..base import COUNT_CORRECT, Batch, Build, Report, Runtime
-from ..replicas import broadcast_buffers, verify_replicas
+from ..replicas import broadcast_buffers, contiguous_buffers, verify_replicas
 from . import tensor_parallel
 from .state import by_index, by_name
 from .units import shard_units
@@ -47,6 +47,7 @@ class FSDPRuntime(Runtime):
             # replicas built differently would silently train a patchwork: check, as sync does. (A model
             # built on meta is materialised from one seed in one order on every rank: equal by construction.)
             verify_replicas(model, ctx)
+        contiguous_buffers(model)  # (broadcast before every evaluation: any layout must survive it)
         self.shard_mesh, self.tp_mesh = (tensor_parallel.meshes(ctx.device.type, ctx.world_size, tp)
                                          if ctx.distributed else (None, None))
         # bf16 on a GPU: bf16 gathers and compute, fp32 reductions (None: the parameters' own dtype throughout)
