@@ -20,6 +20,7 @@ A rank holds 1/N of the heads: an attention keeping its head count as an attribu
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -106,3 +107,47 @@ def gradient_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         norm = torch.nn.utils.get_total_norm(group)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
+#: a model larger than this (elements) is not copied for a rehearsal in the parent (the workers will tell)
+REHEARSAL_LIMIT = 1 << 26
+
+
+def rehearse(model: nn.Module, blocks: Optional[tuple[str, ...]], n: int, example: object, step) -> None:
+    """The plan applied to a copy of the model, as rank 0 of N applies it, and a first step (forward, backward)
+    on the example batch, in the parent: torch's fake process group (torchtitan's dry run) computes no sums but
+    every shape, so a plan that cannot run is one line here, not a worker's traceback. Skipped where a process
+    group exists already (torchrun: this process is a worker) or the model is large."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .units import shard_units
+
+    if dist.is_initialized() or sum(p.numel() for p in model.parameters()) > REHEARSAL_LIMIT:
+        return
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    quiet = logging.root.manager.disable
+    logging.disable(max(quiet, logging.ERROR))  # (DTensor logs a failed shape check before raising it)
+    try:
+        with torch.random.fork_rng():
+            twin = copy.deepcopy(model).train()
+            units = shard_units(twin, blocks)
+            plan = model_plan(twin, units, n)
+            mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
+            for name, block in units:
+                apply(block, plan[name], mesh)
+            step(twin, example).loss.backward()
+    except PhalanxError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise PhalanxError(f"--tensor-parallel {n}: a first step of {type(model).__name__} with its layers split this "
+                           f"way fails ({type(e).__name__}: {first}); its attention must reshape by the local head "
+                           "count (view(B, T, -1, head_dim)) or its model declare a tp plan; or drop "
+                           "--tensor-parallel") from None
+    finally:
+        logging.disable(quiet)
+        dist.destroy_process_group()
