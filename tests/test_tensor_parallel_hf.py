@@ -1,8 +1,9 @@
 """fsdp's ``--tensor-parallel 2`` on the transformers people bring (issue 41, item 1), built from small configs:
 Llama (grouped-query attention: 4 query heads, 2 key/value heads; the plan its config declares), GPT-2 (fused q,k,v
 and transposed ``Conv1D`` projections, by structure) and BERT (q, k, v in one module, the output projection in the
-next, by structure). fsdp x tensor parallel 2 on 4 gloo workers ends where fsdp on 4 workers ends (the same global
-batch; one spawn per strategy trains all three models)."""
+next, by structure). fsdp x tensor parallel 2 on 4 gloo workers ends where fsdp on 4 workers ends, which is where one
+process ends on the whole batch (tests/test_fsdp.py): that process is the reference (float64, AdamW, clipping; one
+spawn trains all three models)."""
 
 import pytest
 import torch
@@ -76,14 +77,35 @@ def train(ctx, tp: int) -> dict:
         torch.set_default_dtype(torch.float32)
 
 
+def one_process() -> dict:
+    """What fsdp on 4 workers computes (tests/test_fsdp.py): the plain model on the whole batch, clipped as fsdp
+    clips, in this process."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        out = {}
+        for name, make in MODELS.items():
+            model = make()
+            opt = sgd(model.parameters())
+            for _ in range(K):
+                hf_step(model, batch(name, 0, 1)).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+            out[name] = {"model": model.state_dict()}
+        return out
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 @pytest.fixture(scope="module")
 def runs():
-    return {tp: run_workers(train, 4, tp) for tp in (1, 2)}
+    return {1: one_process(), 2: run_workers(train, 4, 2)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_fsdp_by_tensor_parallel_2_on_4_workers_equals_fsdp_on_4_workers(runs, name):
+    """(fsdp on 4 workers equals one process on the whole batch: tests/test_fsdp.py; the reference is that.)"""
     want, got = runs[1][name]["model"], runs[2][name]["model"]
     start = MODELS[name]().state_dict()
     assert max((want[k] - start[k].to(want[k].dtype)).abs().max().item() for k in want) > 1e-3  # trained
