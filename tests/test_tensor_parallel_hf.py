@@ -1,9 +1,9 @@
 """fsdp's ``--tensor-parallel 2`` on the transformers people bring (issue 41, item 1), built from small configs:
 Llama (grouped-query attention: 4 query heads, 2 key/value heads; the plan its config declares), GPT-2 (fused q,k,v
-and transposed ``Conv1D`` projections, by structure) and BERT (q, k, v in one module, the output projection in the
-next, by structure). fsdp x tensor parallel 2 on 4 gloo workers ends where fsdp on 4 workers ends, which is where one
-process ends on the whole batch (tests/test_fsdp.py): that process is the reference (float64, AdamW, clipping; one
-spawn trains all three models)."""
+and transposed ``Conv1D`` projections, by structure), BERT (q, k, v in one module, the output projection in the
+next, by structure) and T5 (its relative position bias split by heads with them). fsdp x tensor parallel 2 on 4
+gloo workers ends where fsdp on 4 workers ends, which is where one process ends on the whole batch
+(tests/test_fsdp.py): that process is the reference (float64, AdamW, clipping; one spawn trains all four models)."""
 
 import pytest
 import torch
@@ -40,7 +40,14 @@ def bert():
         max_position_embeddings=LENGTH, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
 
 
-MODELS = {"llama": llama, "gpt2": gpt2, "bert": bert}
+def t5():
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+        decoder_start_token_id=0))
+
+
+MODELS = {"llama": llama, "gpt2": gpt2, "bert": bert, "t5": t5}
 
 
 def batch(name: str, part: int, parts: int) -> dict:
