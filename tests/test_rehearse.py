@@ -70,3 +70,21 @@ def test_a_pipeline_whose_split_graph_fails_is_refused_in_the_parent_in_one_line
                                            r"bert.encoder.layer.0, bert.encoder.layer.1 fails in its first step "
                                            r"\(AttributeError: 'Tensor' object has no attribute 'output'\)"):
         Pipeline(stages=2).rehearse(bert, example, DefaultStep(F.cross_entropy))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, plan", [
+    (("--strategy", "fsdp", "--tensor-parallel", "2"), "attention.self.query column-wise"),
+    (("--strategy", "pipeline", "--stages", "2"), "into 2 stages"),
+])
+def test_bert_trains_through_the_cli_under(flags, plan, tmp_path):
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from helpers import run_in_process
+
+    out = run_in_process("train", "--model", "hf_models:bert", "--data", "hf_models:classes", "--metric", "loss",
+                         "--devices", "cpu", "--workers", "2", "--steps", "2", "--batch-size", "4", "--eval-every",
+                         "0", *flags, "--checkpoint-dir", str(tmp_path / "ck"), cwd=Path(__file__).parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert plan in out.stdout and "test loss" in out.stdout

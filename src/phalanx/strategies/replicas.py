@@ -108,8 +108,17 @@ def contiguous_buffers(module: nn.Module) -> None:
     done: dict[int, torch.Tensor] = {}
     for sub in module.modules():
         for name, buf in sub._buffers.items():
-            if buf is None or buf.stride() == torch.empty(buf.shape).stride():
+            if buf is None or buf.stride() == _row_major(buf.shape):
                 continue
             if id(buf) not in done:
                 done[id(buf)] = buf.clone(memory_format=torch.contiguous_format)
             sub._buffers[name] = done[id(buf)]
+
+
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a fresh tensor of this shape (computed: a large buffer is not allocated again to ask)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
