@@ -136,7 +136,9 @@ def block_plan(block: nn.Module, n: int, where: str) -> Plan:
     plan: Plan = {}
     for path, attention in block.named_modules():
         under = _projections_under(projections, path)
-        if heads_of(attention) is not None and under and not any(p in plan for p, _ in under):
+        # (an attention with fewer projections computes q, k, v from a parameter, torch's MultiheadAttention's
+        # in_proj_weight: it stays whole, and its output projection is one of the rest)
+        if heads_of(attention) is not None and len(under) >= 2 and not any(p in plan for p, _ in under):
             plan.update(_attention_plan(attention, path, projections, n, f"{where}.{path}" if path else where))
     plan.update(_mlp_plan([(p, m) for p, m in projections if p not in plan]))
     if not plan:
