@@ -114,6 +114,11 @@ class Options:
         gathers a unit at a time, a pipeline splits at blocks."""
         return self.one_piece_backward
 
+    def rehearse(self, model: nn.Module, example: Any, step: Callable) -> None:
+        """In the parent, before any worker starts: run what a first step of this strategy runs that the model
+        alone does not (a split forward, a tensor-parallel plan applied), on a copy of ``model`` with the example
+        batch, where that is cheap; a failure is one line naming the feature and the fix (PhalanxError)."""
+
     def builds_on_meta(self) -> bool:
         """Whether every worker builds the model on the meta device (nothing allocated) and the runtime
         materialises it (only its own shards: ``--init-device meta``); else it is built on the worker's device."""

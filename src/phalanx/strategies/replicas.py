@@ -94,7 +94,11 @@ def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 def _write(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
     with torch.no_grad():
         for t, value in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
-            t.copy_(value)
+            # One contiguous tensor is flattened as a view of itself (a size-1 dim's odd stride and all:
+            # pytorch/examples' ``pe.unsqueeze(0).transpose(0, 1)``): the collective already wrote it in place,
+            # and copying its alias back over it is refused as overlapping memory.
+            if t.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+                t.copy_(value)
 
 
 def average_over(tensors: list[torch.Tensor], group) -> None:
@@ -111,3 +115,27 @@ def average_over(tensors: list[torch.Tensor], group) -> None:
         else:
             group.broadcast(flat, 0).wait()
         _write(chunk, flat.to(chunk[0].device))
+
+
+def contiguous_buffers(module: nn.Module) -> None:
+    """Every buffer laid out as a fresh tensor of its shape would be (a size-1 dim's stride too), in place:
+    DDP's coalesced broadcast flattens a buffer that ``is_contiguous()`` into a view of itself and refuses to
+    copy it back (overlapping memory), so a model's positional table made by ``transpose`` (pytorch/examples'
+    word LM) crashed sync at step 1. A buffer two modules share stays one tensor."""
+    done: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is None or buf.stride() == _row_major(buf.shape):
+                continue
+            if id(buf) not in done:
+                done[id(buf)] = buf.clone(memory_format=torch.contiguous_format)
+            sub._buffers[name] = done[id(buf)]
+
+
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a fresh tensor of this shape (computed: a large buffer is not allocated again to ask)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

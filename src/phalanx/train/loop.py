@@ -264,13 +264,16 @@ class WorkerRun:
         self.summary.count_wire(False)
         elapsed = time.perf_counter() - self.began - self.eval_seconds
         values = hit
+        # The last checkpoint first, written out before the last evaluation: an evaluation that fails (a
+        # model's own error at the end, a worker lost) must not lose the run's work. (The evaluation changes
+        # no weight: what it prints is this checkpoint's.)
+        if changed or self.saver.saved_step != self.step:
+            self._save()
+        self.saver.settle()  # (the run's last checkpoint is written before its summary names it)
         if stopped:  # a stop asked for speed: save, go
             values = None
         elif changed or hit is None:  # (a target reached by this step's evaluation of this model: not twice)
             values = self._evaluate(final=True)
-        if changed or self.saver.saved_step != self.step:
-            self._save()
-        self.saver.settle()  # (the run's last checkpoint is written before its summary names it)
         return self.summary.final(Outcome(self.step, self.step - first_step, elapsed, self.eval_seconds, values,
                                           hit is not None, stopped, self.saver.last, self.saver.blocked_s))
 

@@ -27,6 +27,7 @@ from ..errors import JobHung, PhalanxError, Stopped, WorkerFailed
 from ..launcher import in_torchrun, launch, launcher_rank, launcher_world_size
 from ..data.user import cast_to_model
 from ..task import Task, named_optimizer, user_task
+from ..task.step import DefaultStep
 from ..strategies import Job, Layout, meta_init
 from . import checkpoint as ckpt
 from . import checks, rundir, tensorboard
@@ -103,6 +104,8 @@ class Trainer:
         job = Job(tuple(devices), cfg.batch_size, cfg.accumulate, processes=launcher_world_size(),
                   gpu_islands=_gpu_islands(devices, cfg), model=model)
         layout = cfg.strategy.layout(job)
+        # the strategy's first step (a split forward, a tp plan), tried on a copy of the model
+        cfg.strategy.rehearse(model, facts.example, task.step or DefaultStep(task.loss_fn))
         checks.check_global_batch(cfg, layout, facts)
         checks.check_straggler(cfg, layout)
         if cfg.strategy.builds_on_meta():

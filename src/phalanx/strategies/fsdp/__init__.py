@@ -128,10 +128,14 @@ class FSDP(Options):
             if self.builds_on_meta():
                 meta_init.check_initialisable(job.model, self.init_fn())
             if self.tensor_parallel > 1:
-                tensor_parallel.model_plan(units, self.tensor_parallel)
+                tensor_parallel.model_plan(job.model, units, self.tensor_parallel)
         if self.tensor_parallel > 1:
             return tensor_parallel.layout(job, self.tensor_parallel)
         return data_parallel(job)
+
+    def rehearse(self, model: nn.Module, example: Any, step: Any) -> None:
+        if self.tensor_parallel > 1 and not self.builds_on_meta():
+            tensor_parallel.rehearse(model, self.blocks, self.tensor_parallel, example, step)
 
     def describe(self) -> str:
         how = "fully_shard" if self.reshard_after_forward else "fully_shard, no reshard after forward"

@@ -23,7 +23,7 @@ from ...task.metrics import FORWARD_ONLY, Totals, add_up
 from ...task.models import describe_blocks
 from .. import meta_init
 from ..base import COUNT_CORRECT, Batch, Build, Report, Runtime
-from ..replicas import broadcast_buffers, verify_replicas
+from ..replicas import broadcast_buffers, contiguous_buffers, verify_replicas
 from . import tensor_parallel
 from .state import by_index, by_name
 from .units import shard_units
@@ -42,13 +42,14 @@ class FSDPRuntime(Runtime):
         self.ctx = ctx  # (the notes below read it before Runtime.__init__ sets it again)
         self.units = shard_units(model, options.blocks)
         tp = options.tensor_parallel
-        self.tp_plan = tensor_parallel.model_plan(self.units, tp) if tp > 1 else {}
+        self.tp_plan = tensor_parallel.model_plan(model, self.units, tp) if tp > 1 else {}
         on_meta = meta_init.on_meta(model)
         if ctx.distributed and not on_meta:
             # fully_shard keeps each rank's own slice of its own copy (no broadcast from rank 0), so
             # replicas built differently would silently train a patchwork: check, as sync does. (A model
             # built on meta is materialised from one seed in one order on every rank: equal by construction.)
             verify_replicas(model, ctx)
+        contiguous_buffers(model)  # (broadcast before every evaluation: any layout must survive it)
         self.shard_mesh, self.tp_mesh = (tensor_parallel.meshes(ctx.device.type, ctx.world_size, tp)
                                          if ctx.distributed else (None, None))
         # bf16 on a GPU: bf16 gathers and compute, fp32 reductions (None: the parameters' own dtype throughout)

@@ -1,25 +1,26 @@
 """Tensor parallelism inside fsdp (``--tensor-parallel N``): DTensor's ``parallelize_module`` is the engine.
 
 The workers form a 2-D mesh (W/N, N) with dims ("shard", "tp"), as torchtitan lays it out: rank r is
-tp rank r % N of data group r // N. In every block of the model (fsdp's units), each module whose
-``nn.Linear`` children are projections out of the block's width followed by one back into it (an
-attention's q, k, v and output projection; an MLP's two layers) is split Megatron's way: the first ones
-column-wise (each tp rank computes 1/N of the heads or hidden units from the whole input), the last
-row-wise (each rank multiplies its 1/N of the inputs; one all-reduce over the tp ranks adds the parts).
-So per block and step: two all-reduces forward, two backward, over N ranks; nothing else moves.
+tp rank r % N of data group r // N. In every block of the model (fsdp's units), the layers the model declares
+(transformers' ``base_model_tp_plan``), else the attention's q, k, v and output projections and an MLP's layers
+found by structure (``tp_plan.py``), are split Megatron's way: the first ones column-wise (each tp rank computes
+1/N of the heads or hidden units from the whole input), the last row-wise (each rank multiplies its 1/N of the
+inputs; one all-reduce over the tp ranks adds the parts). So per block and step: two all-reduces forward, two
+backward, over N ranks; nothing else moves.
 
 The N ranks of a tp group compute one replica together, so they read the same data shard: W/N shards a
 step. fsdp then shards every parameter over the "shard" dim (N == W: pure tensor parallelism, no fsdp).
 Layers outside the blocks (embeddings, the head, norms) are whole on every tp rank and sharded by fsdp.
 
-The plan is worked out in the parent from the model's structure (:func:`block_plan`), refused in one
-line where it cannot be (a head count that N does not divide, a layer that is not ``nn.Linear``), and
-printed among the run's plan lines. Attention code must reshape with the local head count
-(``view(B, T, -1, head_dim)``, torchtitan's form), since a rank holds n_head / N heads.
+The plan is worked out in the parent (``tp_plan.py``), refused in one line where it cannot be (a head count, query
+or key/value, that N does not divide; projections it cannot tell apart), and printed among the run's plan lines.
+A rank holds 1/N of the heads: an attention keeping its head count as an attribute is given its local count
+(``tp_styles.localise``); attention code that reshapes by ``-1`` (torchtitan's, transformers') needs nothing.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -27,10 +28,7 @@ from torch import nn
 
 from ...errors import PhalanxError
 from ..layout import Job, Layout, RankPlan, Role
-
-#: where a module keeps its head count, in the conventions of nanoGPT, torch and Hugging Face
-HEAD_ATTRIBUTES = ("n_head", "num_heads", "n_heads", "num_attention_heads")
-COLWISE, ROWWISE = "column-wise", "row-wise"
+from . import tp_plan
 
 
 def check_degree(n: int, workers: int) -> None:
@@ -48,57 +46,10 @@ def layout(job: Job, n: int) -> Layout:
     return Layout(ranks, tuple(job.devices), groups, True)
 
 
-def model_plan(units: list[tuple[str, nn.Module]], n: int) -> dict[str, dict[str, str]]:
-    """{unit name: {submodule name within it: COLWISE or ROWWISE}} for every unit, or one line why not."""
-    return {name: block_plan(unit, n, name) for name, unit in units}
-
-
-def block_plan(block: nn.Module, n: int, where: str) -> dict[str, str]:
-    """The split of one block: every module holding paired ``nn.Linear`` children (see the module's docstring)."""
-    plan: dict[str, str] = {}
-    for name, module in block.named_modules():
-        linears = [(child, m) for child, m in module.named_children() if isinstance(m, nn.Linear)]
-        if len(linears) < 2:
-            continue
-        path = f"{where}.{name}" if name else where
-        _check_pairs(linears, path, n)
-        if len(linears) > 2:  # q, k, v (or more) and an output projection: attention, split by heads
-            _check_heads(module, path, n)
-        prefix = f"{name}." if name else ""
-        plan.update({prefix + child: COLWISE for child, _ in linears[:-1]})
-        plan[prefix + linears[-1][0]] = ROWWISE
-    if not plan:
-        kinds = sorted({type(m).__name__ for m in block.modules()
-                        if any(True for _ in m.parameters(recurse=False))})
-        raise PhalanxError(f"--tensor-parallel: block '{where}' has no module holding nn.Linear projections to split "
-                           f"(its layers with weights: {', '.join(kinds) or 'none'}); tensor parallelism splits "
-                           "nn.Linear layers (transformers' GPT-2 Conv1D is not one): drop --tensor-parallel")
-    return plan
-
-
-def _check_pairs(linears: list[tuple[str, nn.Linear]], path: str, n: int) -> None:
-    *firsts, (_, last) = linears
-    paired = all(m.in_features == last.out_features and m.out_features == last.in_features for _, m in firsts)
-    if not paired:
-        shapes = ", ".join(f"{c} {m.in_features}->{m.out_features}" for c, m in linears)
-        raise PhalanxError(f"--tensor-parallel: '{path}' holds Linear layers ({shapes}) that are not projections out "
-                           "of one width and one back (a fused q,k,v split in forward cannot be split by columns): "
-                           "give it separate projections, or drop --tensor-parallel")
-    for child, m in linears:
-        width = m.out_features if (child, m) != linears[-1] else m.in_features
-        if width % n:
-            raise PhalanxError(f"--tensor-parallel {n}: '{path}.{child}' has {width} features to split, not divisible "
-                               f"by {n}; give a --tensor-parallel that divides {width}")
-
-
-def _check_heads(module: nn.Module, path: str, n: int) -> None:
-    heads = next((getattr(module, a) for a in HEAD_ATTRIBUTES if isinstance(getattr(module, a, None), int)), None)
-    if heads is None:
-        raise PhalanxError(f"--tensor-parallel: cannot tell how many heads '{path}' ({type(module).__name__}) has (no "
-                           f"{' / '.join(HEAD_ATTRIBUTES)} attribute); its q, k, v are split by whole heads: give it one")
-    if heads % n:
-        raise PhalanxError(f"--tensor-parallel {n}: '{path}' has {heads} heads, which do not split between {n} ranks; "
-                           f"give a --tensor-parallel that divides {heads}")
+def model_plan(model: nn.Module, units: list[tuple[str, nn.Module]], n: int) -> dict[str, dict[str, str]]:
+    """{unit name: {submodule name within it: how it is split}} for every unit, or one line why not
+    (``tp_plan.py``: what the model declares, else its structure)."""
+    return tp_plan.model_plan(model, units, n)
 
 
 def describe(plan: dict[str, dict[str, str]]) -> str:
@@ -123,11 +74,10 @@ def meshes(device_type: str, world_size: int, n: int) -> tuple[Optional[object],
 
 
 def apply(block: nn.Module, plan: dict[str, str], mesh: object) -> None:
-    """torch's ColwiseParallel / RowwiseParallel on the block's planned layers, in place."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    """torch's ColwiseParallel / RowwiseParallel on the block's planned layers, in place (``tp_styles.py``)."""
+    from . import tp_styles  # (imports DTensor: only where a mesh exists)
 
-    styles = {COLWISE: ColwiseParallel, ROWWISE: RowwiseParallel}
-    parallelize_module(block, mesh, {name: styles[kind]() for name, kind in plan.items()})
+    tp_styles.apply(block, plan, mesh)
 
 
 def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -157,3 +107,47 @@ def gradient_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         norm = torch.nn.utils.get_total_norm(group)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
+#: a model larger than this (elements) is not copied for a rehearsal in the parent (the workers will tell)
+REHEARSAL_LIMIT = 1 << 26
+
+
+def rehearse(model: nn.Module, blocks: Optional[tuple[str, ...]], n: int, example: object, step) -> None:
+    """The plan applied to a copy of the model, as rank 0 of N applies it, and a first step (forward, backward)
+    on the example batch, in the parent: torch's fake process group (torchtitan's dry run) computes no sums but
+    every shape, so a plan that cannot run is one line here, not a worker's traceback. Skipped where a process
+    group exists already (torchrun: this process is a worker) or the model is large."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .units import shard_units
+
+    if dist.is_initialized() or sum(p.numel() for p in model.parameters()) > REHEARSAL_LIMIT:
+        return
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    quiet = logging.root.manager.disable
+    logging.disable(max(quiet, logging.ERROR))  # (DTensor logs a failed shape check before raising it)
+    try:
+        with torch.random.fork_rng():
+            twin = copy.deepcopy(model).train()
+            units = shard_units(twin, blocks)
+            plan = model_plan(twin, units, n)
+            mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
+            for name, block in units:
+                apply(block, plan[name], mesh)
+            step(twin, example).loss.backward()
+    except PhalanxError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise PhalanxError(f"--tensor-parallel {n}: a first step of {type(model).__name__} with its layers split this "
+                           f"way fails ({type(e).__name__}: {first}); its attention must reshape by the local head "
+                           "count (view(B, T, -1, head_dim)) or its model declare a tp plan; or drop "
+                           "--tensor-parallel") from None
+    finally:
+        logging.disable(quiet)
+        dist.destroy_process_group()

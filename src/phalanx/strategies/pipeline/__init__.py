@@ -158,6 +158,12 @@ class Pipeline(Options):
         return not calls_model_alone(build.step, model) or (build.example is not None
                                                            and not tree.is_pair(build.example))
 
+    def rehearse(self, model: nn.Module, example: Any, step: Any) -> None:
+        if self.traces(model) or not isinstance(step, DefaultStep) or not tree.is_pair(example):
+            from .rehearse import rehearse  # (traces: only where a pipeline is planned)
+
+            rehearse(model, self.split_points, example, step)
+
     def describe(self, stages: Any = "one per worker", replicas: int = 1) -> str:
         copies = f" x {replicas} data-parallel replicas" if replicas > 1 else ""
         return f"pipeline ({self.stages or stages} stages{copies}, {self.chunks} micro-batches, {self.schedule})"

@@ -34,7 +34,7 @@ import logging
 import operator
 import sys
 import warnings
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -140,7 +140,7 @@ class Traced:
 
         tensors, spec, marked = flat_tensors(micro_batch)
         wrapper = _Stepped(model, step, _rebuilder(spec, marked))
-        with _restored_forwards(model, points), torch.random.fork_rng():
+        with _restored_forwards(model, points), torch.random.fork_rng(), _unshadowed(model) as aliases:
             try:  # torch's pipeline(module, split_spec=...), with a pass of ours before the split (see there)
                 annotate_split_points(wrapper, {f"model.{p}": SplitPoint.BEGINNING for p in points})
                 with _quiet_unless_it_works():
@@ -158,7 +158,7 @@ class Traced:
         self.out_spec = _OUT_SPECS.pop(wrapper.key)
         self.positions = _last_stage_positions(self.pipe)
         for i in range(stages):
-            adopt(self.pipe.get_stage_module(i), model)
+            adopt(self.pipe.get_stage_module(i), model, aliases)
             compiled_code(self.pipe.get_stage_module(i))
 
     def stage_module(self, index: int) -> nn.Module:
@@ -230,17 +230,64 @@ def compiled_code(stage: nn.Module) -> None:
             module._run_with_interpreter = False
 
 
-def adopt(stage: nn.Module, model: nn.Module) -> None:
+def adopt(stage: nn.Module, model: nn.Module, aliases: Optional[dict[str, str]] = None) -> None:
     """Point the stage's parameters and buffers at the model's own tensors of the same name (the trace names
-    them ``model.<key>``); tensors the trace made itself (lifted constants) stay the stage's."""
+    them ``model.<key>``, a submodule traced under an alias by its alias: see :func:`_unshadowed`); tensors the
+    trace made itself (lifted constants) stay the stage's."""
     own = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
     for kind in ("_parameters", "_buffers"):
         for name in [n for n, _ in (stage.named_parameters(remove_duplicate=False) if kind == "_parameters"
                                     else stage.named_buffers(remove_duplicate=False))]:
-            key = name[len("model."):] if name.startswith("model.") else name
+            key = _original(name[len("model."):] if name.startswith("model.") else name, aliases or {})
             if key in own:
                 parent, _, attr = name.rpartition(".")
                 getattr(stage.get_submodule(parent), kind)[attr] = own[key]
+
+
+#: submodule names that the traced graph's generated code cannot use as a variable's name (it names a call's
+#: result after the submodule called: BERT's ``attention.self`` became a local ``self``, and the next line's
+#: ``self.output`` a tensor's attribute)
+SHADOWING = ("self",)
+
+
+@contextlib.contextmanager
+def _unshadowed(model: nn.Module) -> Iterator[dict[str, str]]:
+    """While tracing, every submodule named ``self`` is registered under an alias (``self_``), so the trace names it
+    and its tensors by the alias; its parent's forward still finds it as ``self.self`` (a plain attribute for that
+    while). Yields {alias's qualified name: the original's}, by which :func:`adopt` maps the stages' names back;
+    the model is given back as it was, so its ``state_dict`` (and every checkpoint) keeps the model's own keys."""
+    changed: list[tuple[nn.Module, dict, list[str]]] = []
+    aliases: dict[str, str] = {}
+    for path, parent in list(model.named_modules()):
+        names = [name for name in parent._modules if name in SHADOWING]
+        if not names:
+            continue
+        before, renamed = parent._modules, {}
+        for name, child in before.items():
+            if name in names:
+                alias = name + "_"
+                while alias in before:
+                    alias += "_"
+                aliases[f"{path}.{alias}" if path else alias] = f"{path}.{name}" if path else name
+                parent.__dict__[name] = child
+                name = alias
+            renamed[name] = child
+        changed.append((parent, before, names))
+        parent._modules = renamed
+    try:
+        yield aliases
+    finally:
+        for parent, before, names in changed:
+            parent._modules = before
+            for name in names:
+                parent.__dict__.pop(name, None)
+
+
+def _original(key: str, aliases: dict[str, str]) -> str:
+    for alias in sorted(aliases, key=len, reverse=True):
+        if key.startswith(alias + "."):
+            return aliases[alias] + key[len(alias):]
+    return key
 
 
 @contextlib.contextmanager

@@ -33,7 +33,7 @@ from ...task.metrics import Totals
 from ..base import COUNT_CORRECT, Batch, Build, Options, Report, Runtime, SurvivorState
 from ..layout import Job, Layout, data_parallel
 from ..registry import register
-from ..replicas import broadcast_buffers, verify_replicas
+from ..replicas import broadcast_buffers, contiguous_buffers, verify_replicas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +121,7 @@ class SyncRuntime(Runtime):
             return
         # Checked before DDP's own broadcast from rank 0 would silently paper over a difference.
         verify_replicas(build.model, ctx)
+        contiguous_buffers(build.model)
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         model = ModelDDP(build.model, device_ids=device_ids, bucket_cap_mb=options.bucket_mb)
         islands = [list(i) for i in build.layout.islands] if build.layout.islands else None
