@@ -9,9 +9,9 @@ the workers' gradients alone on the device (64 workers of 4 windows, as ``benchm
 vmap (kept on a GPU where attention's backward loops inside it) against one worker after another, and sync's
 whole batch, so that the choice ``Gradients.on_cpu`` makes for a GPU is measured.
 
-    python3 benchmarks/gpu/simulate_device.py --quick --save   # 8 and 64 workers, 100 steps: ~3 min on an H200
+    python3 benchmarks/gpu/simulate_device.py --quick --save   # 8 and 64 workers, 50 steps: ~3 min on an H200
     python3 benchmarks/gpu/simulate_device.py --save           # 8, 64, 256 workers, 400 steps, on cuda only
-    python3 benchmarks/gpu/simulate_device.py --quick --devices cpu --rounds 1 --gradient-rounds 1   # a dry run
+    python3 benchmarks/gpu/simulate_device.py --devices cpu --workers 2,4 --max-steps 10 --gradient-rounds 1  # dry run
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples")]
 from _common import parser, save_result  # noqa: E402
 from simulate_scale import command, timed  # noqa: E402
 
-QUICK = {"workers": "8,64", "strategies": "sync,local-sgd:8", "scenarios": "none", "max_steps": "100"}
+QUICK = {"workers": "8,64", "strategies": "sync,local-sgd:8", "scenarios": "none", "max_steps": "50"}
 FULL = {"workers": "8,64,256", "strategies": "sync,ps,local-sgd:8,diloco:8", "scenarios": "none,slow:1:2",
         "max_steps": "400"}
 
@@ -79,12 +79,14 @@ def _wait(device: torch.device) -> None:
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--quick", action="store_true", help="8 and 64 workers, sync and local-sgd:8, 100 steps")
+    p.add_argument("--quick", action="store_true", help="8 and 64 workers, sync and local-sgd:8, 50 steps")
     p.add_argument("--devices", default=None, help="the legs, in order (default: cuda,cpu with --quick, else cuda)")
     p.add_argument("--rounds", type=int, default=1, help="each leg this many times, interleaved")
     p.add_argument("--gradient-rounds", type=int, default=5)
+    for name in ("workers", "strategies", "scenarios", "max-steps"):
+        p.add_argument(f"--{name}", default=None, help="instead of the shape's (--quick or full)")
     args = p.parse_args()
-    shape = QUICK if args.quick else FULL
+    shape = {k: getattr(args, k) or v for k, v in (QUICK if args.quick else FULL).items()}
     devices = (args.devices or ("cuda,cpu" if args.quick else "cuda")).split(",")
     grads = {d: gradients(torch.device(d), 64, args.gradient_rounds) for d in devices}
     legs: dict[str, list[dict]] = {d: [] for d in devices}
