@@ -28,7 +28,8 @@ RULES = [Sync(), LocalSGD(sync_every=4), ParameterServer()]
 
 def simulate(options, devices, workers=4, steps=8):
     config = TrainConfig(model="mlp", devices=devices, batch_size=8)
-    world = World(build_problem(config, (workers,), None, 0.01, LINK, lambda line: None), options, workers, None, 0,
+    # (2 workers a machine, as on the CPU: on a GPU it would be the GPU count, and the clock would differ)
+    world = World(build_problem(config, (workers,), 2, 0.01, LINK, lambda line: None), options, workers, None, 0,
                   steps, 4, None)
     simulated_rule(options).run(options, world)
     world.finish()
