@@ -58,6 +58,15 @@ def test_the_loss_window_names_the_first_non_finite_step_and_empties():
     assert len(window) == 0 and first_non_finite([1], [0.5]) is None
     window.add(10, torch.tensor(2.0))
     assert window.take(lambda values: values)[1] == [2.0]
+    # losses as a step may leave them: bf16 (autocast), a 1-element vector beside a scalar; read as fp32 floats
+    window.add(11, torch.tensor(1.5, dtype=torch.bfloat16))
+    window.add(12, torch.tensor([0.25]))
+    assert window.take(lambda values: values) == ([11, 12], [1.5, 0.25])
+    for step in (13, 14):
+        window.add(step, torch.tensor(0.5, dtype=torch.bfloat16))
+    taken = []
+    assert window.take(lambda values: taken.append(values.dtype) or values)[1] == [0.5, 0.5]
+    assert taken == [torch.float32]
 
 
 # ---- precision and compilation ----

@@ -45,11 +45,11 @@ def build_problem(train: TrainConfig, workers: tuple[int, ...], per_node: Option
     cfg = train.resolved(task.model_name)
     problem = Problem(cfg, task, None, None, None)  # type: ignore[arg-type]
     data = problem.data(cfg.seed)
-    model = problem.model(cfg.seed)
+    model = problem.model(cfg.seed)  # on the CPU: the checks and the facts look at it as train's do
     facts = data_facts(cfg, data)
     check_model(model, facts, task.loss_fn, task.metrics, task.step)  # as train checks it: one line, not a traceback
     facts = model_facts(model, facts.example, cfg.batch_size, step=task.step)
-    device = resolve_devices(cfg.devices)[0]
+    device = resolve_devices(cfg.devices, cfg.strict_devices)[0]
     per_node = per_node or (torch.cuda.device_count() if device.type == "cuda" else 2)
     notes = []
     if step_time is not None:
@@ -77,6 +77,7 @@ def build_problem(train: TrainConfig, workers: tuple[int, ...], per_node: Option
     notes.append(f"link: {describe_link(inter)}; {per_node} workers per machine")
     problem.compute, problem.facts, problem.network = compute, facts, Network(intra, inter, per_node)
     problem.clock_notes = tuple(notes)
+    problem.device = device  # the simulated workers' tensors from here on (every World's)
     return problem
 
 

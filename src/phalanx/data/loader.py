@@ -93,16 +93,15 @@ class ShardedBatches:
     def plan(self, start: Union[int, Position] = 0) -> Iterator[tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """This worker's (example indices, their augmentation or None) of every step from ``start``: all a
         reader needs, so an in-memory gather and DataLoader worker processes read the very same batches."""
+        size = len(self.data)
         here = start if isinstance(start, Position) else self.position(start)
-        planned, plan = None, None
-        while True:
-            here = advance(here, 0, len(self.data), self.global_batch)  # past a tail too short for a batch
-            if here.epoch != planned:
-                planned, plan = here.epoch, self._epoch_plan(here.epoch)
-            perm, params = plan
-            idx = self.indices(here.offset, perm)
-            yield idx, None if params is None else params[idx]
-            here = Position(here.epoch, here.offset + self.global_batch)
+        epoch, offset = advance(here, 0, size, self.global_batch)  # past a tail too short for a batch
+        while True:  # (epoch by epoch: a step costs a slice, where a Position per step cost microseconds)
+            perm, params = self._epoch_plan(epoch)
+            for at in range(offset, size - self.global_batch + 1, self.global_batch):
+                idx = self.indices(at, perm)
+                yield idx, None if params is None else params[idx]
+            epoch, offset = epoch + 1, 0
 
     def __call__(self, start: Union[int, Position] = 0) -> Iterator[Any]:
         """Batches from ``start``: a :class:`Position`, or a step counted from the very beginning."""

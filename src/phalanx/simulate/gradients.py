@@ -16,8 +16,12 @@ them (a version it pulled, its local copy). Two ways to compute, by what the rul
   applies them one by one; local SGD steps each copy): ``vmap`` over the workers (every tensor of
   their batch trees stacked), in chunks, so
   256 gradients of a small model are a few batched calls; where the model or loss cannot be
-  vmapped (an LSTM), or an op of it has no batching rule (attention: torch would loop inside vmap,
-  slower than this), one worker after another, the same numbers.
+  vmapped (an LSTM), or, on the CPU, an op of it has no batching rule (attention: torch would loop inside
+  vmap, slower than this), one worker after another, the same numbers.
+
+Every tensor is on the device of the model it is given (the simulation's ``--devices``): on a GPU the workers'
+gradients are fewer, larger calls (:meth:`Gradients.on_cpu`), and each loss is read back once per call, never
+one by one, so the GPU's queue of work does not wait on it.
 
 Evaluations are not here: the world evaluates as a real run does (``world.py``).
 
@@ -41,6 +45,9 @@ from ..data import batch as batches
 from ..task.step import DefaultStep, calls_model_alone
 
 CHUNK = 64  #: workers per vmapped call (bounds the memory of stacked parameters and activations)
+#: on a GPU: fewer, larger calls (its memory holds 256 copies of a model of 100,000s of parameters and their
+#: activations many times over, and each call's kernel launches are the cost there)
+DEVICE_CHUNK = 256
 
 
 class _Stepped(nn.Module):
@@ -69,9 +76,22 @@ class Gradients:
         self.numels = [p.numel() for _, p in named]
         self.size = sum(self.numels)
         self.buffers = dict(model.named_buffers())
+        #: where the model's parameters are, and so every gradient and loss (the simulation's device)
+        self.device = next((p.device for _, p in named), torch.device("cpu"))
+        self.on_cpu(self.device.type == "cpu")
         self.vmappable: Optional[bool] = None  # learnt on the first call
         self.whole_is_mean: Optional[bool] = None  # the step's loss on a whole batch is its shards' mean: learnt
         self.computed = 0  #: gradients computed (worker-steps)
+
+    def on_cpu(self, cpu: bool) -> None:
+        """How the workers are computed, by where (set from :attr:`device`; a test sets a GPU's on the CPU). A GPU
+        is bound by kernel launches: vmapped calls of up to 256 workers, vmap kept where an op loops inside it (that
+        op alone is launched once per worker), and no threads with copies of the model (one GPU runs one
+        worker's kernels at a time). The CPU is bound by arithmetic: chunks of 64, workers in turn where an op
+        loops inside vmap, several at once on threads."""
+        self.chunk = CHUNK if cpu else DEVICE_CHUNK  #: workers per vmapped call
+        self.loops_in_vmap = not cpu  #: vmap kept where an op has no batching rule (torch loops over the workers)
+        self.copies = cpu  #: where workers are computed in turn, :attr:`threads` at once, a copy of the model each
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         out, offset = {}, 0
@@ -115,22 +135,25 @@ class Gradients:
         self.computed += len(shards)
         key = getattr(self.step, "target_key", None)
         if whole is None or self.whole_is_mean is False or not _equal_counts(whole, shards, key):
-            return self._by_shard(leaf, shards)
+            g, total = self._by_shard(leaf, shards)
+            return g, float(total)
         loss = self._loss(leaf, whole)
         (g,) = torch.autograd.grad(loss, leaf)
         if self.whole_is_mean is None:  # the step's loss may be a sum, or weigh examples its own way: compare once
             mean, value = self._by_shard(leaf, shards)
             self.whole_is_mean = bool((g - mean).norm() <= 1e-4 * mean.norm())
             if not self.whole_is_mean:
-                return mean, value
+                return mean, float(value)
         return g, float(loss.detach())
 
-    def _by_shard(self, leaf: torch.Tensor, shards: Sequence[Any]) -> tuple[torch.Tensor, float]:
-        g, total = torch.zeros_like(leaf), 0.0
+    def _by_shard(self, leaf: torch.Tensor, shards: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mean gradient of the shards and their mean loss (a tensor: read back once, by the caller, so that on
+        a GPU the shards' work queues up without waiting for each loss)."""
+        g, total = torch.zeros_like(leaf), torch.zeros((), dtype=torch.float64, device=leaf.device)
         for shard in shards:  # one backward each: the memory of one shard's activations, not k
             loss = self._loss(leaf, shard) / len(shards)
             g += torch.autograd.grad(loss, leaf)[0]
-            total += float(loss.detach())
+            total = total + loss.detach().double()
         return g, total
 
     def each(self, flats, batches_: Sequence[Any]) -> tuple[torch.Tensor, list[float]]:
@@ -139,11 +162,11 @@ class Gradients:
         ``flats``: a (k, P) matrix of every worker's parameters (local copies), or a list of flat
         vectors, where workers on the same version hold the same tensor (versions are not copied
         into a stack when every worker of a chunk holds the same one)."""
-        out = torch.empty(len(batches_), self.size)
+        out = torch.empty(len(batches_), self.size, device=self.device)
         losses: list[float] = []
         with self.using_threads():
-            for lo in range(0, len(batches_), CHUNK):
-                hi = min(lo + CHUNK, len(batches_))
+            for lo in range(0, len(batches_), self.chunk):
+                hi = min(lo + self.chunk, len(batches_))
                 losses += self._chunk(flats[lo:hi], batches_[lo:hi], out[lo:hi])
         self.computed += len(batches_)
         return out, losses
@@ -175,14 +198,15 @@ class Gradients:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     g, values = vmap(grad_and_value(self._loss), in_dims=(dims, 0))(stacked, tree)
-                # An op without a batching rule ran by torch's own loop inside vmap: right, and slower than one
-                # worker after another (the GPT example's attention: 741 ms for 64 workers, 430 ms in turn), which
-                # the calls after this one do.
+                # An op without a batching rule ran by torch's own loop inside vmap: right, and on the CPU slower
+                # than one worker after another (the GPT example's attention: 741 ms for 64 workers, 430 ms in
+                # turn), which the calls after this one do. On a GPU vmap stays: there the loop is that op's
+                # kernels alone, one launch per worker, where in turn every op of every worker is launched.
                 looped = [w for w in caught if "There is a performance drop" in str(w.message)]
                 for w in caught:
                     if w not in looped:
                         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-                self.vmappable = not looped
+                self.vmappable = not looped or self.loops_in_vmap
                 out.copy_(g)
                 return values.tolist()
             except Exception:  # the model or the step has no batching rule: one worker at a time
@@ -215,7 +239,7 @@ class Gradients:
             self.helpers = [self]
             alone = any((isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats)
                         or (isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0) for m in self.model.modules())
-            if self.threads > 1 and not alone:
+            if self.threads > 1 and not alone and self.copies:
                 try:
                     for _ in range(self.threads - 1):
                         helper = Gradients(copy.deepcopy(self.model), self.loss_fn, self.step)
@@ -230,10 +254,11 @@ def _turns(grads: Gradients, flats, chunk, out: torch.Tensor, rows: range) -> li
     """Rows ``rows`` of ``out``: each worker's gradient on its own parameters and batch, with ``grads``' model."""
     losses = []
     for i in rows:
-        g, value = grads._by_shard(flats[i].detach().requires_grad_(True), [chunk[i]])
-        out[i].copy_(g)
-        losses.append(value)
-    return losses
+        leaf = flats[i].detach().requires_grad_(True)
+        loss = grads._loss(leaf, chunk[i])
+        out[i].copy_(torch.autograd.grad(loss, leaf)[0])
+        losses.append(loss.detach())
+    return torch.stack(losses).tolist() if losses else []  # read back once: a GPU's queue never waits on a loss
 
 
 def _equal_counts(whole: Any, shards: Sequence[Any], key: Optional[str]) -> bool:

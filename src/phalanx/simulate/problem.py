@@ -28,6 +28,8 @@ class Problem:
     facts: ModelFacts
     network: Network
     clock_notes: tuple[str, ...] = ()  #: where the compute and the link figures come from
+    #: where the workers' gradients, parameters, optimizer states and evaluations live (``--devices``: the first)
+    device: torch.device = torch.device("cpu")
     _data: dict = dataclasses.field(default_factory=dict)
 
     def data(self, seed: int) -> DataBundle:
@@ -40,9 +42,11 @@ class Problem:
         return self._data[seed]
 
     def model(self, seed: int) -> nn.Module:
-        """The model a real run of ``seed`` starts from (every worker builds it after seeding)."""
+        """The model a real run of ``seed`` starts from (every worker builds it after seeding), on :attr:`device`:
+        built on the CPU, as a real worker builds it before moving it, so its initial weights are the same on
+        any device."""
         data = self.data(seed)
         torch.manual_seed(seed)
         model = self.task.make_model(data.input_shape, data.num_classes)
         cast_to_model(data, model)
-        return model
+        return model.to(self.device)

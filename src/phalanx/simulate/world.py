@@ -28,6 +28,7 @@ from torch import nn
 
 from ..costs import Prediction, cost_model
 from ..data import ShardedBatches, eval_batches
+from ..data.batch import to_device
 from ..errors import PhalanxError
 from ..launcher import available_cores
 from ..task.metrics import Target, Totals, add_up
@@ -70,6 +71,7 @@ class World:
         #: simulated seconds past which the run stops without the target: another strategy reached it sooner
         self.deadline = deadline
         self.cfg = problem.config
+        self.device = problem.device  #: where every tensor of the run lives (the batches are moved there as read)
         self.data = problem.data(seed)
         self.template = problem.model(seed)
         self.step = problem.task.step  #: one object for the run: it remembers what it looked up of the model
@@ -135,12 +137,17 @@ class World:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
     def reader(self, worker: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Worker ``worker``'s batches, its own step after step (data shard ``worker`` of W)."""
-        return ShardedBatches(self.data.train, self.cfg.batch_size, worker, self.workers, self.seed)(0)
+        """Worker ``worker``'s batches, its own step after step (data shard ``worker`` of W), on :attr:`device`."""
+        return self._on_device(ShardedBatches(self.data.train, self.cfg.batch_size, worker, self.workers, self.seed)(0))
 
     def global_reader(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Every worker's batch of a step at once: the W shards, in order, are one slice of the epoch's shuffle."""
-        return ShardedBatches(self.data.train, self.global_batch, 0, 1, self.seed)(0)
+        return self._on_device(ShardedBatches(self.data.train, self.global_batch, 0, 1, self.seed)(0))
+
+    def _on_device(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """The batches read (on the CPU, as a real worker's loader reads them), moved to :attr:`device`; on the CPU
+        they are the same tensors."""
+        return (to_device(batch, self.device) for batch in batches)
 
     def prediction(self, options: Any = None) -> Prediction:
         """The strategy's cost model at W workers: its step time and where the time goes."""
@@ -204,7 +211,7 @@ class World:
                 p.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
         with self.grads.using_threads():  # a forward of the whole test set: every core
-            return add_up(self.template, batches, torch.device("cpu"), self.totals, self.step)
+            return add_up(self.template, batches, self.device, self.totals, self.step)
 
     def due(self, step: int) -> bool:
         """Whether a real run evaluates after global step ``step`` (every --eval-every steps, and the last)."""
