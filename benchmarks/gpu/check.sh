@@ -20,11 +20,11 @@ step() {  # NAME SECONDS COMMAND...: run, log to $out/NAME.log, say how it ended
     "$(grep -v '^\s*$' "$out/$name.log" | tail -1 | cut -c1-150)" | tee -a "$out/summary.txt"
 }
 { nvidia-smi -L; python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(), torch.cuda.nccl.version())"; } | tee "$out/summary.txt"
-step pytest-gpu 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_gpu.py
+step pytest-gpu 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_gpu.py tests/test_simulate_device.py
 step train-sync 90 python3 -m phalanx train --devices cuda --steps 300 --checkpoint-dir "$t/a" --progress none
 # the GPT example at 99 M parameters: phalanx's loop against a hand-written one, eager, bf16, compiled;
 # rounds interleaved, each round's ratio paired, so the spread of those ratios says how far to trust one
-step gpt-speed 330 python3 benchmarks/gpu/gpt_speed.py --save --rounds 5 --compiled-rounds 2 --steps 30 --warmup 10
+step gpt-speed 300 python3 benchmarks/gpu/gpt_speed.py --save --rounds 4 --compiled-rounds 2 --steps 30 --warmup 10
 cp benchmarks/results/gpt_speed-*.json "$out/" 2>/dev/null
 # compare --simulate's gradients on the GPU against the CPU, the GPT example at 8 and 64 workers
 [ -f benchmarks/gpu/simulate_device.py ] && step simulate-device 200 python3 benchmarks/gpu/simulate_device.py --quick --save
