@@ -159,7 +159,7 @@ class Pipeline(Options):
                                                            and not tree.is_pair(build.example))
 
     def rehearse(self, model: nn.Module, example: Any, step: Any) -> None:
-        if self.traces(model) or not isinstance(step, DefaultStep) or not tree.is_pair(example):
+        if self.traces(model) or not calls_model_alone(step, model) or not tree.is_pair(example):
             from .rehearse import rehearse  # (traces: only where a pipeline is planned)
 
             rehearse(model, self.split_points, example, step)
