@@ -206,6 +206,35 @@ def test_a_signal_to_one_worker_before_its_first_step_stops_the_job_blaming_no_o
     assert not list(tmp_path.glob("**/step-*.pt")) and not spawned_children(os.getpid())
 
 
+@pytest.mark.parametrize("strategy, rank, signal_", [("sync", 1, signal.SIGTERM), ("fsdp", 1, signal.SIGINT),
+                                                     ("sync", 0, signal.SIGHUP)], ids=["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_signal_to_a_worker_the_moment_it_appears_stops_the_job_in_one_line(strategy, rank, signal_, tmp_path):
+    # The worker sends itself the signal as the first thing it does (PHALANX_SIGNAL_AT_START), before any handler
+    # of its own: it had the fork server's dispositions then. SIGTERM was ignored and lost (the job trained to
+    # exit 0), SIGINT raised a KeyboardInterrupt in its start-up (exited with status 1), and its peer, blocked in
+    # the rendezvous, never ran its own handler (a hang report after 120 s).
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PHALANX_SIGNAL_AT_START=f"{rank}:{signal_.name}")
+    done = subprocess.run(phalanx_cmd() + ["train", "--strategy", strategy, "--model", "mlp", "--steps", "50",
+                                           "--checkpoint-every", "10"], cwd=tmp_path, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, env=env, timeout=300)
+    assert done.returncode == 128 + signal_, done.stderr
+    assert done.stderr == f"stopped by {signal_.name} before the first step; nothing was saved\n"
+    assert not list(tmp_path.glob("**/step-*")) and "step " not in done.stdout
+
+
+@pytest.mark.parametrize("to_the_group", [True, False], ids=["to-the-group", "to-the-parent"])
+def test_sighup_stops_at_one_step_and_saves_it_exit_129(to_the_group, tmp_path):
+    # A terminal closed or an ssh session dropped: SIGHUP to the group killed every process at once (nothing
+    # saved, the launcher's two semaphores left in /dev/shm); to the parent alone, the workers lost the store
+    # under them (C++ frames, recvBytes) and the resource tracker warned of leaked semaphores.
+    args = ["train", "--strategy", "sync", *LONG]
+    if to_the_group:
+        code, out, err = _ctrl_c(tmp_path, args, "step 240,", signal_=signal.SIGHUP)
+    else:
+        code, out, err = run_and_signal(args, tmp_path, "step 240,", signal.SIGHUP)
+    _stopped_with_checkpoint(code, err, tmp_path, "SIGHUP", 240)
+
+
 def test_ranks_of_different_pace_agree_on_when_to_read_the_stop_request():
     """Every rank reads the store at the same steps: every 4 until 32 steps are done, then at the count the
     first rank there proposed (about 50 ms of its steps), and a requested stop is the next such step."""

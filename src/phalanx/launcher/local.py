@@ -41,6 +41,7 @@ from .watch import Progress, Watcher, is_gone, launcher_view, say_gone, say_rais
 from .context import DEFAULT_TIMEOUT_S, init_worker, local_world_size, shutdown, threads_per_worker
 from .env import joined
 from .joined import collect_before_exit, run_joined
+from .stop_signals import signal_self_at_start
 from .stopping import STOP_CODES, Forward, signals_to
 
 
@@ -84,6 +85,7 @@ def _spawned_worker(
     parents: Optional["_Parents"] = None,
     shown: bool = False,
 ) -> None:
+    signal_self_at_start(local_rank)  # (a test's stop the moment the worker appears: stop_signals.py)
     if parents is not None:
         parents.adopt()
     if shown:  # the parent shows phalanx's messages on its streams (the command line): so does its worker
@@ -320,6 +322,11 @@ def _ended(rank: int, processes: list, alive: set, results: Any, received: list[
         say_gone(watcher.store, rank)  # the others need not wait for it to leave
         if code in STOP_CODES:
             forward.worker_stopped(rank, code)
+            if not watcher.steps_made():
+                # Nothing to save yet, and a peer blocked in the rendezvous (torch's C++) runs no signal handler
+                # until the rendezvous times out: end the rest now.
+                _terminate([processes[r] for r in alive])
+                raise forward.stopped(False)
         return
     last_step = watcher.last_step(rank, since=time.time())  # (waits up to a second: a stop exit may show meanwhile)
     for other in _exited(processes, alive):

@@ -55,6 +55,18 @@ def taken_early() -> Optional[int]:
     return _early
 
 
+#: ``RANK:SIGNAL`` (e.g. ``1:SIGTERM``): worker RANK sends itself SIGNAL as the first thing it does, before its
+#: own handlers, so that a test can stop a worker the moment it appears without racing its start-up.
+SIGNAL_AT_START = "PHALANX_SIGNAL_AT_START"
+
+
+def signal_self_at_start(rank: int) -> None:
+    """In a worker, first thing: :data:`SIGNAL_AT_START`'s signal, if it names this rank."""
+    asked_for = os.environ.get(SIGNAL_AT_START, "")
+    if asked_for.partition(":")[0] == str(rank):
+        os.kill(os.getpid(), getattr(signal, asked_for.partition(":")[2]))
+
+
 _asked: Optional[str] = None  #: the first stop signal while :func:`taken_between_steps` is in force
 
 
@@ -98,5 +110,5 @@ def taken_between_steps() -> Iterator[None]:
         _asked = None
 
 
-__all__ = ["STOP_CODES", "STOP_SIGNALS", "asked", "guard_fork_server", "stop_if_asked", "taken_between_steps",
-           "taken_early"]
+__all__ = ["STOP_CODES", "STOP_SIGNALS", "asked", "guard_fork_server", "signal_self_at_start", "stop_if_asked",
+           "taken_between_steps", "taken_early"]
