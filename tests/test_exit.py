@@ -235,6 +235,31 @@ def test_sighup_stops_at_one_step_and_saves_it_exit_129(to_the_group, tmp_path):
     _stopped_with_checkpoint(code, err, tmp_path, "SIGHUP", 240)
 
 
+#: Inside a mount namespace of its own, on a /dev/shm of its own: a job on the digits (scikit-learn imported, so
+#: joblib's loky names multiprocessing's semaphores sem.loky-*), SIGKILLed as a whole at step 100; then what is left.
+KILLED_JOB = """
+mount -t tmpfs tmpfs /dev/shm || exit 77
+setsid "$@" > out 2>&1 &
+job=$!
+until grep -q "^step 100," out; do kill -0 $job || exit 78; sleep 0.1; done
+/bin/kill -s KILL -- -$job || exit 79
+wait
+ls -A /dev/shm
+"""
+
+
+def test_a_job_killed_as_a_whole_leaves_nothing_in_dev_shm(tmp_path):
+    # The launcher's report queue held two named semaphores (sem.loky-*) for the job's whole life; only the
+    # parent's exit unlinked them.
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", KILLED_JOB, "sh",
+                           *phalanx_cmd(), "train", "--model", "mlp", *LONG], cwd=tmp_path, capture_output=True,
+                          text=True, stdin=subprocess.DEVNULL, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    if done.returncode == 77 or "unshare failed" in done.stderr:
+        pytest.skip(f"no mount namespace of our own here ({done.stderr.strip()})")
+    assert done.returncode == 0, (done.stderr, (tmp_path / "out").read_text()[-2000:])
+    assert done.stdout == "", done.stdout
+
+
 def test_ranks_of_different_pace_agree_on_when_to_read_the_stop_request():
     """Every rank reads the store at the same steps: every 4 until 32 steps are done, then at the count the
     first rank there proposed (about 50 ms of its steps), and a requested stop is the next such step."""
