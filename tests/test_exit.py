@@ -213,14 +213,18 @@ def test_a_signal_to_one_worker_before_its_first_step_stops_the_job_blaming_no_o
     assert not list(tmp_path.glob("**/step-*.pt")) and not spawned_children(os.getpid())
 
 
-@pytest.mark.parametrize("strategy, rank, signal_", [("sync", 1, signal.SIGTERM), ("fsdp", 1, signal.SIGINT),
-                                                     ("sync", 0, signal.SIGHUP)], ids=["SIGTERM", "SIGINT", "SIGHUP"])
-def test_a_signal_to_a_worker_the_moment_it_appears_stops_the_job_in_one_line(strategy, rank, signal_, tmp_path):
+@pytest.mark.parametrize("strategy, rank, signal_, method", [
+    ("sync", 1, signal.SIGTERM, "forkserver"), ("fsdp", 1, signal.SIGINT, "forkserver"),
+    ("sync", 0, signal.SIGHUP, "forkserver"), ("sync", 1, signal.SIGINT, "spawn")],
+    ids=["SIGTERM", "SIGINT", "SIGHUP", "SIGINT-spawned"])
+def test_a_signal_to_a_worker_the_moment_it_appears_stops_the_job_in_one_line(strategy, rank, signal_, method,
+                                                                            tmp_path):
     # The worker sends itself the signal as the first thing it does (PHALANX_SIGNAL_AT_START), before any handler
     # of its own: it had the fork server's dispositions then. SIGTERM was ignored and lost (the job trained to
     # exit 0), SIGINT raised a KeyboardInterrupt in its start-up (exited with status 1), and its peer, blocked in
     # the rendezvous, never ran its own handler (a hang report after 120 s).
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PHALANX_SIGNAL_AT_START=f"{rank}:{signal_.name}")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PHALANX_SIGNAL_AT_START=f"{rank}:{signal_.name}",
+               PHALANX_START_METHOD=method)
     done = subprocess.run(phalanx_cmd() + ["train", "--strategy", strategy, "--model", "mlp", "--steps", "50",
                                            "--checkpoint-every", "10"], cwd=tmp_path, capture_output=True, text=True,
                           stdin=subprocess.DEVNULL, env=env, timeout=300)

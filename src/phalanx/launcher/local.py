@@ -42,7 +42,7 @@ from .context import DEFAULT_TIMEOUT_S, init_worker, local_world_size, shutdown,
 from .env import joined
 from .joined import collect_before_exit, run_joined
 from .report_pipes import ReportPipes
-from .stop_signals import signal_self_at_start
+from .stop_signals import record_until_ready
 from .stopping import STOP_CODES, Forward, signals_to
 
 
@@ -86,7 +86,7 @@ def _spawned_worker(
     parents: Optional["_Parents"] = None,
     shown: bool = False,
 ) -> None:
-    signal_self_at_start(local_rank)  # (a test's stop the moment the worker appears: stop_signals.py)
+    record_until_ready(local_rank)  # a stop signal from here on ends it once its handlers are in (stop_signals.py)
     home = results.own(local_rank)
     if parents is not None:
         parents.adopt()

@@ -27,8 +27,9 @@ from typing import Iterator, Optional
 
 #: Each one asks for a stop at a step boundary with what is done saved.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-#: The exit status of a process that ended at once on a stop signal, and the signal's name.
-STOP_CODES = {128 + int(s): s.name for s in STOP_SIGNALS}
+#: The exit status of a process that ended at once on a stop signal, and the signal's name; negative: killed by
+#: one before it had any handler (a worker started as a fresh interpreter, ``PHALANX_START_METHOD=spawn``).
+STOP_CODES = {**{128 + int(s): s.name for s in STOP_SIGNALS}, **{-int(s): s.name for s in STOP_SIGNALS}}
 
 _server_pid: Optional[int] = None  #: in a fork server and the processes forked from it: the server's pid
 _early: Optional[int] = None  #: a stop signal that reached a forked process before its own handlers
@@ -48,6 +49,18 @@ def _record_early(signum: int, frame: object) -> None:
     global _early
     if os.getpid() != _server_pid and _early is None:
         _early = signum
+
+
+def record_until_ready(rank: int) -> None:
+    """In worker ``rank``, first thing: where no fork server's handler is inherited (a spawned worker), record a
+    stop signal from here on as a forked worker does from its first instruction; then
+    :data:`SIGNAL_AT_START`'s signal, if it names this rank."""
+    global _server_pid
+    if _server_pid is None and threading.current_thread() is threading.main_thread():
+        _server_pid = 0
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _record_early)
+    signal_self_at_start(rank)
 
 
 def taken_early() -> Optional[int]:
@@ -110,5 +123,5 @@ def taken_between_steps() -> Iterator[None]:
         _asked = None
 
 
-__all__ = ["STOP_CODES", "STOP_SIGNALS", "asked", "guard_fork_server", "signal_self_at_start", "stop_if_asked",
+__all__ = ["STOP_CODES", "STOP_SIGNALS", "asked", "guard_fork_server", "record_until_ready", "signal_self_at_start", "stop_if_asked",
            "taken_between_steps", "taken_early"]
