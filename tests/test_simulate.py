@@ -247,6 +247,51 @@ def test_a_stopped_simulation_reports_the_worker_counts_and_runs_that_finished(c
     assert part["incomplete"]["runs_finished"] == 1 and [r["strategy"] for r in part["runs"]] == ["sync"]
 
 
+@pytest.mark.parametrize("signal_name, at_run, finished", [("SIGTERM", 1, 0), ("SIGINT", 2, 1), ("SIGHUP", 3, 2)])
+def test_a_real_signal_stops_the_simulation_at_any_run_with_what_finished(signal_name, at_run, finished, capsys,
+                                                                           tmp_path, monkeypatch):
+    """The signal itself (os.kill of this process), sent from inside a gradient of run ``at_run`` (inside the
+    vmap that an ``except Exception`` fallback guards, which swallowed the raising handler's Stopped: the runs
+    went on, exit 0, a report not marked incomplete): the simulation stops at that run's next step, writes
+    what finished marked incomplete, and exits 128 + the signal. Run 2 is the first of a scenario, so its
+    worker count's report holds a scenario with no finished run (an IndexError once)."""
+    import signal
+
+    from phalanx.compare import simulated
+    from phalanx.simulate.gradients import Gradients
+
+    real_run, real_loss, runs, sent = simulated.run_one, Gradients._loss, [], []
+
+    def counted(*args, **kwargs):
+        runs.append(args[2].label)
+        return real_run(*args, **kwargs)
+
+    def loss(self, flat, batch):
+        if len(runs) == at_run and not sent:
+            sent.append(os.kill(os.getpid(), getattr(signal, signal_name)))
+        return real_loss(self, flat, batch)
+
+    monkeypatch.setattr(simulated, "run_one", counted)
+    monkeypatch.setattr(Gradients, "_loss", loss)
+    monkeypatch.chdir(tmp_path)
+    code, out = run_main(["compare", "--simulate", "--workers", "2", "--strategies", "ps", "--scenarios",
+                          "none,slow:1:2", "--repeats", "2", "--model", "mlp", "--batch-size", "8", "--max-steps",
+                          "10", "--eval-every", "5", "--target", "0.999", *FAST, "--out", "report"], capsys)
+    assert code == 128 + getattr(signal, signal_name), out.err[-3000:]
+    assert len(runs) == at_run and "Traceback" not in out.err
+    last = out.err.strip().splitlines()[-1]
+    assert last.startswith(f"compare --simulate stopped by {signal_name} during run {at_run}/4 "), last
+    if not finished:
+        assert last.endswith("no report was written (no --out, or no run finished); the tables above hold the "
+                             "worker counts that finished") and not (tmp_path / "report" / "report.md").exists()
+        return
+    assert last.endswith(f"the partial report of the {finished} finished run(s), marked incomplete: report/report.md")
+    part = json.loads((tmp_path / "report" / "workers-2" / "report.json").read_text())
+    assert part["incomplete"]["runs_finished"] == finished and part["incomplete"]["stopped_by"] == signal_name
+    assert [r["scenario"] for r in part["runs"]] == ["none"] * finished
+    assert "no run finished" in (tmp_path / "report" / "workers-2" / "report.md").read_text()
+
+
 USER_MODULE = '''
 import torch
 from torch import nn

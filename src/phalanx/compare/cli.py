@@ -13,12 +13,9 @@ progress) are its own options or are fixed, so they are not offered. :func:`comp
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import math
 import shlex
-import signal
-import threading
 import sys
 import tempfile
 from pathlib import Path
@@ -26,6 +23,7 @@ from typing import Any, Optional, Union
 
 from .. import config_file
 from ..errors import PhalanxError, Stopped
+from ..launcher.stop_signals import taken_between_steps
 from ..task.metrics import parse_target
 from ..options import add_flags, declared, given, option
 from ..task import named_optimizer, user_task
@@ -203,7 +201,7 @@ def compare(options: CompareOptions, train: TrainConfig, command: Optional[str] 
           f"{setup.task.data_name}", flush=True)
     out = report_folder(options.out)
     interrupted: Optional[Interrupted] = None
-    with tempfile.TemporaryDirectory(prefix="phalanx-compare-") as tmp, stop_between_runs():
+    with tempfile.TemporaryDirectory(prefix="phalanx-compare-") as tmp, taken_between_steps():
         root = out or Path(tmp)
         try:
             runs = run_all(setup, checked, root, _progress(total))
@@ -231,25 +229,6 @@ def incomplete_note(interrupted: Optional[Interrupted]) -> Optional[dict]:
     return {"stopped_by": interrupted.signame, "interrupted_run": interrupted.index + 1,
             "interrupted_label": interrupted.run.label, "runs_finished": len(interrupted.finished),
             "runs_planned": interrupted.total}
-
-
-@contextlib.contextmanager
-def stop_between_runs():
-    """SIGINT/SIGTERM between runs (checking, reporting) stop the comparison as one inside a run does;
-    inside a run the launcher takes them (it stops the workers at a step) and restores these after."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum, frame):
-        raise Stopped(f"stopped by {signal.Signals(signum).name}", signal.Signals(signum).name)
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -149,6 +149,8 @@ def _why(w: Figures, base: Figures) -> str:
 
 def scenario_sentence(setup: Setup, scenario: Scenario, rows: list[Figures]) -> str:
     name = f"With {scenario.describe()} ({scenario.token})"
+    if not rows:  # a comparison stopped by a signal before any run of this scenario finished
+        return f"{name}, no run finished."
     winner = next((f for f in rows if f.winner), None)
     base = next((f for f in rows if f.strategy == baseline(setup)), None)
     missed = [f for f in rows if not f.any_reached and f.behind is None]

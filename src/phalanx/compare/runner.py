@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..errors import PhalanxError, Stopped, TrainingDiverged
+from ..launcher.stop_signals import stop_if_asked
 from ..train import TrainConfig, Trainer
 from ..task.metrics import Target
 from ..task import Task
@@ -166,6 +167,7 @@ def run_all(setup: Setup, checked: Checked, out: Path,
     runs = schedule(setup)
     for i, run in enumerate(runs):
         try:
+            stop_if_asked()  # a stop signal between runs (compare's handler records it: stop_signals.py)
             progress(i, run, None)
             results.append(run_one(setup, checked, run, out))
             progress(i, run, results[-1])

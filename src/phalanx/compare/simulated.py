@@ -27,13 +27,14 @@ import torch
 
 from ..costs import Link
 from ..errors import PhalanxError, Stopped
+from ..launcher.stop_signals import stop_if_asked, taken_between_steps
 from ..simulate.registry import RULES, simulated_rule
 from ..simulate.world import World, stacked_copies, takes_the_model
 from ..strategies import Job
 from ..train import TrainConfig
 from . import simulated_report as report
 from . import runner
-from .cli import incomplete_note, setup_from, stop_between_runs
+from .cli import incomplete_note, setup_from
 from .cli import default_strategies as real_defaults
 from .outcome import report_folder, writable
 from .report import target_words
@@ -188,23 +189,27 @@ def simulate_compare(setup, workers: tuple[int, ...], sim, say: Callable[[str], 
     results: dict[int, list] = {n: [] for n in workers}
     total, done = count(setup, workers), 0
     medians: dict[str, dict[str, float]] = {}  #: scenario -> strategy -> median time at the last worker count
-    with _threads(setup.train.threads):
-        for n in workers:
-            for scenario in setup.scenarios:
-                fastest, mine = math.inf, {}
-                for strategy in race_order(setup.strategies, medians.get(scenario.token)):
-                    for r in range(setup.repeats):
-                        run = SimRun(n, strategy, scenario, r, setup.train.seed + r)
-                        try:
+    run: Optional[SimRun] = None
+    try:
+        with _threads(setup.train.threads):
+            for n in workers:
+                for scenario in setup.scenarios:
+                    fastest, mine = math.inf, {}
+                    for strategy in race_order(setup.strategies, medians.get(scenario.token)):
+                        for r in range(setup.repeats):
+                            run = SimRun(n, strategy, scenario, r, setup.train.seed + r)
+                            stop_if_asked()  # (a simulated run also stops at its next step: World.step_done)
                             results[n].append(run_one(problem, setup, run, fastest, sim.race))
-                        except Stopped as e:  # (a signal handler of the caller's): what finished is kept
-                            raise Interrupted(problem, results, done, total, run, e.signame) from None
-                        if progress is not None:
-                            progress(done, total, run, results[n][-1])
-                        done += 1
-                    mine[strategy.token] = figures(results[n][-setup.repeats:], setup.max_steps).median_seconds
-                    fastest = min(fastest, mine[strategy.token])
-                medians[scenario.token] = mine
+                            if progress is not None:
+                                progress(done, total, run, results[n][-1])
+                            done += 1
+                        mine[strategy.token] = figures(results[n][-setup.repeats:], setup.max_steps).median_seconds
+                        fastest = min(fastest, mine[strategy.token])
+                    medians[scenario.token] = mine
+    except Stopped as e:  # a stop signal (the caller's handler: stop_signals.py): what finished is kept
+        if run is None or done == total:
+            raise
+        raise Interrupted(problem, results, done, total, run, e.signame) from None
     return problem, results
 
 
@@ -292,7 +297,7 @@ def compare_simulated(options, train, sim, workers: Optional[tuple[int, ...]], c
     out = report_folder(options.out)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     interrupted: Optional[Interrupted] = None
-    with stop_between_runs():
+    with taken_between_steps():
         try:
             problem, results = simulate_compare(setup, workers, sim, say, print_progress)
         except Interrupted as e:  # what finished is still worth a report, marked incomplete

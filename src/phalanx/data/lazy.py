@@ -239,8 +239,8 @@ def collate(items: list) -> Any:
 
 
 def loader_worker(reader: int, worker_id: int = 0) -> None:
-    """A DataLoader worker's start: it ignores SIGTERM and leaves once its rank is gone (both below)."""
-    ignore_sigterm(worker_id)
+    """A DataLoader worker's start: it ignores SIGTERM and SIGHUP and leaves once its rank is gone (both below)."""
+    ignore_stop_signals(worker_id)
     leave_with(reader, worker_id)
 
 
@@ -265,13 +265,14 @@ def leave_with(reader: int, worker_id: int = 0) -> None:
     threading.Thread(target=wait, name="phalanx-leave-with-rank", daemon=True).start()
 
 
-def ignore_sigterm(worker_id: int) -> None:
-    """In a DataLoader worker: ignore SIGTERM. torch's worker dies of one sent by anyone but its parent
-    (its C++ handler), so a SIGTERM to the whole process group (Slurm, Kubernetes) killed the loader
-    workers and failed their rank's next batch before the rank could stop at a step and save. The rank
-    ends its loader workers itself (an end-of-data message to each; a stuck one's watchdog sees its
-    parent gone)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def ignore_stop_signals(worker_id: int) -> None:
+    """In a DataLoader worker: ignore SIGTERM and SIGHUP. torch's worker dies of a SIGTERM sent by anyone but
+    its parent (its C++ handler), and of a SIGHUP by default, so a stop to the whole process group (Slurm,
+    Kubernetes, a closed terminal) killed the loader workers and failed their rank's next batch before the
+    rank could stop at a step and save. The rank ends its loader workers itself (an end-of-data message to
+    each; a stuck one's watchdog sees its parent gone)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def loader_context(module: str) -> Any:

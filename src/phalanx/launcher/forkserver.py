@@ -21,7 +21,8 @@ import atexit
 import multiprocessing
 import os
 import signal
-from multiprocessing import forkserver
+import threading
+from multiprocessing import forkserver, resource_tracker
 
 from ..comm import shaped_link
 from ..errors import PhalanxError
@@ -47,6 +48,7 @@ def start_method() -> str:
     if asked not in METHODS:
         raise PhalanxError(f"PHALANX_START_METHOD={asked} is not a way to start workers: use one of "
                            f"{', '.join(METHODS)}, or unset it")
+    start_resource_tracker()
     if shaped_link.inside() or asked == "spawn":
         return "spawn"
     multiprocessing.set_forkserver_preload(PRELOAD)  # (read when the server starts)
@@ -60,10 +62,26 @@ def start_early() -> None:
     importing torch for nobody."""
     multiprocessing.set_forkserver_preload(PRELOAD)
     try:
+        start_resource_tracker()
         forkserver.ensure_running()
     except OSError:
         return  # (no fork server here: workers will be started however start_method says)
     atexit.register(_stop_if_unused)
+
+
+def start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (if it is not running) with SIGHUP ignored, a disposition a new
+    program keeps. It ignores SIGINT and SIGTERM itself, not SIGHUP: a closed terminal killed it, the parent,
+    stopping at a step, started another, and that one printed a traceback for every semaphore it was told to
+    forget (it had never heard of them)."""
+    if threading.current_thread() is not threading.main_thread():  # (only the main thread may set handlers)
+        resource_tracker.ensure_running()
+        return
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def _stop_if_unused() -> None:
@@ -76,4 +94,4 @@ def _stop_if_unused() -> None:
             pass
 
 
-__all__ = ["GUARD", "PRELOAD", "start_early", "start_method"]
+__all__ = ["GUARD", "PRELOAD", "start_early", "start_method", "start_resource_tracker"]

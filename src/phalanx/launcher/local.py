@@ -43,6 +43,8 @@ from .survivors import let_survivors_save
 from .context import DEFAULT_TIMEOUT_S, init_worker, local_world_size, shutdown, threads_per_worker
 from .env import joined
 from .joined import collect_before_exit, run_joined
+from .report_pipes import ReportPipes
+from .stop_signals import record_until_ready
 from .stopping import STOP_CODES, Forward, signals_to
 
 
@@ -81,11 +83,13 @@ def _spawned_worker(
     addr: str,
     port: int,
     timeout_s: float,
-    results: Any,
+    results: ReportPipes,
     watched: bool = True,
     parents: Optional["_Parents"] = None,
     shown: bool = False,
 ) -> None:
+    record_until_ready(local_rank)  # a stop signal from here on ends it once its handlers are in (stop_signals.py)
+    home = results.own(local_rank)
     if parents is not None:
         parents.adopt()
     if shown:  # the parent shows phalanx's messages on its streams (the command line): so does its worker
@@ -103,18 +107,18 @@ def _spawned_worker(
                           progress=progress)
         value = fn(ctx, *args)
         if local_rank == 0:
-            results.put(Report(Sent.RESULT, 0, value=_to_bytes(value)))
+            home.send(Report(Sent.RESULT, 0, value=_to_bytes(value)))
         progress.at(progress.step, "leaving")
         _leave_together(launcher_view(store), world_size)
     except PhalanxError as e:
         # Bad input found inside a worker (or a failure it diagnosed itself, such as a server that lost
         # every worker): send the message home, then fail so the rest stop too.
         text = e.detail if isinstance(e, WorkerFailed) else str(e)
-        results.put(Report(Sent.ERROR, local_rank, time.time(), error=type(e).__name__, text=text))
+        home.send(Report(Sent.ERROR, local_rank, time.time(), error=type(e).__name__, text=text))
         say_raised(store, local_rank)
         code = 3
     except BaseException:
-        results.put(Report(Sent.CRASH, local_rank, time.time(), text=traceback.format_exc()))  # the parent says it
+        home.send(Report(Sent.CRASH, local_rank, time.time(), text=traceback.format_exc()))  # the parent says it
         say_raised(store, local_rank)  # (a parameter server must not take a bug for a lost worker)
         code = 1
     finally:
@@ -123,7 +127,7 @@ def _spawned_worker(
     # Skip the interpreter's teardown, on success and on failure alike: a gloo thread still alive
     # (torch keeps the group referenced once DDP or a server thread used it) is ended inside a
     # noexcept C++ destructor during finalization and aborts the process ("terminate called without
-    # an active exception"; see :func:`leave`). The reports went through a SimpleQueue, whose put
+    # an active exception"; see :func:`leave`). The reports went through a pipe (:mod:`.report_pipes`), whose send
     # writes to the pipe before it returns, so nothing is lost.
     collect_before_exit()
     sys.stdout.flush()
@@ -194,13 +198,6 @@ def _rebuild_error(rank: int, name: str, message: str) -> PhalanxError:
     return PhalanxError(message)
 
 
-def _drain(results: Any) -> list[Report]:
-    out = []
-    while not results.empty():
-        out.append(results.get())
-    return out
-
-
 def launch(
     fn: Callable[..., Any],
     devices: Sequence[torch.device],
@@ -240,7 +237,7 @@ def launch(
 
     store = loopback.store(addr, len(devices), timeout_s)  # on addr only (torch's own: on every interface)
     method = start_method()
-    results = mp.get_context(method).SimpleQueue()
+    results = ReportPipes(mp.get_context(method), len(devices))
     procs = mp.start_processes(
         _spawned_worker,
         args=(fn, args, list(devices), threads, addr, store.port, timeout_s, results, hang_timeout_s > 0,
@@ -249,19 +246,21 @@ def launch(
         join=False,
         start_method=method,
     )
+    results.started()
     watcher = Watcher(launcher_view(store), len(devices), hang_timeout_s, label or (lambda r: f"rank {r}"),
                       tolerate or (lambda r: False), lockstep)
     try:
         received = _monitor(procs.processes, results, tolerate, watcher, survivors_save)
     finally:
         _terminate(procs.processes)  # whatever happened, no worker outlives the launch
+        results.close()
     for report in received:
         if report.kind is Sent.RESULT:
             return torch.load(io.BytesIO(report.value), weights_only=False)
     return None
 
 
-def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], bool]],
+def _monitor(processes: list, results: ReportPipes, tolerate: Optional[Callable[[int], bool]],
              watcher: Watcher, survivors_save: bool = False) -> list[Report]:
     """Wait for every worker; drain their reports meanwhile; on a failure or a hang stop the rest and raise.
 
@@ -278,7 +277,7 @@ def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], b
     with signals_to(forward):
         while alive:
             # Drain while waiting: a large result blocks its sender until the pipe is read.
-            received += _drain(results)
+            received += results.drain()
             if done_at is None and any(r.kind is Sent.RESULT for r in received):
                 done_at = time.monotonic()
             mp_connection.wait([processes[r].sentinel for r in alive], timeout=0.2)
@@ -287,7 +286,7 @@ def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], b
             raised = _expendable_that_raised(processes, alive, received, tolerate) if done_at is None else None
             if raised is not None:  # a bug (the user's model, say), not a lost machine: end the job with it
                 _terminate([processes[r] for r in alive])
-                raise _failure(received + _drain(results), (raised, "raised an exception"), killed=False,
+                raise _failure(received + results.drain(), (raised, "raised an exception"), killed=False,
                                last_step=watcher.last_step(raised))
             if done_at is not None and (all(is_gone(watcher.store, r) for r in alive)
                                         or time.monotonic() - done_at > LEAVE_GRACE_S):
@@ -296,7 +295,7 @@ def _monitor(processes: list, results: Any, tolerate: Optional[Callable[[int], b
                 report = watcher.report()
                 _terminate([processes[r] for r in alive])
                 raise JobHung(f"the job made no progress for {watcher.timeout:g} s (--hang-timeout): {report}")
-    received += _drain(results)
+    received += results.drain()
     if forward.first is not None and not any(r.kind is Sent.RESULT for r in received):
         raise forward.stopped(watcher.steps_made())  # every worker ended before it could stop at a step
     return received
@@ -311,7 +310,7 @@ def _exited(processes: list, alive: set) -> list[int]:
     return sorted(done, key=lambda r: (processes[r].exitcode not in STOP_CODES, processes[r].exitcode >= 0, r))
 
 
-def _ended(rank: int, processes: list, alive: set, results: Any, received: list[Report],
+def _ended(rank: int, processes: list, alive: set, results: ReportPipes, received: list[Report],
            tolerate: Optional[Callable[[int], bool]], watcher: Watcher, forward: Forward,
            survivors_save: bool = False) -> None:
     """Rank ``rank`` exited: carry on without it, take its exit as the job's stop request, or end the job."""
@@ -325,20 +324,25 @@ def _ended(rank: int, processes: list, alive: set, results: Any, received: list[
         say_gone(watcher.store, rank)  # the others need not wait for it to leave
         if code in STOP_CODES:
             forward.worker_stopped(rank, code)
+            if not watcher.steps_made():
+                # Nothing to save yet, and a peer blocked in the rendezvous (torch's C++) runs no signal handler
+                # until the rendezvous times out: end the rest now.
+                _terminate([processes[r] for r in alive])
+                raise forward.stopped(False)
         return
     last_step = watcher.last_step(rank, since=time.time())  # (waits up to a second: a stop exit may show meanwhile)
     for other in _exited(processes, alive):
         if processes[other].exitcode in STOP_CODES:
             _ended(other, processes, alive, results, received, tolerate, watcher, forward)
-    received += _drain(results)
+    received += results.drain()
     # Died without a word (killed, out of memory), not raised: where every rank holds the whole model the others
     # save it first, then fail in their own time; the death stays the failure named.
     died = code < 0 or not any(r.rank == rank and r.kind in RAISED for r in received)
     if survivors_save and died:
         say_gone(watcher.store, rank)  # (the survivors need not wait for it to say it survived)
-        let_survivors_save(processes, alive, watcher.store, lambda: received.extend(_drain(results)))
+        let_survivors_save(processes, alive, watcher.store, lambda: received.extend(results.drain()))
     _terminate([processes[r] for r in alive])
-    received += _drain(results)
+    received += results.drain()
     steps_made = watcher.steps_made()
     if forward.explains_failure(steps_made):
         raise forward.stopped(steps_made)

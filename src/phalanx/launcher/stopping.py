@@ -1,7 +1,7 @@
-"""How the launcher takes a stop request (SIGTERM, SIGINT), wherever it arrived.
+"""How the launcher takes a stop request (SIGTERM, SIGINT, SIGHUP: :mod:`.stop_signals`), wherever it arrived.
 
 A request reaches the job in one of three ways, and all three must end alike (every worker stops
-at one step and saves it; exit 143 or 130):
+at one step and saves it; exit 143, 130 or 129):
 
 - the launcher gets the signal (``kill PID``): :class:`Forward` passes it on to every worker;
 - the whole process group gets it (a terminal's Ctrl-C, Slurm, Kubernetes): the workers have it
@@ -24,14 +24,12 @@ import time
 from typing import Callable, Optional
 
 from ..errors import Stopped
+from .stop_signals import STOP_CODES, STOP_SIGNALS, asked
 from .watch import SAME_REQUEST_S
-
-#: The exit status of a worker that took a stop signal before its first step and ended at once.
-STOP_CODES = {128 + int(s): s.name for s in (signal.SIGTERM, signal.SIGINT)}
 
 
 class Forward:
-    """The first SIGTERM/SIGINT goes on to every worker (they stop together at a step boundary and
+    """The first SIGTERM/SIGINT/SIGHUP goes on to every worker (they stop together at a step boundary and
     save a checkpoint); a second one ends them at once (``end_now``) and raises :class:`Stopped`."""
 
     def __init__(self, processes: list, alive: set, end_now: Callable[[list], None], label: Callable[[int], str]):
@@ -80,14 +78,16 @@ class Forward:
 
 @contextlib.contextmanager
 def signals_to(handler: Callable[[str], None]):
-    """While inside, SIGTERM and SIGINT call ``handler(name)`` (in the main thread only; elsewhere nothing)."""
+    """While inside, SIGTERM, SIGINT and SIGHUP call ``handler(name)`` (in the main thread only; elsewhere nothing)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     for sig in previous:
         signal.signal(sig, lambda signum, frame: handler(signal.Signals(signum).name))
     try:
+        if asked() is not None:  # a request the caller recorded before this launch took over (compare's)
+            handler(asked())
         yield
     finally:
         for sig, old in previous.items():

@@ -14,7 +14,7 @@ rank and where it is, e.g.::
     rank 1 is stuck in step 37, in the training step, not in a collective (process stopped or frozen:
     no heartbeat for 64 s); ranks 0 and 2 wait in gloo:all_reduce (collective 74) of step 37
 
-Stop requests (SIGTERM, SIGINT) reach each worker as a signal; :meth:`Progress.stop_requested`
+Stop requests (SIGTERM, SIGINT, SIGHUP) reach each worker as a signal; :meth:`Progress.stop_requested`
 holds the signal's name for the loop, which stops at a step boundary every rank agrees on.
 """
 
@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch.distributed as dist
 
 from ..errors import Stopped
+from .stop_signals import STOP_SIGNALS, taken_early
 
 PREFIX = "phalanx/"
 #: How long workers may take to start (spawn, import torch, rendezvous) before a silent one is a hang.
@@ -139,8 +140,9 @@ class Progress:
         self.stop_requested = name
 
     def handle_signals(self) -> None:
-        """In a worker process: SIGTERM and SIGINT ask for a stop at the next step boundary (no
-        KeyboardInterrupt traceback); a second one, or one before training began, ends the process at once.
+        """In a worker process: SIGTERM, SIGINT and SIGHUP ask for a stop at the next step boundary (no
+        KeyboardInterrupt traceback); a second one, or one before training began, ends the process at once,
+        as does one that reached it before this ran (:func:`~phalanx.launcher.stop_signals.taken_early`).
 
         Signals within :data:`SAME_REQUEST_S` of the first are the same request: a terminal's Ctrl-C
         reaches every process of its group, and the launcher (phalanx's parent, torchrun's agent)
@@ -157,8 +159,11 @@ class Progress:
             self.stop_requested, self._requested_at = signal.Signals(signum).name, now
 
         if threading.current_thread() is threading.main_thread():  # (signals belong to the main thread)
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in STOP_SIGNALS:
                 signal.signal(sig, stop)
+            early = taken_early()
+            if early is not None and self.stop_requested is None:
+                stop(early, None)
 
     def _beat(self) -> None:
         while not self._closing.wait(self.interval_s):

@@ -31,6 +31,7 @@ from ..data import ShardedBatches, eval_batches
 from ..data.batch import to_device
 from ..errors import PhalanxError
 from ..launcher import available_cores
+from ..launcher.stop_signals import stop_if_asked
 from ..task.metrics import Target, Totals, add_up
 from ..comm.staleness import StalenessStats
 from ..task import label, names_parameter
@@ -221,7 +222,9 @@ class World:
                   loss: float = 0.0) -> bool:
         """Global step ``step`` ended at simulated ``seconds``; ``values``: the metrics where the rule
         evaluated (it must when :meth:`due`). True: stop here (the target reached, the last step, divergence, or
-        the clock past :attr:`deadline`)."""
+        the clock past :attr:`deadline`). A stop signal recorded meanwhile raises
+        :class:`~phalanx.errors.Stopped` here, between steps (``launcher/stop_signals.py``)."""
+        stop_if_asked()
         self.outcome.steps, self.outcome.seconds = step, seconds
         if not math.isfinite(loss):
             self.outcome.diverged = True
