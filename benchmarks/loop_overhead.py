@@ -108,8 +108,8 @@ def main() -> None:
     per_step_us = (args.batch / med["phalanx"] - args.batch / med["hand-written"]) * 1e6
     print(f"  ratio phalanx/hand-written: {ratio:.3f} (paired per round {statistics.median(paired):.3f}, "
           f"{min(paired):.3f}-{max(paired):.3f}); phalanx adds {per_step_us:.0f} us a step (goal: ratio >= 0.97)")
-    save_result("loop_overhead" + ("-clip" if args.clip_grad_norm is not None else ""), args, examples_per_sec=runs, median=med, ratio_phalanx_over_hand=ratio,
-                paired_ratios=paired, added_us_per_step=per_step_us)
+    save_result("loop_overhead" + ("-clip" if args.clip_grad_norm is not None else ""), args, examples_per_sec=runs,
+                median=med, ratio_phalanx_over_hand=ratio, paired_ratios=paired, added_us_per_step=per_step_us)
 
 
 if __name__ == "__main__":

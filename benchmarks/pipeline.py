@@ -158,7 +158,8 @@ def bubble_worker(ctx, args) -> dict:
 
 
 def imbalanced_sleep(light_ms: float, heavy_ms: float, light: int = 9) -> nn.Sequential:
-    """``light`` blocks sleeping ``light_ms`` per micro-batch (a third forward, the rest backward), then one of ``heavy_ms``."""
+    """``light`` blocks sleeping ``light_ms`` per micro-batch (a third forward, the rest backward), then one of
+    ``heavy_ms``."""
     block = lambda ms: SleepBlock(ms / 3e3, 2 * ms / 3e3, width=16)  # noqa: E731
     return nn.Sequential(*[block(light_ms) for _ in range(light)], block(heavy_ms))
 
@@ -260,13 +261,15 @@ def main() -> None:
         m = int(name.split("M=")[1])
         expected = ideal_bubble(STAGES, m)
         s = summarise(values)
-        s.update(expected=expected, off_points=100 * (s["median"] - expected), within_5_points=abs(s["median"] - expected) <= 0.05)
+        s.update(expected=expected, off_points=100 * (s["median"] - expected),
+                 within_5_points=abs(s["median"] - expected) <= 0.05)
         result["bubble"][name] = s
         print(f"  {name:10s} measured {s['median']:6.1%} (spread {s['min']:.1%}..{s['max']:.1%}), "
               f"(P-1)/(M+P-1) = {expected:6.1%}, off by {s['off_points']:+.1f} points")
 
     titles = {
-        "balance sleep": f"balance, calibrated sleep: 9 blocks of {args.light_ms:g} ms + 1 block of {args.heavy_ms:g} ms "
+        "balance sleep": f"balance, calibrated sleep: 9 blocks of {args.light_ms:g} ms + 1 block of "
+                         f"{args.heavy_ms:g} ms "
                          f"per micro-batch (fwd+bwd), {args.chunks} micro-batches",
         "balance mlp": f"balance, real compute: MLP of 9 one-layer blocks + 1 block of 9 layers, width {args.width}, "
                        f"{args.chunks} micro-batches of {args.micro_batch}, 1 thread per stage (the goal)",

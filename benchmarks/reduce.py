@@ -97,7 +97,8 @@ def main() -> None:
         times = launch(worker, [torch.device("cpu")] * n, (sizes, args.repeats), threads=1)
         report[n] = {}
         print(f"\n{n} gloo workers, islands {islands_for(n)} (median of {args.repeats}, min-max)")
-        print(f"  {'size':>6}  {'variant':<22} {'time ms':>9} {'spread ms':>15} {'busbw GB/s':>10} {'vs plain':>8}  goal")
+        print(f"  {'size':>6}  {'variant':<22} {'time ms':>9} {'spread ms':>15} {'busbw GB/s':>10} "
+              f"{'vs plain':>8}  goal")
         for mb, variants in times.items():
             plain = statistics.median(variants["plain all_reduce"])
             for name, ts in variants.items():

@@ -122,7 +122,8 @@ def validate(args) -> dict:
     for n, figures in out["clock_figures"].items():
         before, after = figures["before"], figures["after"]
         if before:
-            moved = ", ".join(f"{k} {before[k] * 1e3:.3g} -> {after[k] * 1e3:.3g} ms" for k in after if after[k] or before[k])
+            moved = ", ".join(f"{k} {before[k] * 1e3:.3g} -> {after[k] * 1e3:.3g} ms"
+                              for k in after if after[k] or before[k])
             print(f"the clock at {n} workers, measured before the real runs and by the simulation after them: {moved}")
     return out
 
@@ -192,7 +193,8 @@ def scale(args) -> dict:
     simulate_compare(s, (n,), sim, lambda line: None, progress)
     total = time.perf_counter() - began
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux -> GiB
-    print(f"{len(walls)} runs of {n} workers simulated in {total:.0f} s (median {statistics.median(w['wall_s'] for w in walls):.1f} s "
+    print(f"{len(walls)} runs of {n} workers simulated in {total:.0f} s "
+          f"(median {statistics.median(w['wall_s'] for w in walls):.1f} s "
           f"a run); peak memory of this process {peak:.2f} GiB")
     return {"workers": n, "runs": walls, "total_wall_s": total, "peak_memory_gib": peak}
 
@@ -221,8 +223,8 @@ def main() -> None:
     p.add_argument("--link-bandwidth", type=float, default=1.25e9, help="bytes/s (default 10 Gb/s)")
     p.add_argument("--link-latency", type=float, default=20e-6)
     p.add_argument("--noise-floor", action="store_true",
-                   help="run the real runs twice and measure the clock before them too: how far real runs and the clock "
-                        "move by themselves")
+                   help="run the real runs twice and measure the clock before them too: how far real runs and the "
+                        "clock move by themselves")
     p.add_argument("--skip-validation", action="store_true")
     p.add_argument("--skip-scale", action="store_true")
     args = p.parse_args()

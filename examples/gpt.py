@@ -6,7 +6,8 @@
 
 The model is what nanoGPT users write: ``GPT(GPTConfig(...))``, causal self-attention by
 ``F.scaled_dot_product_attention`` (q, k and v as three projections, where nanoGPT fuses them, so that
-``--tensor-parallel`` can split them by heads: the same weights for the same seed), the output layer tied to the input embedding, ``forward(idx,
+``--tensor-parallel`` can split them by heads: the same weights for the same seed), the output layer
+tied to the input embedding, ``forward(idx,
 targets=None) -> (logits, loss)`` (every position's logits with targets, the last one's without), and
 ``configure_optimizers(weight_decay, learning_rate, betas, device_type)``: AdamW, decay on the matrices
 only. Nothing in it knows phalanx. What phalanx is given sits below it: ``make`` and ``load`` (the model
@@ -40,7 +41,8 @@ medians 1.01), fsdp the same as sync to 4 digits, local-sgd 6.50 and 6.95 (1.09)
 with 0 backup workers (the same server) end exactly where sync ends (100 steps of 2 x 16: 11.589 all
 three), and the plain loop run as ps runs it (2 AdamW updates a step on 32 windows each, every gradient
 one update stale: ``--stale``) scores 11.41 and 11.79 (1.88). The unigram model scores 22.97, a uniform
-guess 105. About 40 to 70 s a run; ``python3 examples/gpt.py`` is the benchmark's sync run of seed 0 (6.08). The compare above: sync reaches perplexity 8 at step 250 (28 s of
+guess 105. About 40 to 70 s a run; ``python3 examples/gpt.py`` is the benchmark's sync run of seed 0
+(6.08). The compare above: sync reaches perplexity 8 at step 250 (28 s of
 training), fsdp at 250 (32 s), ps not in 400 steps (best 10.5).
 """
 from __future__ import annotations

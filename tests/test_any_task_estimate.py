@@ -6,8 +6,9 @@
 - a Hugging Face ``GPT2LMHeadModel`` on dict batches with ``-100`` padding, and a two-input model with a step of
   the user's, through the API;
 - equivalence (test tier 3 of docs/architecture.md, as test_simulate.py checks it for pairs): simulated sync on
-  2 workers ends with the parameters of a real one-process run on the global batch, for dict batches through a model's own loss, and
-  for a step of the user's with an optimizer factory taking the model, clipping and the user's scheduler;
+  2 workers ends with the parameters of a real one-process run on the global batch, for dict batches through a
+  model's own loss, and for a step of the user's with an optimizer factory taking the model, clipping and the
+  user's scheduler;
 - what cannot be: a factory taking the model under simulated local SGD, a pipeline of a dict batch, one line each.
 Link and step time are given where they can be, so each run measures little (one process alone at most).
 """

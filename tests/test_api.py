@@ -95,7 +95,8 @@ def test_the_api_on_objects_and_the_command_by_import_path_write_the_same_report
     assert [p.name for p in written[:2]] == ["report.md", "report.json"] and all(p.is_file() for p in written)
     for run in api["runs"]:
         events = [json.loads(line) for line in (root / "api" / run["metrics"]).read_text().splitlines()]
-        assert [e["metrics"]["accuracy"] for e in events if e["event"] == "eval"] == [p["accuracy"] for p in run["curve"]]
+        assert ([e["metrics"]["accuracy"] for e in events if e["event"] == "eval"]
+                == [p["accuracy"] for p in run["curve"]])
     # the result holds what the call printed, as the command prints it
     assert result.answer == api["answer"].replace("**", "") and result.answer in printed
     assert result.tables.splitlines()[0] in printed

@@ -93,7 +93,8 @@ def test_every_folder_and_top_level_module_is_in_a_layer_once():
 
 
 @pytest.mark.parametrize("edge, says", [
-    (("phalanx.simulate.world", "phalanx.strategies.ps.gate", "w.py:1"), "simulate imports phalanx.strategies.ps.gate, which is above it"),
+    (("phalanx.simulate.world", "phalanx.strategies.ps.gate", "w.py:1"),
+     "simulate imports phalanx.strategies.ps.gate, which is above it"),
     (("phalanx.costs.model", "phalanx.simulate.registry", "m.py:2"), "which is beside it"),
     (("phalanx.newthing", "phalanx.errors", "n.py:3"), "'newthing' is in no layer"),
 ])

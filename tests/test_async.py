@@ -30,8 +30,8 @@ def test_each_strategy_trains_digits(tmp_path, flags):
     accuracy = float(re.search(r"test accuracy (\d\.\d+)", out.stdout).group(1))
     assert accuracy >= 0.93
     if flags[1] in ("ps", "ssp", "hogwild"):
-        assert re.search(r"^staleness: mean \d+\.\d, p95 \d+, max \d+ updates behind.*\((bound \d+ steps?|unbounded)\)$",
-                         out.stdout, re.M)
+        assert re.search(r"^staleness: mean \d+\.\d, p95 \d+, max \d+ updates behind"
+                         r".*\((bound \d+ steps?|unbounded)\)$", out.stdout, re.M)
         assert "staleness_histogram" in _summary(only_run(tmp_path))
     state = load_checkpoint(latest_checkpoint(only_run(tmp_path)))
     assert state["step"] == 250

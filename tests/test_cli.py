@@ -89,7 +89,8 @@ def test_unwritable_checkpoint_directory(tmp_path):
     (tmp_path / "afile").write_text("not a directory")
     out = run_cli("train", "--checkpoint-dir", "afile/ckpt", cwd=tmp_path)
     assert out.returncode == 2 and out.stdout == ""
-    assert "error: cannot write checkpoints to afile/ckpt" in out.stderr and "choose another --checkpoint-dir" in out.stderr
+    assert "error: cannot write checkpoints to afile/ckpt" in out.stderr
+    assert "choose another --checkpoint-dir" in out.stderr
 
 
 @pytest.fixture(scope="module")

@@ -231,7 +231,7 @@ def test_an_interrupted_comparison_writes_a_partial_report_marked_incomplete(tmp
                            "report of the 1 finished run(s), marked incomplete: report/report.md"), err[-3000:]
     assert "before the first step" not in err
     data = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert data["incomplete"] == {"stopped_by": name, "interrupted_run": 2, "interrupted_label": "ps under none, repeat 1",
-                                  "runs_finished": 1, "runs_planned": 2}
+    assert data["incomplete"] == {"stopped_by": name, "interrupted_run": 2,
+                                  "interrupted_label": "ps under none, repeat 1", "runs_finished": 1, "runs_planned": 2}
     assert [r["strategy"] for r in data["runs"]] == ["sync"]
     assert "**Incomplete**: stopped by" in (tmp_path / "report" / "report.md").read_text()

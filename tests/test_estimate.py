@@ -284,7 +284,8 @@ def test_diloco_amortises_a_fragments_round_over_its_turn_and_int8_sends_a_quart
     assert predict_diloco(c, facts(), net, 1, sync_every=8).step == c.step
 
 def pipeline_compute(**changes) -> Compute:
-    """Two blocks of 4 ms each at the batch (forward + backward 8 ms, as the step measured), 1 ms per micro-batch of 4."""
+    """Two blocks of 4 ms each at the batch (forward + backward 8 ms, as the step measured), 1 ms per
+    micro-batch of 4."""
     values = dict(forward=3 * MS, backward=5 * MS, block_seconds=(4 * MS, 4 * MS), micro_seconds={4: (1 * MS, 1 * MS)},
                   optimizer=0.0, loop=0.0, copy=0.0)
     return compute(**{**values, **changes})
@@ -362,7 +363,8 @@ def test_estimate_plans_rows_through_each_strategys_layout(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     setup = prepare(EstimateOptions(workers=(1, 8)), {"model": "cifar10"}, {})
     rows = {(r.strategy, r.workers): r for r in setup.rows}
-    assert set(rows) == {(s, n) for s in ("sync", "local-sgd", "diloco", "pipeline", "fsdp") for n in (1, 8)} | {("ps", 8)}
+    assert set(rows) == ({(s, n) for s in ("sync", "local-sgd", "diloco", "pipeline", "fsdp") for n in (1, 8)}
+                         | {("ps", 8)})
     assert rows[("pipeline", 8)].options.stages == 4 and rows[("pipeline", 1)].options.stages == 1
     assert rows[("ps", 8)].processes == 9  # the server: one more process on node 0, sharing its cores
     assert conditions_for(setup, rows[("ps", 8)]).threads == 1 and conditions_for(setup, rows[("sync", 1)]).threads >= 1
@@ -555,7 +557,8 @@ def test_estimate_json_numbers_are_consistent(estimate_json):
     assert data["links"]["within_machine"]["bandwidth_bytes_per_s"] == pytest.approx(10e9)
     assert data["links"]["within_machine"]["alpha_s"] == pytest.approx(5e-6)
     rows = {(p["strategy"], p["workers"]): p for p in data["predictions"]}
-    assert set(rows) == {(s, n) for s in ("sync", "local-sgd", "diloco", "pipeline", "fsdp") for n in (1, 2)} | {("ps", 2)}
+    assert set(rows) == ({(s, n) for s in ("sync", "local-sgd", "diloco", "pipeline", "fsdp") for n in (1, 2)}
+                         | {("ps", 2)})
     assert any("ps on 1 worker" in line for line in data["skipped"])
     for p in rows.values():
         assert p["step_s"] > 0 and 0 < p["efficiency"] <= 1 and 0 <= p["comm_share"] <= 1
@@ -629,7 +632,8 @@ def test_a_pipeline_estimate_of_the_cifar10_network(tmp_path, monkeypatch):
     (["--workers", "100000000"], "--workers 100000000 is more than phalanx estimate predicts (1,000,000)"),
     (["--strategy", "hogwild"], "unknown --strategy 'hogwild'"),
     (["--strategy", "sync", "--sync-every", "4"], "--sync-every is an option of local-sgd and diloco"),
-    (["--strategy", "pipeline", "--chunks", "5"], "does not split into 5 equal micro-batches (--chunks 5)"),  # the layout's words
+    # the layout's words
+    (["--strategy", "pipeline", "--chunks", "5"], "does not split into 5 equal micro-batches (--chunks 5)"),
     (["--strategy", "pipeline", "--stages", "9"], "the model has only 4 blocks"),
     (["--plot", "out.txt"], "name a .png, .pdf or .svg file"),
     (["--plot", "missing/out.png"], "does not exist"),

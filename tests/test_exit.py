@@ -1,4 +1,5 @@
-"""The job's end: clean exits under every launcher, and a stop signal reaching any process (real processes, real signals)."""
+"""The job's end: clean exits under every launcher, and a stop signal reaching any process (real processes, real
+signals)."""
 
 import os
 import re
@@ -65,7 +66,8 @@ def test_under_phalanx_torchrun_a_stop_exits_143_or_130_without_torchruns_traceb
     cmd = [sys.executable, "-m", "phalanx.torchrun", "--standalone", "--nproc-per-node", "2", "-m", "phalanx", "train",
            *LONG]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL, start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
     for line in proc.stdout:
         if line.startswith("step 240,"):
             (os.killpg if to_the_group else os.kill)(proc.pid, signal_)
@@ -102,7 +104,8 @@ def _ctrl_c(cwd, args, after_line, timeout=300, signal_=signal.SIGINT):
 def _stopped_with_checkpoint(code, err, cwd, signame, after):
     """The job stopped together at one step, saved that step, and said so once; returns the step."""
     assert code == 128 + getattr(signal, signame), err
-    found = re.search(rf"^stopped at step (\d+) by {signame}; checkpoint ((?:checkpoints|runs/[\w.-]+)/step-(\d+)\.(?:pt|dcp)); "
+    found = re.search(rf"^stopped at step (\d+) by {signame}; "
+                      r"checkpoint ((?:checkpoints|runs/[\w.-]+)/step-(\d+)\.(?:pt|dcp)); "
                       "continue with: ",
                       err, re.M)  # (a progress bar draws on stderr before it)
     assert found and found.group(1).lstrip("0") == found.group(3).lstrip("0"), err

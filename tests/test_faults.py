@@ -36,15 +36,17 @@ def test_a_stopped_sync_worker_is_named_with_its_step_and_the_others_with_their_
     first = err.splitlines()[0]
     found = re.match(r"error: the job made no progress for 5 s \(--hang-timeout\): worker 1 is stuck in step (\d+), in "
                      r"the training step, not in a collective \(no progress for \d+ s; process stopped or frozen: no "
-                     r"heartbeat for \d+ s\); worker 0 waits in gloo:all_reduce \(collective \d+\) of step (\d+)$", first)
+                     r"heartbeat for \d+ s\); worker 0 waits in gloo:all_reduce \(collective \d+\) of step (\d+)$",
+                     first)
     assert found, err
     assert found.group(1) == found.group(2) and int(found.group(1)) >= 40  # one step, named from both sides
     assert "Traceback" not in err and not spawned_children(os.getpid())
 
 
 def test_a_stopped_ps_worker_is_dropped_and_the_others_finish_the_run(tmp_path):
-    code, out, err = run_and_signal(["train", "--strategy", "ps", "--workers", "3", "--steps", "600", "--log-every", "20",
-                                     "--hang-timeout", "6", "--checkpoint-dir", "ck"], tmp_path, "step 40,",
+    code, out, err = run_and_signal(["train", "--strategy", "ps", "--workers", "3", "--steps", "600",
+                                     "--log-every", "20", "--hang-timeout", "6", "--checkpoint-dir", "ck"],
+                                    tmp_path, "step 40,",
                                     signal.SIGSTOP, rank=2)
     assert code == 0, err
     lost = re.search(r"^worker (\d) lost at step (\d+) \(no message for \d+ s: stopped, frozen or stuck\); "
@@ -81,7 +83,8 @@ def test_a_rank_busy_inside_a_step_is_named_with_its_stack(tmp_path):
         Trainer(config, model=SleepsOnRank1(), train_data=(data.train.x, data.train.y)).fit()
     report = str(info.value)
     assert re.search(r"worker 1 is stuck in step 30, in the training step, not in a collective \(no progress for \d+ "
-                     r"s; alive and busy\); worker 0 waits in gloo:all_reduce \(collective \d+\) of step 30", report), report
+                     r"s; alive and busy\); worker 0 waits in gloo:all_reduce \(collective \d+\) of step 30",
+                     report), report
     assert "worker 1's stack, innermost last:" in report and re.search(r"test_faults.py\", line \d+ in forward", report)
 
 

@@ -1,7 +1,8 @@
 """A printed number is the saved model's (docs/architecture.md, "How the code reads"): for every strategy, the test
 metrics a run prints at its end are what ``phalanx evaluate`` finds in its final checkpoint.
 
-Each case trains briefly through ``phalanx train`` (2 workers; 4 for pipeline x data parallel), with a checkpoint at the last step written inside the loop (``--checkpoint-every``) so that
+Each case trains briefly through ``phalanx train`` (2 workers; 4 for pipeline x data parallel), with a
+checkpoint at the last step written inside the loop (``--checkpoint-every``) so that
 what the strategy's ``finish`` still owes the model after it (ps's gradients in flight, local SGD's last
 averaging, DiLoCo's last outer round, Hogwild's other workers' last writes) must be saved again. A model
 with BatchNorm wherever the strategy runs one here, so that buffers count: every rank must evaluate with

@@ -50,8 +50,10 @@ def test_kinds_are_their_words_and_a_word_that_is_none_is_refused():
     layout = Layout((plan,), cpus(1), 1, False, stop_rule="each")
     assert plan.role is Role.SERVER and layout.stop_rule is StopRule.EACH and f"{layout.stop_rule}" == "each"
     assert ParameterServer().layout(Job(cpus(2))).stop_rule is StopRule.SERVER
-    assert Hogwild().layout(Job(cpus(2))).stop_rule is StopRule.EACH and Sync().layout(Job(cpus(2))).stop_rule is StopRule.AGREE
-    with pytest.raises(PhalanxError, match=r"^a layout's stop_rule 'lockstep' is not one of 'agree', 'server', 'each'$"):
+    assert Hogwild().layout(Job(cpus(2))).stop_rule is StopRule.EACH
+    assert Sync().layout(Job(cpus(2))).stop_rule is StopRule.AGREE
+    with pytest.raises(PhalanxError,
+                       match=r"^a layout's stop_rule 'lockstep' is not one of 'agree', 'server', 'each'$"):
         Layout((plan,), cpus(1), 1, True, stop_rule="lockstep")
     with pytest.raises(PhalanxError, match=r"^a rank's role 'replica' is not one of 'worker', 'server', 'stage'$"):
         RankPlan("replica", "a replica", 0, None)
@@ -111,7 +113,8 @@ def test_pipeline_times_data_parallel_layout_is_a_stage_major_mesh_each_replica_
     (dict(stages=3), Job(cpus(1), processes=7), r"--workers 7 is not a multiple of --stages 3 .*use --workers 6 or 9"),
     (dict(chunks=4), Job(cpus(2), batch_size=30), r"batch 30 does not split into 4 equal micro-batches .* = 7.5"),
     (dict(chunks=2), Job(cpus(2), batch_size=16, accumulate=3), r"--chunks 2 x --accumulate 3"),
-    (dict(balance="3,3"), Job(cpus(2), model=lstm((1, 8, 8), 10)), r"--balance 3,3 sums to 6 \(3 \+ 3\) but the model has 5"),
+    (dict(balance="3,3"), Job(cpus(2), model=lstm((1, 8, 8), 10)),
+     r"--balance 3,3 sums to 6 \(3 \+ 3\) but the model has 5"),
     (dict(), Job(cpus(4), model=nn.Sequential(nn.Linear(2, 2), nn.ReLU())), "4 stages but the model has only 2 blocks"),
     (dict(schedule="1f1b", chunks=1), Job(cpus(2), batch_size=8), "--schedule 1f1b needs at least one micro-batch"),
 ])

@@ -106,8 +106,9 @@ def token_dicts(n: int = K) -> list:
 def test_default_points_are_the_repeated_blocks_and_a_wrong_name_is_one_line_listing_them():
     assert candidate_points(small_gpt()) == ["transformer.h.0", "transformer.h.1"]
     assert candidate_points(resnet()) == ["layer1.0", "layer1.1", "layer2.0", "layer2.1"]
-    with pytest.raises(PhalanxError, match=r"^--split-points transformer\.h\.7: no such submodule in GPT; "
-                                           r"candidates \(its repeated blocks\): transformer\.h\.0, transformer\.h\.1$"):
+    with pytest.raises(PhalanxError,
+                       match=r"^--split-points transformer\.h\.7: no such submodule in GPT; "
+                             r"candidates \(its repeated blocks\): transformer\.h\.0, transformer\.h\.1$"):
         check_points(small_gpt(), ["transformer.h.1", "transformer.h.7"])
     model = resnet()
     counts = segment_params(model, candidate_points(model))
@@ -137,7 +138,8 @@ def test_a_model_torch_export_cannot_follow_is_one_line_naming_the_way_out():
                                            r"method, and phalanx cuts it at its blocks instead$") as info:
         Traced(model, DefaultStep(F.cross_entropy), batch, ("blocks.1",), 2)
     assert "\n" not in str(info.value)
-    assert "forward" not in vars(model.blocks[1]) and "_orig_forward" not in vars(model.blocks[1])  # given back as it was
+    # given back as it was
+    assert "forward" not in vars(model.blocks[1]) and "_orig_forward" not in vars(model.blocks[1])
 
 
 def test_bad_split_points_are_refused_by_the_layout_before_any_worker_starts():

@@ -17,7 +17,8 @@ from helpers import only_run, python_script, run_cli, run_in_process, run_main, 
 from phalanx.train.checkpoint import RUN_NAME, list_checkpoints, load_checkpoint, read_run
 
 # --checkpoint-dir given: these are the rules of a directory that runs share (the default is a new one per run)
-QUICK = ["--model", "mlp", "--workers", "2", "--log-every", "10", "--progress", "lines", "--checkpoint-dir", "checkpoints"]
+QUICK = ["--model", "mlp", "--workers", "2", "--log-every", "10", "--progress", "lines",
+         "--checkpoint-dir", "checkpoints"]
 
 
 def _events(path):

@@ -73,7 +73,8 @@ def test_a_gpus_way_of_computing_the_workers_gives_the_cpus_gradients_on_the_cpu
     rows = torch.stack([flat + 1e-2 * w for w in range(W)])
     tokens = torch.randint(0, 11, (W, 3, 5))
     shards = [(t, t.roll(-1, 1)) for t in tokens]
-    cpu, device = Gradients(model, None, UserStep(lm_step), threads=2), Gradients(model, None, UserStep(lm_step), threads=2)
+    cpu = Gradients(model, None, UserStep(lm_step), threads=2)
+    device = Gradients(model, None, UserStep(lm_step), threads=2)
     device.on_cpu(False)
     device.chunk = 4  # two calls of 4 and 2 workers: the second after vmap was found to loop
     cpu.chunk = 4

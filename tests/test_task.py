@@ -41,7 +41,8 @@ def load():
 
 def train_only():
     d = load_digits()
-    return torch.utils.data.TensorDataset(torch.tensor(d.data / 16.0, dtype=torch.float32), torch.tensor(d.target)), None
+    return (torch.utils.data.TensorDataset(torch.tensor(d.data / 16.0, dtype=torch.float32), torch.tensor(d.target)),
+            None)
 
 
 def loss(out, y):

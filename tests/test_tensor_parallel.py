@@ -68,7 +68,8 @@ class FusedGPT(nn.Module):
     (lambda: small(), 3, 4, "--tensor-parallel 3 does not divide 4 workers"),
     (lambda: small(n_embd=12, n_head=3), 2, 2, r"'transformer.h.0.attn' has 3 heads, which do not split between 2"),
     (lambda: small(n_embd=10, n_head=2), 4, 4, r"'transformer.h.0.attn' has 2 heads, which do not split between 4"),
-    (FusedGPT, 2, 2, r"'h.0.attn' computes q, k, v in one projection \(attn.c_attn 8->24\) split in forward by a width"),
+    (FusedGPT, 2, 2,
+     r"'h.0.attn' computes q, k, v in one projection \(attn.c_attn 8->24\) split in forward by a width"),
 ])
 def test_a_plan_that_cannot_hold_is_one_line_naming_the_layer(model, n, workers, message):
     with pytest.raises(PhalanxError, match=message):

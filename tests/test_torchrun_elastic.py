@@ -71,7 +71,8 @@ def test_torchrun_elastic_shrinks_when_a_node_dies_and_completes_on_the_survivor
     # The survivor's worker fails out of its collective at once (gloo sees the connection close long before the
     # agent's keep-alive misses the node) and says so in one line; torch logs the lost node's broken connections
     # itself, but what must not happen is an abort.
-    assert re.search(r"^(rank 1: )?error: worker [01] lost a peer in .*\(step \d+\): .*restarts from the newest checkpoint$",
+    assert re.search(r"^(rank 1: )?error: worker [01] lost a peer in .*\(step \d+\): "
+                     r".*restarts from the newest checkpoint$",
                      text(0), re.M), text(0)[-3000:]
     assert "terminate called" not in text(0), text(0)[-3000:]
 

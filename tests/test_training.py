@@ -71,7 +71,8 @@ def test_checkpoints_keep_the_newest_k_and_hold_everything(tmp_path):
 
 
 def test_divergence_stops_and_names_the_last_good_checkpoint(tmp_path):
-    with pytest.raises(TrainingDiverged, match=r"model diverged with loss = (nan|inf) at step \d+; last good checkpoint"):
+    with pytest.raises(TrainingDiverged,
+                       match=r"model diverged with loss = (nan|inf) at step \d+; last good checkpoint"):
         _train(tmp_path, "nan", lr=1e12, steps=40, checkpoint_every=1, optimizer="sgd", momentum=0.0)
     for path in list_checkpoints(tmp_path / "nan"):  # every checkpoint left behind is finite
         state = torch.load(path, weights_only=True)

@@ -106,7 +106,8 @@ def _resent() -> int:
     return int(values[names.index("RetransSegs")])
 
 
-HEADERS = 14 + 20 + 32  #: bytes of a TCP segment on the loopback beyond its payload: Ethernet, IPv4, TCP with timestamps
+#: bytes of a TCP segment on the loopback beyond its payload: Ethernet, IPv4, TCP with timestamps
+HEADERS = 14 + 20 + 32
 MSS = 1500 - 20 - 32  #: the most payload a segment TCP sends again carries (the shaped loopback's MTU is 1,500)
 
 

@@ -13,7 +13,8 @@ phalanx's time is its metrics file's step intervals (a log step reads the loss, 
 at both ends of an interval); the hand-written loop synchronises before reading the clock.
 
     python3 benchmarks/gpu/gpt_speed.py --save               # on a GPU: 2 rounds, each mode
-    python3 benchmarks/gpu/gpt_speed.py --device cpu --layers 2 --width 64 --block 64 --batch 8 --steps 4 --warmup 2 --rounds 1
+    python3 benchmarks/gpu/gpt_speed.py --device cpu --layers 2 --width 64 --block 64 --batch 8 --steps 4 \
+        --warmup 2 --rounds 1
 """
 
 from __future__ import annotations

@@ -107,7 +107,8 @@ def main() -> None:
         for d in others:
             ratio = statistics.median(r["wall_seconds"] for r in legs[d]) / statistics.median(
                 r["wall_seconds"] for r in legs[first])
-            print(f"{d} / {first} wall: {ratio:.2f}x; same answer: {legs[d][-1]['answer'] == legs[first][-1]['answer']}")
+            same = legs[d][-1]['answer'] == legs[first][-1]['answer']
+            print(f"{d} / {first} wall: {ratio:.2f}x; same answer: {same}")
     save_result("simulate_device" + ("-quick" if args.quick else ""), args, shape=shape, gradients=grads, legs=legs)
 
 

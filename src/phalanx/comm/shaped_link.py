@@ -257,5 +257,5 @@ def size(n: float) -> str:
     return f"{n:.0f} B"
 
 
-__all__ = ["Link", "LinkRate", "LinkUnavailable", "check", "inside", "loopback_bytes", "loopback_counters", "parse_rate",
-           "probe", "shaped", "size"]
+__all__ = ["Link", "LinkRate", "LinkUnavailable", "check", "inside", "loopback_bytes", "loopback_counters",
+           "parse_rate", "probe", "shaped", "size"]

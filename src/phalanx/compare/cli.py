@@ -166,8 +166,9 @@ def _progress(total: int):
                 bar.set_description(run.label)
             return
         outcome = (f"reached the target at step {result.steps_to_target} ({report.seconds(result.seconds_to_target)})"
-                   if result.reached else f"not reached (best {'' if result.metric == 'accuracy' else result.metric + ' '}"
-                                          f"{result.best if result.best is not None else math.nan:.3f})")
+                   if result.reached
+                   else f"not reached (best {'' if result.metric == 'accuracy' else result.metric + ' '}"
+                        f"{result.best if result.best is not None else math.nan:.3f})")
         line = f"run {i + 1}/{total}: {run.label}: {outcome}"
         if bar is not None:
             bar.write(line)

@@ -102,7 +102,8 @@ def bars(setup: Setup, table: dict[str, list[Figures]], out: Path) -> dict[str, 
     ax.set_ylim(0, 1.15 * tallest)
     ax.set_xticks(range(len(setup.scenarios)), [s.token for s in setup.scenarios])
     ax.set_ylabel(f"training time to {setup.target} (s)")
-    ax.set_title(f"{'simulated ' if setup.simulated else ''}time to target: median, min-max over repeats (x: not reached)")
+    ax.set_title(f"{'simulated ' if setup.simulated else ''}time to target: median, min-max over repeats "
+                 "(x: not reached)")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, ncols=min(n, 4))
     return _save(fig, out / "time-to-target.png", "time to target")

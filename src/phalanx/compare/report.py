@@ -128,7 +128,8 @@ def terminal(setup: Setup, checked: Checked, table: dict[str, list[Figures]]) ->
         lines = ["  ".join(c.ljust(w) if i in (0, 1) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                  for r in rows]
         blocks.append("\n".join([_title(setup, checked, scenario)] + lines))
-    legend = (f"* reached the target first. Time is {'simulated ' if setup.simulated else ''}training time (start-up and evaluations excluded), measured "
+    legend = (f"* reached the target first. Time is {'simulated ' if setup.simulated else ''}training time "
+              "(start-up and evaluations excluded), measured "
               f"at evaluations every {setup.eval_every} steps; 'vs {baseline(setup)}' is the ratio of median times.")
     if any(f.behind is not None for rows in table.values() for f in rows):
         legend += (" '> T (stopped)': its runs were stopped once their simulated clock passed T, the fastest time to "
@@ -246,7 +247,8 @@ def markdown(setup: Setup, checked: Checked, table: dict[str, list[Figures]], ru
         lines.append("")
     lines += [("Every figure is simulated: time is the simulation's clock (the cost models of phalanx estimate), "
                "learning is real (each worker's gradients of the model, in the simulated order). "
-               if setup.simulated else "") + "Time is training time: worker start-up and evaluations are excluded (each run's are in "
+               if setup.simulated else "")
+              + "Time is training time: worker start-up and evaluations are excluded (each run's are in "
               f"report.json), measured at evaluations every {setup.eval_every} steps. Examples/s counts every "
               "example a worker computed a gradient on, dropped ones included. Staleness: mean updates behind; "
               "dropped: late gradients a backup strategy did not apply. Bytes: what every rank sent over the "

@@ -3,8 +3,9 @@
 A run's figures come from the JSON-lines metrics file its training loop wrote (rank 0's), so the
 report can always be checked against the files:
 
-- the *eval* events: step, the test metrics (``metrics``; ``accuracy`` in older files), ``train_seconds`` (training time so far, evaluation
-  excluded) and, for the parameter-server family, the gradients applied so far;
+- the *eval* events: step, the test metrics (``metrics``; ``accuracy`` in older files),
+  ``train_seconds`` (training time so far, evaluation excluded) and, for the parameter-server family,
+  the gradients applied so far;
 - the *summary* event: steps, final accuracy, training and evaluation seconds, throughput,
   staleness, gradients applied and dropped;
 - the *straggle* event: each rank's calibrated compute time;

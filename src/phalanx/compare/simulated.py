@@ -183,7 +183,8 @@ def simulate_compare(setup, workers: tuple[int, ...], sim, say: Callable[[str], 
                             beside(setup, workers))
     size = len(problem.data(setup.train.seed).train)
     if setup.train.batch_size * max(workers) > size:
-        raise PhalanxError(f"global batch {setup.train.batch_size * max(workers)} ({setup.train.batch_size} per worker x "
+        raise PhalanxError(f"global batch {setup.train.batch_size * max(workers)} "
+                           f"({setup.train.batch_size} per worker x "
                            f"{max(workers)} workers) is larger than the {size} training examples; use a smaller "
                            "--batch-size, or data large enough for the largest worker count")
     results: dict[int, list] = {n: [] for n in workers}

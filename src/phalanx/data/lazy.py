@@ -277,7 +277,8 @@ def ignore_stop_signals(worker_id: int) -> None:
 
 def loader_context(module: str) -> Any:
     """The fork server the loader workers start from: in a rank, its own, with torch and the Dataset's
-    ``module`` imported once; in the launching process (a one-process run), phalanx's (``phalanx/launcher/forkserver.py``)."""
+    ``module`` imported once; in the launching process (a one-process run), phalanx's
+    (``phalanx/launcher/forkserver.py``)."""
     from ..launcher.forkserver import PRELOAD
 
     inside_a_rank = multiprocessing.parent_process() is not None

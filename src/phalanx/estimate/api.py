@@ -106,8 +106,8 @@ def estimate(*, model: Any = None, train_data: Any = None, test_data: Any = None
             raise PhalanxError(f"estimate() has no setting {name}=; it takes the flags of phalanx estimate as keywords "
                                f"({', '.join(sorted(known))})")
         if name in ("plot", "json"):
-            raise PhalanxError(f"{name}= is the command's way to show the estimate; call .{name.replace('json', 'to_dict')}"
-                               f"() on the result instead")
+            raise PhalanxError(f"{name}= is the command's way to show the estimate; "
+                               f"call .{name.replace('json', 'to_dict')}() on the result instead")
     options, train_values, strategy_values = split({name: parsed_as_flag(EstimateOptions, name, value)
                                                     for name, value in settings.items()})
     objects = {k: v for k, v in (("model", model), ("train_data", train_data), ("test_data", test_data),

@@ -138,8 +138,9 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
     step_s = statistics.median(sum(row[:4]) for row in rows)
     with metering() as meter:  # every collective and message counted, as in a training step (wire.py)
         meter.begin()
+        # beyond compute and bytes
         result.update(fixed_costs(ctx, beside, _step(model, optimizer, batch, step, device, clip), step_s,
-                                  ddp_step, lambda: parameters_to_vector(model.parameters())))  # beyond compute and bytes
+                                  ddp_step, lambda: parameters_to_vector(model.parameters())))
     if not ctx.distributed:
         return [result]
     every: list = [None] * ctx.world_size

@@ -34,7 +34,8 @@ def describe(est: Estimate) -> str:
         elif cond.processes > 1 and cond.device == "cpu":
             lines.append(f"    beyond compute: the model's DDP step over its bare step +{fmt_seconds(m.ddp_excess)}; "
                          f"its parameters' all-reduce after {MEETING_AFTER} steps apart "
-                         f"{fmt_seconds(m.allreduce_params)}, waiting there for the slowest {fmt_seconds(m.meeting_wait)}")
+                         f"{fmt_seconds(m.allreduce_params)}, waiting there for the slowest "
+                         f"{fmt_seconds(m.meeting_wait)}")
     lines += [f"link {note}" for note in est.link_notes]
     lines += est.warnings  # before the tables: they stand on these figures
     for cls in s.predicted:

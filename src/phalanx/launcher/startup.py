@@ -1,7 +1,8 @@
 """Where a run's first seconds go: its start-up phases, timed from the moment the command began.
 
 The parent marks when the command began (:func:`begin`, first thing in the CLI; each
-``Trainer.fit`` takes that mark, or, in a process that fits again, its own call's time) and when its plan was ready; rank 0 marks when its process group was
+``Trainer.fit`` takes that mark, or, in a process that fits again, its own call's time) and when its
+plan was ready; rank 0 marks when its process group was
 joined and then each phase of its own preparation. The summary and the metrics file hold the
 marks (``startup_seconds``: seconds since the command began, per phase, in order); under
 ``--profile-startup`` rank 0 prints them as one line. Wall-clock times (``time.time()``), since

@@ -123,5 +123,5 @@ def taken_between_steps() -> Iterator[None]:
         _asked = None
 
 
-__all__ = ["STOP_CODES", "STOP_SIGNALS", "asked", "guard_fork_server", "record_until_ready", "signal_self_at_start", "stop_if_asked",
-           "taken_between_steps", "taken_early"]
+__all__ = ["STOP_CODES", "STOP_SIGNALS", "asked", "guard_fork_server", "record_until_ready", "signal_self_at_start",
+           "stop_if_asked", "taken_between_steps", "taken_early"]

@@ -71,7 +71,8 @@ class Forward:
         """The stop, for a job that ended without stopping together at one step."""
         if not steps_made:
             return Stopped(f"stopped by {self.first} before the first step; nothing was saved", self.first)
-        return Stopped(f"stopped by {self.first}: {self.label(self.ended_at_once)} had not begun its first step and ended "
+        return Stopped(f"stopped by {self.first}: {self.label(self.ended_at_once)} had not begun its first step "
+                       "and ended "
                        "at once, so no step could be saved together; checkpoints are written atomically, so the "
                        "newest one in the checkpoint directory is whole", self.first)
 

@@ -45,6 +45,6 @@ def takers(field: str) -> list[str]:
     return [name for name, cls in STRATEGIES.items() if field in {f.name for f in dataclasses.fields(cls)}]
 
 
-__all__ = ["Backup", "Build", "DiLoCo", "FSDP", "Hogwild", "Job", "Layout", "LocalSGD", "Options", "ParameterServer", "Pipeline",
-           "RankPlan", "Report", "Role", "Runtime", "SSP", "STRATEGIES", "StopRule", "Sync", "nonfinite_values", "register",
-           "runtime_for", "strategy_class", "takers", "unregister"]
+__all__ = ["Backup", "Build", "DiLoCo", "FSDP", "Hogwild", "Job", "Layout", "LocalSGD", "Options", "ParameterServer",
+           "Pipeline", "RankPlan", "Report", "Role", "Runtime", "SSP", "STRATEGIES", "StopRule", "Sync",
+           "nonfinite_values", "register", "runtime_for", "strategy_class", "takers", "unregister"]

@@ -186,7 +186,8 @@ class Runtime:
 
     ``model`` is what the user's code would call, ``optimizer`` the user's optimizer (both keep
     their interfaces); ``module`` is the bare model (checkpoints, evaluation); ``description`` is
-    the phrase of the run header and ``notes`` its further lines (a pipeline's plan). The defaults run one replica per rank, reduce the loss and the
+    the phrase of the run header and ``notes`` its further lines (a pipeline's plan). The defaults run
+    one replica per rank, reduce the loss and the
     evaluation counts over every rank, and save the model and optimizer as they are.
     """
 

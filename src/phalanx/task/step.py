@@ -225,7 +225,8 @@ class UserStep:
             got = tuple(made.shape) if isinstance(made, torch.Tensor) else type(made).__name__
             raise PhalanxError(f"the training step {name} returned {got}; return the loss (a one-number tensor, "
                                "the mean over the batch) or (loss, outputs)")
-        return StepResult(made, None if outputs is None else logits_of(outputs), batches.targets(batch, self.target_key))
+        return StepResult(made, None if outputs is None else logits_of(outputs),
+                          batches.targets(batch, self.target_key))
 
 
 def step_for(loss_fn: Callable, training_step: Optional[Callable] = None, target_key: Optional[str] = None):

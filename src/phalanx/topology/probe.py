@@ -44,7 +44,8 @@ for i in range(n):
 if n >= 1:
     host = pattern.pin_memory()
     out, t = timed(lambda: host.to(0, non_blocking=True), [0])
-    results.append({{"src": "host", "dst": 0, "gbps": size / t / 1e9, "correct": bool(torch.equal(out.cpu(), pattern))}})
+    results.append({{"src": "host", "dst": 0, "gbps": size / t / 1e9,
+                     "correct": bool(torch.equal(out.cpu(), pattern))}})
     dev = pattern.to(0)
     back = torch.empty(size, dtype=torch.uint8).pin_memory()
     out, t = timed(lambda: back.copy_(dev, non_blocking=True), [0])

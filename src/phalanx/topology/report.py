@@ -41,7 +41,8 @@ def _gpu_table(topo: Topology) -> list[str]:
     if kinds:
         out.append("links: " + "; ".join(f"{k} = {describe_link(k)}" for k in kinds))
     if topo.peer is not None:
-        missing = [f"{i}-{j}" for i in topo.gpus for j in topo.gpus if i < j and not (topo.peer[i][j] and topo.peer[j][i])]
+        missing = [f"{i}-{j}" for i in topo.gpus for j in topo.gpus
+                   if i < j and not (topo.peer[i][j] and topo.peer[j][i])]
         out.append("peer access: " + ("every pair" if not missing else "none between " + ", ".join(missing)))
     islands = topo.islands()
     out.append("islands (devices that all reach each other directly): "
@@ -52,6 +53,7 @@ def _gpu_table(topo: Topology) -> list[str]:
 
 
 def _probe_line(r: dict) -> str:
-    line = f"probe {r['src']} -> {r['dst']} ({r['link']}): {r['gbps']:.1f} GB/s, bytes {'ok' if r['correct'] else 'WRONG'}"
+    line = (f"probe {r['src']} -> {r['dst']} ({r['link']}): {r['gbps']:.1f} GB/s, "
+            f"bytes {'ok' if r['correct'] else 'WRONG'}")
     fix = remedy(r)
     return line + (f"\n  {fix}" if fix else "")

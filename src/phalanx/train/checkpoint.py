@@ -89,7 +89,8 @@ def read_run(directory: str | os.PathLike) -> Optional[RunRecord]:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise PhalanxError(f"{path} is unreadable ({type(e).__name__}); it names the run this directory belongs "
-                           "to: remove it together with the step-*.pt files, or choose another --checkpoint-dir") from None
+                           "to: remove it together with the step-*.pt files, or choose another "
+                           "--checkpoint-dir") from None
 
 
 def write_run(directory: str | os.PathLike, record: RunRecord) -> None:

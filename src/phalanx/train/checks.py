@@ -360,7 +360,8 @@ def check_checkpoint_dir(cfg: TrainConfig) -> None:
     if not os.access(probe, os.W_OK):
         raise PhalanxError(f"cannot write checkpoints to {root}: permission denied; choose another --checkpoint-dir")
     for entry in ckpt.step_entries(root):
-        if not (ckpt.is_checkpoint(entry) or ckpt.is_damaged_checkpoint(entry)):  # phalanx writes (and reads) checkpoints by these names
+        # phalanx writes (and reads) checkpoints by these names
+        if not (ckpt.is_checkpoint(entry) or ckpt.is_damaged_checkpoint(entry)):
             what = "a directory" if entry.is_dir() else "not a regular file"
             raise PhalanxError(f"{entry} is {what}, not a checkpoint, but phalanx names its checkpoints so; move it "
                                "out of --checkpoint-dir, or choose another --checkpoint-dir")

@@ -33,15 +33,16 @@ SECTIONS = {
     "parallelism": ("strategy", "devices", "strict_devices", "workers", "threads", "master_addr", "link"),
     "faults": ("timeout_s", "hang_timeout_s", "max_restarts"),
     "speed and memory": ("precision", "compile", "activation_checkpointing"),
-    "model and data": ("model", "data", "loss", "training_step", "target_key", "metric", "validation_split", "loader_workers", "data_dir",
-                       "synthetic_shape", "synthetic_size"),
+    "model and data": ("model", "data", "loss", "training_step", "target_key", "metric", "validation_split",
+                       "loader_workers", "data_dir", "synthetic_shape", "synthetic_size"),
     "optimisation (unset: the model's recipe)": (
         "steps", "batch_size", "accumulate", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
         "lr_decay_every", "lr_decay_factor", "staircase", "warmup_steps", "lr_base_batch", "lr_scheduler",
         "clip_grad_norm", "seed", "straggler"),
     "observation and checkpoints": ("log_every", "eval_every", "stop_at", "stop_at_accuracy", "metrics", "tensorboard",
                                     "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "async_checkpoint",
-                                    "resume", "init_from", "overwrite", "keep_global_batch", "progress", "profile_startup", "prefetch"),
+                                    "resume", "init_from", "overwrite", "keep_global_batch", "progress",
+                                    "profile_startup", "prefetch"),
 }
 
 

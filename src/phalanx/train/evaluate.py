@@ -34,8 +34,8 @@ from .config import TrainConfig
 from .resume import check_fits
 
 #: The training flags evaluate takes, the same fields (and help) as ``phalanx train``'s.
-FIELDS = ("model", "data", "loss", "training_step", "target_key", "metric", "validation_split", "loader_workers", "data_dir", "synthetic_shape",
-          "synthetic_size", "batch_size", "seed", "devices")
+FIELDS = ("model", "data", "loss", "training_step", "target_key", "metric", "validation_split", "loader_workers",
+          "data_dir", "synthetic_shape", "synthetic_size", "batch_size", "seed", "devices")
 #: Examples per forward pass when --batch-size is not given (a training run's evaluation uses the same).
 EVAL_BATCH = 256
 

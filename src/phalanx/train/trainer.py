@@ -57,7 +57,8 @@ class Trainer:
     ``optimizer``: a picklable ``params -> torch.optim.Optimizer`` (module level, not a lambda, when
     workers are spawned), or ``model -> torch.optim.Optimizer`` where its first parameter is named
     ``model`` (parameter groups by name). ``lr_scheduler``: ``optimizer -> scheduler`` (with
-    ``total_steps=`` where it names it), stepped once per global step in place of phalanx's schedule. All of it becomes one :class:`~phalanx.task.Task`.
+    ``total_steps=`` where it names it), stepped once per global step in place of phalanx's schedule.
+    All of it becomes one :class:`~phalanx.task.Task`.
     A script that calls ``fit()`` must do so under ``if __name__ == "__main__":`` (workers are
     spawned and import the script again).
     ``task``: a :class:`~phalanx.task.Task` built already (a comparison builds one and trains every

@@ -21,7 +21,8 @@ it. A stop (a signal) leaves that round owed: its checkpoint holds the global mo
 model and inner optimizer, and the fragments that owe a round (``replica_state.py``), so a resume on
 the same worker count continues exactly. Buffers (BatchNorm's running statistics) are not
 pseudo-gradients: they are averaged over the ranks with fragment 0's rounds (integer step counts:
-rank 0's) and kept as the global model's, which is what is evaluated and saved. ``--outer-precision`` sets the pseudo-gradient on the
+rank 0's) and kept as the global model's, which is what is evaluated and saved. ``--outer-precision``
+sets the pseudo-gradient on the
 wire (see :func:`average`); the outer step is always fp32. When a worker dies, the survivors run an outer
 round of every fragment that owes one over a group of their own (``launcher/survivors.py``: their
 pseudo-gradients averaged, the lost worker's local steps since its last round lost with it), and one of them

@@ -1,4 +1,5 @@
-"""DiLoCo simulated: local SGD's periodic rule, whose meeting is an outer round per fragment (see ``local_sgd/simulated.py``)."""
+"""DiLoCo simulated: local SGD's periodic rule, whose meeting is an outer round per fragment (see
+``local_sgd/simulated.py``)."""
 
 from __future__ import annotations
 

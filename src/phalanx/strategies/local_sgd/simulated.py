@@ -103,7 +103,8 @@ class Averaging:
         return True
 
     def evaluate(self, world: "World") -> dict[str, float]:
-        return world.evaluate_parts(list(_matrix(self.stacks).unbind(0)))  # each replica on its part, as a real run does
+        # each replica on its part, as a real run does
+        return world.evaluate_parts(list(_matrix(self.stacks).unbind(0)))
 
     def model_flat(self) -> torch.Tensor:
         return torch.cat([s.detach()[0].reshape(-1) for s in self.stacks])

@@ -21,7 +21,8 @@ is one pipeline, rank r = stage r, exactly as without replicas.
 What phalanx adds to the engine (this package's modules): the split (any
 ``nn.Sequential`` or ``pipeline_blocks()`` cut at its blocks; any other model, a step of the user's or
 ``--split-points``: the training step traced by torch.export and split at named points, tied weights
-kept on every stage that uses them with their gradients summed over those stages), the exact balancing by parameters or measured time,
+kept on every stage that uses them with their gradients summed over those stages), the exact balancing
+by parameters or measured time,
 the printed plan, each stage's input and output worked out ahead on meta tensors (torch's static
 mode: no extra pass through a stage, see ``stage.py``), contiguous activations and
 gradients (gloo needs them), sharded checkpoints any partition can read, and the checks that name the fix.
@@ -98,7 +99,8 @@ class Pipeline(Options):
 
     def _check_stages(self, stages: int) -> None:
         if self.split_points and len(self.split_points) + 1 != stages:
-            raise PhalanxError(f"--split-points {','.join(self.split_points)} makes {len(self.split_points) + 1} stages "
+            raise PhalanxError(f"--split-points {','.join(self.split_points)} makes "
+                               f"{len(self.split_points) + 1} stages "
                                f"but the pipeline has {stages}; name {stages - 1} point(s), one where each stage after "
                                "the first begins")
         if isinstance(self.balance, tuple) and len(self.balance) != stages:

@@ -149,11 +149,13 @@ class Traced:
                 cause = e.__cause__ or e
                 first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
                 raise PhalanxError(
-                    f"--strategy pipeline cannot trace {type(model).__name__} with torch.export ({type(cause).__name__}:"
-                    f" {first}); make it an nn.Sequential of blocks or give it a pipeline_blocks() method, and phalanx "
+                    f"--strategy pipeline cannot trace {type(model).__name__} with torch.export "
+                    f"({type(cause).__name__}: {first}); make it an nn.Sequential of blocks or give it a "
+                    "pipeline_blocks() method, and phalanx "
                     "cuts it at its blocks instead") from None
         if self.pipe.num_stages != stages:
-            raise PhalanxError(f"split points {','.join(points)} gave {self.pipe.num_stages} stages, not {stages}: each "
+            raise PhalanxError(f"split points {','.join(points)} gave {self.pipe.num_stages} stages, "
+                               f"not {stages}: each "
                                f"must be a submodule the forward calls exactly once, in forward order")
         self.out_spec = _OUT_SPECS.pop(wrapper.key)
         self.positions = _last_stage_positions(self.pipe)

@@ -149,9 +149,9 @@ class Backup(ParameterServer):
         return f"backup (parameter server, synchronous with {b} backup worker{'s' * (b != 1)})"
 
 
-# ps: its cost model, for phalanx estimate (strategies/ps/costs.py; the advice compares it with sync). ssp and backup have
-# none yet: the registry is keyed by the exact class, so they do not inherit this one. One simulated rule for the
-# family (strategies/ps/simulated.py): each asks its options for its gate and aggregation.
+# ps: its cost model, for phalanx estimate (strategies/ps/costs.py; the advice compares it with sync).
+# ssp and backup have none yet: the registry is keyed by the exact class, so they do not inherit this one.
+# One simulated rule for the family (strategies/ps/simulated.py): each asks its options for its gate and aggregation.
 register(ParameterServer, cost=ParameterServerCost(instead=Sync), simulated=SIMULATED_SERVER)
 register(SSP, simulated=SIMULATED_SERVER)
 register(Backup, simulated=SIMULATED_SERVER)
@@ -212,7 +212,8 @@ class ServerRuntime(Runtime):
         pass  # the server evaluates alone
 
     def evaluate(self, batches, totals: Totals = COUNT_CORRECT) -> tuple[float, ...]:
-        return tuple(add_up(self.module, batches, self.ctx.device, totals, self.build.step).tolist())  # the whole set, no collective
+        # the whole set, no collective
+        return tuple(add_up(self.module, batches, self.ctx.device, totals, self.build.step).tolist())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)

@@ -2,7 +2,8 @@
 
 Per global step (W gradients) the server's link carries W gradients in and W parameter copies
 out, each a header message and the vector, received into a newly allocated buffer (whose first
-touch, page faults, is measured). A worker's cycle: compute a gradient (forward, backward, flatten), push it, wait while the
+touch, page faults, is measured). A worker's cycle: compute a gradient (forward, backward, flatten),
+push it, wait while the
 server applies it (scale, copy in, optimizer step, flatten) and sends the parameters back (a
 blocking send: the server's main thread is busy until it is gone), copy them in, start again.
 Pushes arrive on the server's receiving threads while its main thread works, one at a time on

@@ -39,7 +39,8 @@ class Server(SimulatedRule):
         compute = problem.compute
         predicted = predict_ps(compute, problem.facts, problem.network, W)
         pace = predicted.step / max(predicted.parts["timeline"], 1e-30)  # >1 where the node's cores bound it
-        work = (worker_work(compute) + round_trip_fixed(compute, problem.network)) * pace  # as strategies/ps/costs.py's cycle
+        # as strategies/ps/costs.py's cycle
+        work = (worker_work(compute) + round_trip_fixed(compute, problem.network)) * pace
         apply = compute.apply * pace
         unpack, loop = compute.unpack * pace, compute.loop * pace
         message = [m * pace for m in message_seconds(compute, problem.facts, problem.network, W)]
