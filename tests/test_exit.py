@@ -297,3 +297,33 @@ def test_ranks_of_different_pace_agree_on_when_to_read_the_stop_request():
     assert after == [PACE_STEPS + fast.check_every, PACE_STEPS + 2 * fast.check_every]
     store.set(STOP_KEY, "SIGTERM")  # seen at a check step by one rank, at the one after by the other
     assert fast.agree(after[0]) == after[1] == slow.agree(after[1])  # where both check
+
+
+def test_ranks_that_meet_now_and_then_stop_at_one_step_ahead_of_the_fastest():
+    """Local SGD's ranks meet only at averagings, so one may be up to H steps ahead of another: the stop a slow
+    rank proposes lies beyond that, on a step where the fast one reads the store, so both stop there (a proposal
+    one check ahead, as for ranks in step, was already behind the fast rank: one stopped, the other went on into a
+    collective alone, and the job hung)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from phalanx.strategies import StopRule
+    from phalanx.train.stop import STOP_KEY, StopAgreement
+
+    H = 40
+    for lead in (3, 17, H):  # the fast rank's lead over the slow one when the request arrives
+        store = dist.HashStore()
+        fast, slow = (StopAgreement(SimpleNamespace(store=store), StopRule.AGREE, drift=H) for _ in range(2))
+        fast.begin(0), slow.begin(0)
+        for step in range(1, 6 + lead):
+            if fast.check_due(step):  # (no request yet: nothing to agree on)
+                assert fast.agree(step) is None
+        slow_step = 6
+        store.set(STOP_KEY, "SIGINT")
+        proposed = next(slow.agree(s) for s in range(slow_step, slow_step + 8) if slow.check_due(s))
+        assert proposed > 6 + lead  # beyond the fast rank
+        # the fast rank reads at its own check steps from where it is; the first one finds the proposal
+        reads = [s for s in range(6 + lead, proposed + 1) if fast.check_due(s)]
+        assert reads and reads[-1] == proposed, (lead, proposed, reads)
+        assert all(fast.agree(s) == proposed for s in reads)

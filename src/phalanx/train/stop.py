@@ -30,18 +30,20 @@ class StopAgreement:
     ``stop_rule`` (the layout's): ranks in step agree on a step ahead of them all; an asynchronous rank
     stops where it reads the request; a parameter server's worker never reads it (the server tells it)."""
 
-    def __init__(self, ctx: Any, stop_rule: StopRule):
+    def __init__(self, ctx: Any, stop_rule: StopRule, drift: int = 1):
         self.ctx, self.stop_rule = ctx, stop_rule
+        #: how far one rank may run ahead of another (the layout's drift): a proposed stop lies beyond it
+        self.drift = drift
         self.stop_at: Optional[int] = None  #: the step every rank stops at, once a stop was requested
         self.stop_name: Optional[str] = None  #: the signal that asked for it (on whichever rank it reached)
         self.published = False
         #: steps between store reads, counted from ``check_from`` (every rank the same; see :meth:`check_due`)
         self.check_every, self.check_from, self.paced = STOP_CHECK_EVERY, 0, False
-        self.began = 0.0
+        self.began, self.first = 0.0, 0  # (first: the loop's first step, where the reads are counted from)
 
     def begin(self, step: int) -> None:
         """The loop's first step: the reads are counted from it (a resume starts every rank alike)."""
-        self.check_from, self.began = step, time.perf_counter()
+        self.check_from, self.first, self.began = step, step, time.perf_counter()
 
     def reached(self, step: int) -> bool:
         """Whether this rank stops before the step after ``step``: a stop was requested and the step the
@@ -95,8 +97,25 @@ class StopAgreement:
         self.stop_name = store.get(STOP_KEY).decode()
         if rule in (StopRule.EACH, StopRule.SERVER):
             return step
-        # In step with each other, ranks are at most a step apart: every rank is at this check step or
-        # beside it, and none has passed the next one, the step proposed. A rank that read the store
-        # here just before the request arrived finds the proposal at that next check, where it stops.
-        # The first proposal stored wins (compare_set), so every rank reads the same step.
-        return int(store.compare_set(STOP_AT_KEY, "", str(step + self.check_every)))
+        # No rank is more than the layout's drift ahead of this one (ranks in step: one; local SGD: the steps
+        # between averagings), so none has passed the first check step beyond that, the step proposed. A rank
+        # that read the store at an earlier check just before the request arrived finds the proposal at a
+        # later one, at the latest the step proposed, where it stops. The first proposal stored wins
+        # (compare_set), so every rank reads the same step.
+        return int(store.compare_set(STOP_AT_KEY, "", str(self.check_step_after(step + self.drift))))
+
+    def check_step_after(self, step: int) -> int:
+        """The first step after ``step`` at which every rank reads the store: on the first cadence up to the
+        step where the ranks agreed a new one (PACE_STEPS after the first), on that one after it. A rank that
+        has not reached that step yet reads the cadence the first rank there stored; none stored: no rank has
+        passed it, and it is the step."""
+        paced_at = self.first + PACE_STEPS
+        if step < paced_at:
+            return self.first + (step - self.first) // STOP_CHECK_EVERY * STOP_CHECK_EVERY + STOP_CHECK_EVERY
+        if self.paced:
+            cadence = self.check_every
+        elif self.ctx.store.check([CADENCE_KEY]):
+            cadence = int(self.ctx.store.get(CADENCE_KEY))
+        else:
+            return paced_at
+        return paced_at + (step - paced_at) // cadence * cadence + cadence
