@@ -299,31 +299,31 @@ def test_ranks_of_different_pace_agree_on_when_to_read_the_stop_request():
     assert fast.agree(after[0]) == after[1] == slow.agree(after[1])  # where both check
 
 
-def test_ranks_that_meet_now_and_then_stop_at_one_step_ahead_of_the_fastest():
-    """Local SGD's ranks meet only at averagings, so one may be up to H steps ahead of another: the stop a slow
-    rank proposes lies beyond that, on a step where the fast one reads the store, so both stop there (a proposal
-    one check ahead, as for ranks in step, was already behind the fast rank: one stopped, the other went on into a
-    collective alone, and the job hung)."""
+def test_ranks_that_meet_now_and_then_stop_at_one_step_past_the_fastest():
+    """Local SGD's ranks meet only at averagings, so one may be up to H steps ahead of another. They say where
+    they are at each check, and the stop proposed is the first check past the furthest: both stop there, at the
+    fast rank's next check (a proposal one check past the proposer, right for ranks in step, was behind a fast
+    rank: one stopped, the other went on into a collective alone, and the job hung)."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
 
     from phalanx.strategies import StopRule
-    from phalanx.train.stop import STOP_KEY, StopAgreement
+    from phalanx.train.stop import STOP_CHECK_EVERY, StopAgreement
 
-    H = 40
-    for lead in (3, 17, H):  # the fast rank's lead over the slow one when the request arrives
+    for lead in (0, 3, 17, 40):  # how far the fast rank is ahead of the slow one when the slow one is signalled
         store = dist.HashStore()
-        fast, slow = (StopAgreement(SimpleNamespace(store=store), StopRule.AGREE, drift=H) for _ in range(2))
+        ranks = [SimpleNamespace(store=store, distributed=True, rank=r, world_size=2,
+                                 progress=SimpleNamespace(stop_requested=None)) for r in range(2)]
+        fast, slow = (StopAgreement(ctx, StopRule.AGREE, drift=40) for ctx in ranks)
         fast.begin(0), slow.begin(0)
-        for step in range(1, 6 + lead):
-            if fast.check_due(step):  # (no request yet: nothing to agree on)
-                assert fast.agree(step) is None
-        slow_step = 6
-        store.set(STOP_KEY, "SIGINT")
-        proposed = next(slow.agree(s) for s in range(slow_step, slow_step + 8) if slow.check_due(s))
-        assert proposed > 6 + lead  # beyond the fast rank
-        # the fast rank reads at its own check steps from where it is; the first one finds the proposal
-        reads = [s for s in range(6 + lead, proposed + 1) if fast.check_due(s)]
-        assert reads and reads[-1] == proposed, (lead, proposed, reads)
-        assert all(fast.agree(s) == proposed for s in reads)
+        assert not any(fast.reached(step) for step in range(1, 7 + lead))  # nothing asked yet
+        assert not any(slow.reached(step) for step in range(1, 7))
+        ranks[1].progress.stop_requested = "SIGINT"  # Ctrl-C reached the slow rank alone
+        slow_stop = next(step for step in range(7, 1000) if slow.reached(step))
+        fast_stop = next(step for step in range(7 + lead, 1000) if fast.reached(step))
+        assert slow_stop == fast_stop, (lead, slow_stop, fast_stop)
+        # within two checks of the fast rank: prompt (steps that take no time here: past step 32 the ranks read
+        # the store only every 256 steps, the most they agree on)
+        assert fast_stop <= 6 + lead + 2 * max(fast.check_every, STOP_CHECK_EVERY)
+        assert (fast.stopped_by(fast_stop), slow.stopped_by(slow_stop)) == ("SIGINT", "SIGINT")

@@ -22,6 +22,7 @@ STOP_CHECK_EVERY = 4
 #: store, which a fast step must not pay every few steps (benchmarks/README.md, "Figures behind the code").
 PACE_STEPS, STOP_CHECK_S, STOP_CHECK_MAX = 32, 0.05, 256
 STOP_KEY, STOP_AT_KEY, CADENCE_KEY = "phalanx/stop", "phalanx/stop_at", "phalanx/stop_check_every"
+AT_KEY = "phalanx/at"  #: (ranks that meet only now and then) where each rank was at its last check
 
 
 class StopAgreement:
@@ -32,7 +33,7 @@ class StopAgreement:
 
     def __init__(self, ctx: Any, stop_rule: StopRule, drift: int = 1):
         self.ctx, self.stop_rule = ctx, stop_rule
-        #: how far one rank may run ahead of another (the layout's drift): a proposed stop lies beyond it
+        #: how far one rank may run ahead of another (the layout's drift); past 1, ranks say where they are
         self.drift = drift
         self.stop_at: Optional[int] = None  #: the step every rank stops at, once a stop was requested
         self.stop_name: Optional[str] = None  #: the signal that asked for it (on whichever rank it reached)
@@ -64,6 +65,8 @@ class StopAgreement:
             if mine is not None:
                 self.stop_name, self.stop_at = mine, step
         elif self.check_due(step):
+            if self.drift > 1:  # where this rank is, before it looks for a request (see agree)
+                self.ctx.store.set(f"{AT_KEY}/{self.ctx.rank}", str(step))
             self.stop_at = self.agree(step)
 
     def _publish(self, name: str) -> None:
@@ -97,12 +100,19 @@ class StopAgreement:
         self.stop_name = store.get(STOP_KEY).decode()
         if rule in (StopRule.EACH, StopRule.SERVER):
             return step
-        # No rank is more than the layout's drift ahead of this one (ranks in step: one; local SGD: the steps
-        # between averagings), so none has passed the first check step beyond that, the step proposed. A rank
-        # that read the store at an earlier check just before the request arrived finds the proposal at a
-        # later one, at the latest the step proposed, where it stops. The first proposal stored wins
-        # (compare_set), so every rank reads the same step.
-        return int(store.compare_set(STOP_AT_KEY, "", str(self.check_step_after(step + self.drift))))
+        # The step proposed is the first check step past every rank. In step with each other, ranks are at most
+        # a step apart: none has passed this rank's next check. Ranks that meet only now and then (local SGD:
+        # at averagings, up to H steps apart) say where they are at each check, before they look for a request:
+        # a rank that looked before the request arrived said so before this rank read it, so the next check
+        # past the furthest said is one no rank has passed. Each rank reads the proposal at its next check, at
+        # the latest the step proposed, and stops there; the first proposal stored wins (compare_set).
+        furthest = max([step, *self._positions()]) if self.drift > 1 else step
+        return int(store.compare_set(STOP_AT_KEY, "", str(self.check_step_after(furthest))))
+
+    def _positions(self) -> list[int]:
+        """The check steps the other ranks last said they were at (a rank yet to say is before its first)."""
+        keys = [f"{AT_KEY}/{r}" for r in range(self.ctx.world_size) if r != self.ctx.rank]
+        return [int(self.ctx.store.get(k)) for k in keys if self.ctx.store.check([k])]
 
     def check_step_after(self, step: int) -> int:
         """The first step after ``step`` at which every rank reads the store: on the first cadence up to the
