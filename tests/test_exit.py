@@ -300,3 +300,33 @@ def test_ranks_of_different_pace_agree_on_when_to_read_the_stop_request():
     assert after == [PACE_STEPS + fast.check_every, PACE_STEPS + 2 * fast.check_every]
     store.set(STOP_KEY, "SIGTERM")  # seen at a check step by one rank, at the one after by the other
     assert fast.agree(after[0]) == after[1] == slow.agree(after[1])  # where both check
+
+
+def test_ranks_that_meet_now_and_then_stop_at_one_step_past_the_fastest():
+    """Local SGD's ranks meet only at averagings, so one may be up to H steps ahead of another. They say where
+    they are at each check, and the stop proposed is the first check past the furthest: both stop there, at the
+    fast rank's next check (a proposal one check past the proposer, right for ranks in step, was behind a fast
+    rank: one stopped, the other went on into a collective alone, and the job hung)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from phalanx.strategies import StopRule
+    from phalanx.train.stop import STOP_CHECK_EVERY, StopAgreement
+
+    for lead in (0, 3, 17, 40):  # how far the fast rank is ahead of the slow one when the slow one is signalled
+        store = dist.HashStore()
+        ranks = [SimpleNamespace(store=store, distributed=True, rank=r, world_size=2,
+                                 progress=SimpleNamespace(stop_requested=None)) for r in range(2)]
+        fast, slow = (StopAgreement(ctx, StopRule.AGREE, drift=40) for ctx in ranks)
+        fast.begin(0), slow.begin(0)
+        assert not any(fast.reached(step) for step in range(1, 7 + lead))  # nothing asked yet
+        assert not any(slow.reached(step) for step in range(1, 7))
+        ranks[1].progress.stop_requested = "SIGINT"  # Ctrl-C reached the slow rank alone
+        slow_stop = next(step for step in range(7, 1000) if slow.reached(step))
+        fast_stop = next(step for step in range(7 + lead, 1000) if fast.reached(step))
+        assert slow_stop == fast_stop, (lead, slow_stop, fast_stop)
+        # within two checks of the fast rank: prompt (steps that take no time here: past step 32 the ranks read
+        # the store only every 256 steps, the most they agree on)
+        assert fast_stop <= 6 + lead + 2 * max(fast.check_every, STOP_CHECK_EVERY)
+        assert (fast.stopped_by(fast_stop), slow.stopped_by(slow_stop)) == ("SIGINT", "SIGINT")

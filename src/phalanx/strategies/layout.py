@@ -74,6 +74,9 @@ class Layout:
     islands: Optional[tuple[tuple[int, ...], ...]] = None  #: ranks grouped by direct links (topology)
     #: how the ranks stop early when asked (SIGTERM, SIGINT); a plain word is converted here
     stop_rule: StopRule = StopRule.AGREE
+    #: under StopRule.AGREE: how many steps one rank may run ahead of another between the collectives that hold
+    #: them together (1: every step has one; local SGD and DiLoCo: H, they meet at each averaging)
+    drift: int = 1
     #: the rank at one end of every message of the job (a parameter server), whose own bytes on the
     #: wire are the job's; None: no such rank
     hub: Optional[int] = None

@@ -177,7 +177,7 @@ class WorkerRun:
                                   resumed=(state["path"], self.step) if state else None)
         self.summary = Summary(ctx, plan, cfg, self.runtime, self.data, self.reporter, self.meter, self.marks,
                                self.global_batch, self.recomputed, self.compiled)
-        self.stop = StopAgreement(ctx, plan.layout.stop_rule)
+        self.stop = StopAgreement(ctx, plan.layout.stop_rule, plan.layout.drift)
 
     # ---- the loop ----
     def train(self) -> dict[str, Any]:

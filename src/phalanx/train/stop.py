@@ -22,6 +22,7 @@ STOP_CHECK_EVERY = 4
 #: store, which a fast step must not pay every few steps (benchmarks/README.md, "Figures behind the code").
 PACE_STEPS, STOP_CHECK_S, STOP_CHECK_MAX = 32, 0.05, 256
 STOP_KEY, STOP_AT_KEY, CADENCE_KEY = "phalanx/stop", "phalanx/stop_at", "phalanx/stop_check_every"
+AT_KEY = "phalanx/at"  #: (ranks that meet only now and then) where each rank was at its last check
 
 
 class StopAgreement:
@@ -30,18 +31,20 @@ class StopAgreement:
     ``stop_rule`` (the layout's): ranks in step agree on a step ahead of them all; an asynchronous rank
     stops where it reads the request; a parameter server's worker never reads it (the server tells it)."""
 
-    def __init__(self, ctx: Any, stop_rule: StopRule):
+    def __init__(self, ctx: Any, stop_rule: StopRule, drift: int = 1):
         self.ctx, self.stop_rule = ctx, stop_rule
+        #: how far one rank may run ahead of another (the layout's drift); past 1, ranks say where they are
+        self.drift = drift
         self.stop_at: Optional[int] = None  #: the step every rank stops at, once a stop was requested
         self.stop_name: Optional[str] = None  #: the signal that asked for it (on whichever rank it reached)
         self.published = False
         #: steps between store reads, counted from ``check_from`` (every rank the same; see :meth:`check_due`)
         self.check_every, self.check_from, self.paced = STOP_CHECK_EVERY, 0, False
-        self.began = 0.0
+        self.began, self.first = 0.0, 0  # (first: the loop's first step, where the reads are counted from)
 
     def begin(self, step: int) -> None:
         """The loop's first step: the reads are counted from it (a resume starts every rank alike)."""
-        self.check_from, self.began = step, time.perf_counter()
+        self.check_from, self.first, self.began = step, step, time.perf_counter()
 
     def reached(self, step: int) -> bool:
         """Whether this rank stops before the step after ``step``: a stop was requested and the step the
@@ -62,6 +65,8 @@ class StopAgreement:
             if mine is not None:
                 self.stop_name, self.stop_at = mine, step
         elif self.check_due(step):
+            if self.drift > 1:  # where this rank is, before it looks for a request (see agree)
+                self.ctx.store.set(f"{AT_KEY}/{self.ctx.rank}", str(step))
             self.stop_at = self.agree(step)
 
     def _publish(self, name: str) -> None:
@@ -95,8 +100,32 @@ class StopAgreement:
         self.stop_name = store.get(STOP_KEY).decode()
         if rule in (StopRule.EACH, StopRule.SERVER):
             return step
-        # In step with each other, ranks are at most a step apart: every rank is at this check step or
-        # beside it, and none has passed the next one, the step proposed. A rank that read the store
-        # here just before the request arrived finds the proposal at that next check, where it stops.
-        # The first proposal stored wins (compare_set), so every rank reads the same step.
-        return int(store.compare_set(STOP_AT_KEY, "", str(step + self.check_every)))
+        # The step proposed is the first check step past every rank. In step with each other, ranks are at most
+        # a step apart: none has passed this rank's next check. Ranks that meet only now and then (local SGD:
+        # at averagings, up to H steps apart) say where they are at each check, before they look for a request:
+        # a rank that looked before the request arrived said so before this rank read it, so the next check
+        # past the furthest said is one no rank has passed. Each rank reads the proposal at its next check, at
+        # the latest the step proposed, and stops there; the first proposal stored wins (compare_set).
+        furthest = max([step, *self._positions()]) if self.drift > 1 else step
+        return int(store.compare_set(STOP_AT_KEY, "", str(self.check_step_after(furthest))))
+
+    def _positions(self) -> list[int]:
+        """The check steps the other ranks last said they were at (a rank yet to say is before its first)."""
+        keys = [f"{AT_KEY}/{r}" for r in range(self.ctx.world_size) if r != self.ctx.rank]
+        return [int(self.ctx.store.get(k)) for k in keys if self.ctx.store.check([k])]
+
+    def check_step_after(self, step: int) -> int:
+        """The first step after ``step`` at which every rank reads the store: on the first cadence up to the
+        step where the ranks agreed a new one (PACE_STEPS after the first), on that one after it. A rank that
+        has not reached that step yet reads the cadence the first rank there stored; none stored: no rank has
+        passed it, and it is the step."""
+        paced_at = self.first + PACE_STEPS
+        if step < paced_at:
+            return self.first + (step - self.first) // STOP_CHECK_EVERY * STOP_CHECK_EVERY + STOP_CHECK_EVERY
+        if self.paced:
+            cadence = self.check_every
+        elif self.ctx.store.check([CADENCE_KEY]):
+            cadence = int(self.ctx.store.get(CADENCE_KEY))
+        else:
+            return paced_at
+        return paced_at + (step - paced_at) // cadence * cadence + cadence

@@ -103,7 +103,7 @@ class DiLoCo(Options):
     def layout(self, job: Job) -> Layout:
         if job.model is not None:
             fragment_bounds([p.numel() for p in job.model.parameters()], self.fragments)
-        return data_parallel(job)
+        return dataclasses.replace(data_parallel(job), drift=self.sync_every)  # (ranks meet at each outer round)
 
     def runtime(self, build: Build) -> Runtime:
         return DiLoCoRuntime(build, self)

@@ -30,6 +30,7 @@ from .simulated import LOCAL_SGD
 from ...options import option
 from ...errors import PhalanxError
 from ..base import Build, Options, Runtime, SurvivorState
+from ..layout import Job, Layout, data_parallel
 from .. import replica_state
 from ..registry import register
 from ..replicas import average_buffers, average_over, verify_replicas
@@ -52,6 +53,9 @@ class LocalSGD(Options):
 
     def describe(self) -> str:
         return f"local-sgd (parameters averaged every {self.sync_every} steps)"
+
+    def layout(self, job: Job) -> Layout:
+        return dataclasses.replace(data_parallel(job), drift=self.sync_every)  # (ranks meet at each averaging)
 
     def runtime(self, build: Build) -> Runtime:
         return LocalSGDRuntime(build, self)
