@@ -174,8 +174,8 @@ def mb(n) -> str:
 def table(results: list[dict], parameters: int) -> list[str]:
     lines = [f"Llama {parameters / 1e6:.1f} M parameters ({parameters * 4 / 1e6:.0f} MB float32); MB per rank, the "
              "largest rank's",
-             f"| variant | ranks | parameters | gradients | optimizer | held | kept for backward (rank 0) | "
-             f"building peak | training peak |",
+             "| variant | ranks | parameters | gradients | optimizer | held | kept for backward (rank 0) | "
+             "building peak | training peak |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         held, ac = r["held"], r["activation_checkpointing"]
