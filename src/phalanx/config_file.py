@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from .errors import PhalanxError
+from .files import replace_private
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -149,11 +150,4 @@ def _toml(value: Any) -> str:
 
 def write(path: str | Path, text: str) -> None:
     """Replace ``path`` with ``text`` at once (a reader never sees half a file), readable by its owner alone."""
-    import os
-
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(temporary, path)
+    replace_private(path, text)

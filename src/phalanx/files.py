@@ -48,3 +48,12 @@ def open_private(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> IO:
 def write_private(path: str | os.PathLike, text: str) -> None:
     with open_private(path, "w") as f:
         f.write(text)
+
+
+def replace_private(path: str | os.PathLike, text: str) -> None:
+    """Replace ``path`` with ``text`` at once (a temporary beside it, renamed over it): a reader sees the old
+    file or the new one, never half of one; 0600 as :func:`write_private`."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp")
+    write_private(temporary, text)
+    os.replace(temporary, path)

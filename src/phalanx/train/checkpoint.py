@@ -39,7 +39,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ..errors import PhalanxError, StorageError
-from ..files import PRIVATE_FILE, private_dir, write_private
+from ..files import PRIVATE_FILE, private_dir, replace_private
 from . import sharded
 
 FORMAT = "phalanx-checkpoint-1"
@@ -95,10 +95,7 @@ def read_run(directory: str | os.PathLike) -> Optional[RunRecord]:
 
 def write_run(directory: str | os.PathLike, record: RunRecord) -> None:
     """Atomically (temporary file, rename), so a reader sees the old record or the new one."""
-    root = Path(directory)
-    tmp = root / f".{RUN_NAME}.tmp"
-    write_private(tmp, json.dumps(record._asdict()) + "\n")
-    os.replace(tmp, root / RUN_NAME)
+    replace_private(Path(directory) / RUN_NAME, json.dumps(record._asdict()) + "\n")
 
 
 def step_entries(directory: str | os.PathLike) -> list[Path]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import sys
 import threading
 import time
@@ -15,7 +14,7 @@ from typing import Any, Optional
 from tqdm import tqdm
 
 from ..errors import StorageError
-from ..files import open_private, private_dir, write_private
+from ..files import open_private, private_dir, replace_private
 
 
 def step_line(step: int, loss: float, examples_per_sec: float, sec_per_batch: float) -> str:
@@ -43,9 +42,7 @@ def keep_until(path: str, step: int) -> None:
             at = 0  # not ours to judge: kept as it was
         if not isinstance(at, int) or at <= step:
             kept.append(line)
-    tmp = file.with_name(f".{file.name}.tmp")
-    write_private(tmp, "".join(f"{line}\n" for line in kept))
-    os.replace(tmp, file)
+    replace_private(file, "".join(f"{line}\n" for line in kept))
 
 
 def _is_json(line: str) -> bool:
