@@ -23,6 +23,24 @@ from phalanx.launcher import WorkerContext, launch
 
 REPO = Path(__file__).resolve().parents[1]
 
+#: a user's model file (``--model NAME:Net``) with buffers: BatchNorm's running statistics and its step count
+BATCHNORM_NET = '''
+import numpy as np
+from torch import nn
+
+
+class Net(nn.Module):
+    """BatchNorm between two layers: running statistics and a step count as buffers."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(input_shape)), 32), nn.BatchNorm1d(32),
+                                  nn.ReLU(), nn.Linear(32, num_classes))
+
+    def forward(self, x):
+        return self.body(x)
+'''
+
 
 def run_workers(fn: Callable[..., Any], n: int, *args: Any) -> Any:
     """Run ``fn(ctx, *args)`` on ``n`` CPU workers; return rank 0's result."""

@@ -17,24 +17,8 @@ import re
 
 import pytest
 
-from helpers import run_cli, run_in_process
+from helpers import BATCHNORM_NET, run_cli, run_in_process
 
-MODULE = '''
-import numpy as np
-from torch import nn
-
-
-class Net(nn.Module):
-    """BatchNorm between two layers: running statistics and a step count as buffers."""
-
-    def __init__(self, input_shape, num_classes):
-        super().__init__()
-        self.body = nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(input_shape)), 32), nn.BatchNorm1d(32),
-                                  nn.ReLU(), nn.Linear(32, num_classes))
-
-    def forward(self, x):
-        return self.body(x)
-'''
 
 BN = ["--model", "finalnet:Net"]
 # The pipelines run a model without BatchNorm: BatchNorm inside pipeline stages is fixed on h/pipebn.
@@ -76,7 +60,7 @@ def printed_as(value: float, printed: str) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_printed_test_metrics_are_the_final_checkpoints(tmp_path, case):
-    (tmp_path / "finalnet.py").write_text(MODULE)  # --model finalnet:Net, imported from the working directory
+    (tmp_path / "finalnet.py").write_text(BATCHNORM_NET)  # --model finalnet:Net, imported from the working directory
     # (later flags win: a case's own --steps or --workers over the common ones)
     run = run_cli if case in INSTALLED else run_in_process
     out = run("train", *COMMON, *CASES[case], cwd=tmp_path)

@@ -21,24 +21,10 @@ import subprocess
 import pytest
 import torch
 
-from helpers import phalanx_cmd, run_in_process
+from helpers import BATCHNORM_NET, phalanx_cmd, run_in_process
 from phalanx.shard_read import read_entries
 from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, tensors
 
-MODULE = '''
-import numpy as np
-from torch import nn
-
-
-class Net(nn.Module):
-    def __init__(self, input_shape, num_classes):
-        super().__init__()
-        self.body = nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(input_shape)), 32), nn.BatchNorm1d(32),
-                                  nn.ReLU(), nn.Linear(32, num_classes))
-
-    def forward(self, x):
-        return self.body(x)
-'''
 
 H = 40
 STRATEGIES = {"local-sgd": ["--strategy", "local-sgd", "--sync-every", str(H)],
@@ -74,7 +60,7 @@ def _model(directory):
 @pytest.fixture(scope="module", params=list(STRATEGIES))
 def runs(request, tmp_path_factory):
     strategy, cwd = request.param, tmp_path_factory.mktemp(request.param)
-    (cwd / "replicanet.py").write_text(MODULE)
+    (cwd / "replicanet.py").write_text(BATCHNORM_NET)
     _train(cwd, strategy, "straight")
     # (its checkpoints written in the background: each rank's replica is a shard like fsdp's)
     periodic = _train(cwd, strategy, "periodic", "--resume", "straight/step-00000030.dcp", "--async-checkpoint")
