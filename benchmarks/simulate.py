@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 from phalanx import TrainConfig
-from phalanx.compare.cli import CompareOptions, setup_from
+from phalanx.compare.options import CompareOptions
+from phalanx.compare.setup import setup_from
 from phalanx.compare.results import RunResult
 from phalanx.compare.runner import check, run_all
 from phalanx.estimate.overhead import FIGURES

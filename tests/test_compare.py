@@ -13,7 +13,8 @@ import pytest
 
 from helpers import phalanx_cmd, run_cli, run_main
 from phalanx import SSP, Backup, LocalSGD, PhalanxError, TrainConfig
-from phalanx.compare.cli import CompareOptions, setup_from
+from phalanx.compare.options import CompareOptions
+from phalanx.compare.setup import setup_from
 from phalanx.compare.results import RunResult, figures
 from phalanx.compare.runner import schedule
 from phalanx.compare.tokens import parse_scenarios, parse_strategies

@@ -92,7 +92,7 @@ def test_unregistered_it_is_unknown_again():
 
 
 def test_code_around_the_strategies_asks_their_capabilities(monkeypatch):
-    from phalanx.compare import cli as compare_cli
+    from phalanx.compare.setup import default_strategies
     from phalanx.compare.report import baseline
     from phalanx.compare.tokens import parse_strategies
     from phalanx.strategies.layout import data_parallel
@@ -108,7 +108,7 @@ def test_code_around_the_strategies_asks_their_capabilities(monkeypatch):
     check_precision(TrainConfig(precision="fp16", strategy="sync"), on_gpus)
     # compare's defaults on GPUs leave out the strategies that run on the CPU only
     monkeypatch.setattr(trainer, "worker_devices", lambda train: [torch.device("cuda", 0)])
-    assert compare_cli.default_strategies(TrainConfig()) == "sync,ps,ssp:2,local-sgd:8,backup:1"
+    assert default_strategies(TrainConfig()) == "sync,ps,ssp:2,local-sgd:8,backup:1"
     # compare's ratios: against the reference strategy where it runs, else the first listed
     assert baseline(SimpleNamespace(strategies=parse_strategies("ps,sync,ssp:2"))) == "sync"
     assert baseline(SimpleNamespace(strategies=parse_strategies("ps,ssp:2"))) == "ps"

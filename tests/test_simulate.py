@@ -386,7 +386,8 @@ def test_a_simulated_evaluation_is_a_real_evaluation_of_the_same_parameters(regr
 
 
 def test_a_loss_target_stops_the_simulation_where_the_real_evaluation_reaches_it(regression):
-    from phalanx.compare.cli import CompareOptions, setup_from
+    from phalanx.compare.options import CompareOptions
+    from phalanx.compare.setup import setup_from
     from phalanx.compare.simulated import simulate_compare
     from phalanx.simulate.options import SimulateOptions
 
@@ -406,7 +407,8 @@ def test_a_loss_target_stops_the_simulation_where_the_real_evaluation_reaches_it
 
 def test_the_race_stops_the_slower_strategies_and_finds_the_same_winner_in_the_same_time():
     from phalanx.compare import report
-    from phalanx.compare.cli import CompareOptions, setup_from
+    from phalanx.compare.options import CompareOptions
+    from phalanx.compare.setup import setup_from
     from phalanx.compare.simulated import simulate_compare
     from phalanx.compare.simulated_report import tables
     from phalanx.simulate.options import SimulateOptions
@@ -441,7 +443,8 @@ def test_the_race_stops_the_slower_strategies_and_finds_the_same_winner_in_the_s
 
 def test_a_server_beside_the_workers_is_read_from_the_layouts():
     # compare --simulate then measures a parameter server's round trip with it, as the estimate does
-    from phalanx.compare.cli import CompareOptions, setup_from
+    from phalanx.compare.options import CompareOptions
+    from phalanx.compare.setup import setup_from
     from phalanx.compare.simulated import beside
 
     train = TrainConfig(model="mlp", devices="cpu", batch_size=16)

@@ -11,7 +11,7 @@ The keywords are the command's flags: the comparison's own (``strategies``, ``sc
 its ``step_time``, ``link_bandwidth``, ``link_latency``, ``per_node``, ``race``) and every training flag the
 command takes (``batch_size``, ``lr``, ``devices``, ``seed``, ``tensorboard``, ``model="cnn"``,
 ``data="digits"`` ...). They are checked by the same dataclasses and run by the same
-:func:`~phalanx.compare.cli.compare` as the command's, so a bad value is the same one line.
+:func:`~phalanx.compare.engine.compare` as the command's, so a bad value is the same one line.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def compare(*, model: Any = None, train_data: Any = None, test_data: Any = None,
     """
     from ..simulate.options import SimulateOptions
     from ..train import TrainConfig
-    from .cli import CompareOptions, compare as run, shared_fields
+    from .engine import compare as run
+    from .options import CompareOptions, shared_fields
 
     if isinstance(model, str):
         settings["model"], model = model, None

@@ -156,6 +156,11 @@ class Interrupted(Exception):
     def describe(self) -> str:
         return f"stopped by {self.signame} during run {self.index + 1}/{self.total} ({self.run.label})"
 
+    def incomplete(self) -> dict:
+        """What the report's ``incomplete`` holds: the signal, the interrupted run, runs finished of runs planned."""
+        return {"stopped_by": self.signame, "interrupted_run": self.index + 1, "interrupted_label": self.run.label,
+                "runs_finished": len(self.finished), "runs_planned": self.total}
+
 
 def run_all(setup: Setup, checked: Checked, out: Path,
             progress: Callable[[int, Run, Optional[RunResult]], None] = lambda i, run, result: None) -> list[RunResult]:

@@ -34,11 +34,11 @@ from ..strategies import Job
 from ..train import TrainConfig
 from . import simulated_report as report
 from . import runner
-from .cli import incomplete_note, setup_from
-from .cli import default_strategies as real_defaults
 from .outcome import report_folder, writable
 from .report import target_words
 from .results import RunResult, figures
+from .setup import default_strategies as real_defaults
+from .setup import setup_from
 from .simulated_problem import Problem, build_problem
 from .tokens import parse_strategy
 
@@ -305,7 +305,7 @@ def compare_simulated(options, train, sim, workers: Optional[tuple[int, ...]], c
             interrupted, problem, results = e, e.problem, {n: runs for n, runs in e.by_workers.items() if runs}
     finished = {n: runs for n, runs in results.items() if len(runs) == total // len(workers)}
     result = SimulatedComparison(setup, problem, results, report.tables(setup, finished), command,
-                                 incomplete_note(interrupted))
+                                 None if interrupted is None else interrupted.incomplete())
     for note in problem.clock_notes:
         print(f"clock: {note}")
     if finished:
