@@ -10,10 +10,11 @@ Between files, no module may reach itself again through the imports that run: mo
 functions (a function's import is a cycle deferred, not removed: it works only while the other module is
 already loaded by the time it is called). An import under ``TYPE_CHECKING`` does not count there: it never
 runs, and it is how a helper names the class that calls it (a strategy's runtime its options, the config's
-checks the config) without making that class's module load first (PEP 484); across folders the layers above
-still count it. A package's ``__init__`` is a module like the others (``from . import Pipeline`` in a
-submodule imports it), but the parent package Python loads before any submodule is not an import the file
-makes, and the root package's lazy names (``importlib``, PEP 562) are not read.
+checks the config) without making that class's module load first (PEP 484; pylint's cyclic-import leaves
+them out likewise); across folders the layers above still count it. A package's ``__init__`` is a module like
+the others (``from . import Pipeline`` in a submodule imports it), but the parent package Python loads before
+any submodule is not an import the file makes, and the root package's lazy names (``importlib``, PEP 562) are
+not read.
 """
 
 import ast
