@@ -65,7 +65,7 @@ class Recomputed:
 def checkpoint_blocks(model: nn.Module, units: list[tuple[str, nn.Module]],
                       measure: Optional[Callable[[], Any]] = None, unmeasured: str = "") -> Recomputed:
     """Checkpoint every unit of ``model`` in place; ``measure``: one forward of a batch (and its loss), run before
-    and after to count what is kept for backward. The model's state (buffers, random generators) is as before."""
+    and after to count what is kept for backward. The model's state (buffers, random generators) is left unchanged."""
     declaring = declares_recompute(model)
     if declaring:  # the layers the model recomputes, by its own word (fsdp's units where it names none)
         units = declared_blocks(model) or units

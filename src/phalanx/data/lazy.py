@@ -256,7 +256,7 @@ def leave_with(reader: int, worker_id: int = 0) -> None:
     except ProcessLookupError:
         os._exit(0)
     except (AttributeError, OSError):
-        return  # no pidfd: torch's watchdog alone, as before
+        return  # no pidfd: torch's watchdog alone
 
     def wait() -> None:
         select.select([gone], [], [])

@@ -2,9 +2,9 @@
 
 Not a ``multiprocessing`` queue: its two locks are named POSIX semaphores (files in ``/dev/shm``) that live
 as long as the job, and only the parent's exit unlinks them, so a job ended by SIGKILL as a whole (an
-out-of-memory killer, ``kill -9 -PGID``) left them behind (``sem.mp-*``, or ``sem.loky-*`` once scikit-learn's
-joblib renamed multiprocessing's semaphores). A pipe is two file descriptors, which the kernel closes with
-the process; one writer per pipe needs no lock.
+out-of-memory killer, ``kill -9 -PGID``) would leave them behind (``sem.mp-*``, or ``sem.loky-*`` where
+scikit-learn's joblib has renamed multiprocessing's semaphores). A pipe is two file descriptors, which the
+kernel closes with the process; one writer per pipe needs no lock.
 
 Every worker receives every rank's writer (the launcher hands all ranks the same arguments) and closes all but
 its own first thing (:meth:`ReportPipes.own`); the parent closes its copies of the writers once the workers

@@ -15,7 +15,7 @@ who they are without that group, through the store (the launcher's, or torchrun'
   store under its own prefix, never the broken one (:meth:`Survivors.group`).
 
 Parent side, :func:`let_survivors_save`: the launcher, having seen a worker die, lets the others end on their own
-(they save, then fail as before) for up to :data:`SAVE_GRACE_S` before it ends them.
+(they save, then fail on the broken group) for up to :data:`SAVE_GRACE_S` before it ends them.
 """
 
 from __future__ import annotations

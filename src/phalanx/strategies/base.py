@@ -17,6 +17,7 @@
       runtime.arrive_for_evaluation()       # meet before a collective evaluation's clock starts
       sums = runtime.evaluate(batches, totals)  # metrics' (sum, count)s over every rank's part
       runtime.state_dict() / runtime.load_state_dict(state)    # checkpoints
+      if runtime.writes_shards: runtime.shard_state_dict()     # a sharded checkpoint: this rank's part
       changed = runtime.finish(stopping)    # what the model still owes (True: it changed it)
       saved = runtime.survivor_state(step, survivors)  # a peer lost: what this rank saves without it
       runtime.report(final); runtime.close()

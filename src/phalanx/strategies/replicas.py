@@ -121,7 +121,7 @@ def contiguous_buffers(module: nn.Module) -> None:
     """Every buffer laid out as a fresh tensor of its shape would be (a size-1 dim's stride too), in place:
     DDP's coalesced broadcast flattens a buffer that ``is_contiguous()`` into a view of itself and refuses to
     copy it back (overlapping memory), so a model's positional table made by ``transpose`` (pytorch/examples'
-    word LM) crashed sync at step 1. A buffer two modules share stays one tensor."""
+    word LM) would crash sync at step 1. A buffer two modules share stays one tensor."""
     done: dict[int, torch.Tensor] = {}
     for sub in module.modules():
         for name, buf in sub._buffers.items():

@@ -70,7 +70,7 @@ class LearningRate:
             self.stepped.step()
 
     def state(self, step: int) -> dict[str, Any]:
-        """What a checkpoint at ``step`` keeps: phalanx's own schedule under ``scheduler`` (as before); the
+        """What a checkpoint at ``step`` keeps: phalanx's own schedule under ``scheduler``; the
         user's under ``lr_scheduler``, which a resume loads (phalanx's is recomputed from the step)."""
         if self.scheduler is None:
             return {}

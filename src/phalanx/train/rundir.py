@@ -218,7 +218,7 @@ def names_a_checkpoint(path: Optional[str]) -> bool:
 def cut_record(cfg: TrainConfig, resumed: Optional[str]) -> tuple[Path, ...]:
     """Where ``--resume`` named a checkpoint that verified (``resumed``) and the directory's run record is
     unreadable: one warning, and the record to remove (then rewritten from the checkpoints, in step order, by
-    :func:`take` once the directory is locked). Was: refused with the record's own error."""
+    :func:`take` once the directory is locked)."""
     root = Path(cfg.checkpoint_dir)
     if resumed is None or not names_a_checkpoint(cfg.resume) or not (root / ckpt.RUN_NAME).exists():
         return ()
@@ -258,7 +258,7 @@ def check_metrics(cfg: TrainConfig, run_id: str, new: bool) -> tuple[Path, ...]:
         return ()
     if not new:
         if owner is None:
-            return ()  # written before runs had ids: appended to, as before
+            return ()  # no run line (a file from before runs had ids): appended to
         raise PhalanxError(f"--metrics {path} holds another run's metrics; this run continues a different one: "
                            "choose another --metrics")
     if not cfg.overwrite:
