@@ -46,12 +46,12 @@ def tables(setup: Setup, runs: list[RunResult]) -> dict[str, list[Figures]]:
 
 
 def target_words(target: Target) -> str:
-    """``0.95 test accuracy`` as before for an accuracy; ``test loss<=0.3`` for any other metric."""
+    """``0.95 test accuracy`` for an accuracy; ``test loss<=0.3`` for any other metric."""
     return f"{target.value:g} test accuracy" if target.metric == "accuracy" and target.higher else f"test {target}"
 
 
 def short(target: Target) -> str:
-    """``0.95`` for an accuracy, as before; ``loss<=0.3`` for any other metric."""
+    """``0.95`` for an accuracy; ``loss<=0.3`` for any other metric."""
     return f"{target.value:g}" if target.metric == "accuracy" and target.higher else str(target)
 
 
