@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from phalanx.errors import PhalanxError, StorageError
-from phalanx.train.checkpoint import (RUN_NAME, latest_checkpoint, list_checkpoints, load_checkpoint, read_run,
-                                      remove_stale_temporaries, save_checkpoint)
+from phalanx.checkpoint import (RUN_NAME, latest_checkpoint, list_checkpoints, load_checkpoint, read_run,
+                                remove_stale_temporaries, save_checkpoint)
 
 WRITER = """
 import sys, torch
-from phalanx.train.checkpoint import save_checkpoint
+from phalanx.checkpoint import save_checkpoint
 root = sys.argv[1]
 save_checkpoint({"format": "phalanx-checkpoint-1", "step": 1, "w": torch.ones(4)}, root, 1, keep=5)
 print("first saved", flush=True)

@@ -22,9 +22,9 @@ import torch
 from helpers import phalanx_cmd, run_in_process, run_workers
 from phalanx import evaluate
 from phalanx.errors import PhalanxError
-from phalanx.shard_read import read_entries
-from phalanx.train import checkpoint as ckpt
-from phalanx.train.sharded import STATE, file_digest
+from phalanx.checkpoint import read_entries
+from phalanx.checkpoint import directory as ckpt
+from phalanx.checkpoint.dcp import STATE, file_digest
 
 
 class Payload:

@@ -29,7 +29,7 @@ from ..data.user import cast_to_model
 from ..task import Task, named_optimizer, user_task
 from ..task.step import DefaultStep
 from ..strategies import Job, Layout, meta_init
-from . import checkpoint as ckpt
+from .. import checkpoint as ckpt
 from . import checks, rundir, tensorboard
 from .config import TrainConfig
 from .loop import run_worker

@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ...errors import PhalanxError
-from ...shard_read import read_entries
+from ...checkpoint import read_entries
 
 
 def _cpu(value: Any) -> Any:

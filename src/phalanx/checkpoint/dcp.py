@@ -20,7 +20,7 @@ The guarantees of the single-file checkpoints hold:
 - **Checksummed.** DCP's metadata records where each tensor lies, not what its bytes are, and its
   reader checks nothing: a flipped byte would load silently. So rank 0 hashes every file before the
   rename, and every load verifies them (streamed: no file is held in memory).
-- **Retention and the run id** are the single-file ones (``checkpoint.commit``): the run record names
+- **Retention and the run id** are the single-file ones (``directory.commit``): the run record names
   the directory before the rename; the oldest beyond ``--keep-checkpoints`` are removed.
 
 ``--async-checkpoint``: ``dcp.async_save`` copies this rank's shards to CPU memory (the only time
@@ -44,8 +44,8 @@ import torch.distributed as dist
 
 from ..errors import PhalanxError, StorageError
 from ..files import PRIVATE_DIR, PRIVATE_FILE
-from ..shard_read import ALIASES, read_entries, with_aliases
-from . import checkpoint as ckpt
+from .entries import ALIASES, read_entries, with_aliases
+from . import directory as ckpt
 
 STATE = "phalanx.pt"
 #: what a sharded checkpoint's tensors are saved under (as the runtime's ``shard_state_dict`` keys them)
@@ -227,7 +227,7 @@ def read(p: Path, use: str = "--resume", verify: bool = True) -> dict[str, Any]:
             raise PhalanxError(f"checkpoint {p} is corrupt: its shard {name} does not match its checksum (the file "
                                f"changed after it was written); {earlier}")
     if verify:  # its checksums are no signature: whoever made the files made them too. Refused here, in one line.
-        from ..dcp_safe import read_metadata
+        from .safe_read import read_metadata
 
         read_metadata(p)
     state.update(path=str(p), shards=str(p), shard_keys=list(KEYS))

@@ -4,7 +4,7 @@
   is atomic, so a kill at any moment leaves the previous checkpoint or the new one, never a torn
   file. Files are named ``step-00000120.pt`` so the newest is found by name.
 - **Sharded** (``step-00000120.dcp/``, a directory): each rank writes its own shard with torch's
-  distributed checkpoint, the same guarantees kept; see ``sharded.py``. Everything here takes both.
+  distributed checkpoint, the same guarantees kept; see ``dcp.py``. Everything here takes both.
 - **Checksummed.** Every checkpoint holds the SHA-256 of its payload (every tensor's bytes,
   dtype and shape, every other value, by key), recomputed and compared on load: a byte flipped
   on disk is found before it is trained on. torch's own zip reader does not check.
@@ -18,7 +18,7 @@
 - **Private.** Files 0600, the directories phalanx creates 0700, whatever the umask (``files.py``).
 
 Everything loads with ``torch.load(weights_only=True)`` (tensors, numbers, strings, lists, dicts); a sharded
-checkpoint's DCP index and entries through a restricted unpickler (``dcp_safe.py``): nothing read runs code.
+checkpoint's DCP index and entries through a restricted unpickler (``safe_read.py``): nothing read runs code.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 
 from ..errors import PhalanxError, StorageError
 from ..files import PRIVATE_FILE, private_dir, replace_private
-from . import sharded
+from . import dcp as sharded
 
 FORMAT = "phalanx-checkpoint-1"
 LOCK_NAME = ".phalanx.lock"
