@@ -2,7 +2,7 @@
 
 A *run* is one training job's life, continued by ``--resume`` and by restarts. Its id is written
 in every checkpoint (``run_id``), in the directory's record (``.phalanx-run.json``, see
-``checkpoint/directory.py``) and in the first line of its metrics file. The rules:
+``checkpoint/format.py``) and in the first line of its metrics file. The rules:
 
 - **A new run** (no ``--resume``) is refused in a directory that holds another run's checkpoints,
   or next to another run's metrics file; ``--overwrite`` removes them first (phalanx's own files

@@ -1,7 +1,7 @@
 """Inside a worker: the run's checkpoints, saved at a step and restored at the start.
 
 Every rank takes part in a save (the RNG states of ranks in step, a sharded checkpoint's shards and its
-parameters' shapes are collectives); rank 0 writes a single file (``checkpoint/directory.py``), or every rank its
+parameters' shapes are collectives); rank 0 writes a single file (``checkpoint/pt.py``), or every rank its
 own shards (``checkpoint/dcp.py``; ``--async-checkpoint``: written in the background).
 """
 
