@@ -41,12 +41,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..data.batch import to_cpu
 from ..errors import PhalanxError, StorageError
 from ..files import PRIVATE_DIR, PRIVATE_FILE
 from .directory import commit, os_error, storage_error
 from .format import FORMAT, STATE, checkpoint_path, latest_checkpoint, remove
 from .integrity import file_digest, payload_digest
-from .pt import to_cpu, write_file
+from .pt import write_file
 
 #: what a sharded checkpoint's tensors are saved under (as the runtime's ``shard_state_dict`` keys them)
 KEYS = ("model", "optimizer")

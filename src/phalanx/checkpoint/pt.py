@@ -18,21 +18,11 @@ from typing import Any
 
 import torch
 
+from ..data.batch import to_cpu
 from ..errors import PhalanxError
 from .directory import commit
 from .format import FORMAT, checkpoint_path
 from .integrity import payload_digest
-
-
-def to_cpu(obj: Any) -> Any:
-    """A copy of nested dicts/lists/tuples with every tensor on the CPU (checkpoints load anywhere)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj
 
 
 def save_checkpoint(state: dict[str, Any], directory: str | os.PathLike, step: int, keep: int) -> Path:
