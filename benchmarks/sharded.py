@@ -37,7 +37,7 @@ on 3 CPU workers trains examples/gpt.py's GPT at a larger size (``--gpt-layers``
 8 x 768 by default, 57 M parameters) with AdamW, then saves one checkpoint three ways, interleaved
 within every repeat: ``full`` (what fsdp did before: the whole model and optimizer state gathered to
 rank 0, ``get_state_dict`` with full state dicts, written as one file), ``sharded`` (torch's
-distributed checkpoint, each rank its own shard: ``train/sharded.py``) and ``async`` (the same in the
+distributed checkpoint, each rank its own shard: ``checkpoint/dcp.py``) and ``async`` (the same in the
 background, ``--async-checkpoint``). Per rank: the peak resident set in training and while saving
 (VmHWM reset before each), against the model's bytes over W and its state's (parameters + AdamW's
 two moments) over W; and the seconds the save held the step up.
@@ -225,8 +225,8 @@ def checkpoint_worker(ctx, variant: str, root: str, layers: int, width: int, ste
     """``steps`` fsdp (or pipeline) steps, then a checkpoint the ``variant`` way, twice; every rank's (train peak,
     the second save's peak, resident before it, seconds it blocked)."""
     import gpt
-    from phalanx.train import checkpoint as ckpt
-    from phalanx.train.sharded import ShardWriter
+    from phalanx import checkpoint as ckpt
+    from phalanx.checkpoint import ShardWriter
 
     torch.manual_seed(0)
     model = gpt_model(layers, width)

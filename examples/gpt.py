@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx
-from phalanx.train.checkpoint import load_checkpoint, tensors
+from phalanx.checkpoint import load_checkpoint, tensors
 
 import char_lm  # the example beside this one: its corpus reader, the stdlib's source as byte windows
 

@@ -29,7 +29,7 @@ from phalanx.simulate import simulated_rule
 from phalanx.compare.simulated_problem import build_problem
 from phalanx.simulate.world import World
 from phalanx.task import user_task
-from phalanx.train.checkpoint import load_checkpoint
+from phalanx.checkpoint import load_checkpoint
 from test_any_model import MODULE, KeywordNet, keyword_data, needs_transformers
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

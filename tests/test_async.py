@@ -13,7 +13,7 @@ from phalanx import TrainConfig, Trainer
 from phalanx.errors import PhalanxError, TrainingDiverged, WorkerFailed
 from phalanx.data import load_data
 from phalanx.strategies import SSP, Backup, Hogwild, Job, LocalSGD, ParameterServer, runtime_for
-from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, tensors
+from phalanx.checkpoint import latest_checkpoint, load_checkpoint, tensors
 
 
 def _summary(directory):

@@ -19,7 +19,7 @@ from phalanx.errors import PhalanxError
 from phalanx.task.metrics import PERPLEXITY, SEQUENCE, Totals, add_up, cross_entropy
 from phalanx.task import task_from
 from phalanx.train import checks
-from phalanx.train.checkpoint import load_checkpoint, tensors
+from phalanx.checkpoint import load_checkpoint, tensors
 
 sys.path.insert(0, str(REPO / "examples"))
 import char_lm  # noqa: E402  (the example, importable here and in the spawned workers)

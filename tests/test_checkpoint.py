@@ -4,17 +4,18 @@ import signal
 import subprocess
 import sys
 import time
+from collections import OrderedDict
 
 import pytest
 import torch
 
 from phalanx.errors import PhalanxError, StorageError
-from phalanx.train.checkpoint import (RUN_NAME, latest_checkpoint, list_checkpoints, load_checkpoint, read_run,
-                                      remove_stale_temporaries, save_checkpoint)
+from phalanx.checkpoint import (RUN_NAME, latest_checkpoint, list_checkpoints, load_checkpoint, read_run,
+                                remove_stale_temporaries, save_checkpoint, step_of)
 
 WRITER = """
 import sys, torch
-from phalanx.train.checkpoint import save_checkpoint
+from phalanx.checkpoint import save_checkpoint
 root = sys.argv[1]
 save_checkpoint({"format": "phalanx-checkpoint-1", "step": 1, "w": torch.ones(4)}, root, 1, keep=5)
 print("first saved", flush=True)
@@ -94,3 +95,21 @@ def test_loading_rejects_what_is_not_a_phalanx_checkpoint(tmp_path):
         load_checkpoint(tmp_path / "missing.pt")
     with pytest.raises(PhalanxError, match=r"no checkpoint \(step-\*.pt\) in"):
         load_checkpoint(tmp_path)
+
+
+def test_a_saved_state_loads_as_given_and_a_checkpoints_name_says_its_step(tmp_path):
+    """The writer saves a copy with every tensor detached on the CPU (``data.batch.to_cpu``), the caller's state
+    untouched; ``step_of`` reads the step from the name (what the trainer reads after a restart)."""
+    w = torch.ones(3, requires_grad=True) * 2
+    groups = [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}]
+    state = {"format": "phalanx-checkpoint-1", "step": 7, "model": OrderedDict(w=w),
+             "optimizer": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": groups},
+             "rng": [torch.get_rng_state(), None]}
+    path = save_checkpoint(state, tmp_path, 7, keep=1)
+    assert "checksum" not in state and state["model"]["w"] is w
+    loaded = load_checkpoint(path)
+    assert torch.equal(loaded["model"]["w"], w.detach()) and not loaded["model"]["w"].requires_grad
+    assert loaded["optimizer"]["param_groups"] == groups and loaded["optimizer"]["state"][0]["step"] == 3
+    assert torch.equal(loaded["rng"][0], state["rng"][0]) and loaded["rng"][1] is None
+    assert step_of(path) == 7 and step_of(tmp_path / "step-00000000.dcp") == 0
+    assert step_of(tmp_path / "best.pt") is None and step_of(".step-00000007.pt.x1.tmp") is None

@@ -14,7 +14,7 @@ from helpers import run_main
 from phalanx import TrainConfig, Trainer
 from phalanx.data import ShardedBatches
 from phalanx.errors import PhalanxError
-from phalanx.train import checkpoint as ckpt
+from phalanx import checkpoint as ckpt
 
 MODULE = '''
 import torch

@@ -16,7 +16,7 @@ import torch
 from helpers import only_run, run_cli, run_in_process, run_main
 from phalanx import config_file
 from phalanx.cli import build_parser, config_from_args
-from phalanx.train.checkpoint import list_checkpoints
+from phalanx.checkpoint import list_checkpoints
 
 
 def test_default_train_reaches_the_accuracy_and_reports(tmp_path):

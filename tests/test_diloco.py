@@ -15,7 +15,7 @@ from torch import nn
 from helpers import only_run, run_in_process, run_workers
 from phalanx import DiLoCo, LocalSGD, PhalanxError, Sync
 from phalanx.compare.tokens import parse_strategy
-from phalanx.shard_read import read_entries
+from phalanx.checkpoint import read_entries
 from phalanx.strategies import Job, runtime_for
 from phalanx.strategies.diloco.outer import (average, dequantize_int8, due, fragment_bounds, fragment_offsets,
                                              quantize_int8, wire_bytes)

@@ -17,7 +17,7 @@ from phalanx import TrainConfig, Trainer
 from phalanx.data import ArrayDataset, ShardedBatches
 from phalanx.data.loader import Position, advance, epoch_generator
 from phalanx.errors import PhalanxError
-from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint
+from phalanx.checkpoint import latest_checkpoint, load_checkpoint
 from phalanx.train.resume import data_position, resume_config
 
 QUIET = ["--log-every", "4"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import phalanx_cmd, run_and_signal, spawned_children
-from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint
+from phalanx.checkpoint import latest_checkpoint, load_checkpoint
 
 #: What a C++ abort at exit leaves on stderr (std::terminate, torchrun's report, a c10 error).
 CPP_TRACES = ("terminate called", "SIGABRT", "Exception raised from")

@@ -15,7 +15,7 @@ from torch import nn
 from helpers import only_run, phalanx_cmd, run_and_signal, run_in_process, spawned_children
 from phalanx import TrainConfig, Trainer
 from phalanx.errors import JobHung
-from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint
+from phalanx.checkpoint import latest_checkpoint, load_checkpoint
 from phalanx.launcher.watch import RankState, describe_hang
 
 LONG = ["--steps", "4000", "--log-every", "20", "--checkpoint-every", "1000"]

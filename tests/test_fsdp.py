@@ -37,7 +37,7 @@ from phalanx.launcher import WorkerContext
 from phalanx.memory import held
 from phalanx.task.models import MODELS, build_model, cnn
 from phalanx.strategies import runtime_for
-from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, tensors
+from phalanx.checkpoint import latest_checkpoint, load_checkpoint, tensors
 
 K, SPLIT = 4, 2  # steps compared; the step the resumed runs start from
 BATCH = 12  # splits evenly over 2 and 3 workers

@@ -26,7 +26,7 @@ from phalanx import FSDP, DiLoCo, LocalSGD, Sync, TrainConfig, Trainer
 from phalanx.errors import PhalanxError
 from phalanx.task.models import build_model, describe_blocks, model_blocks_by_default, model_units
 from phalanx.precision import Precision
-from phalanx.train.checkpoint import load_checkpoint, tensors
+from phalanx.checkpoint import load_checkpoint, tensors
 from phalanx.recompute import checkpoint_blocks
 from phalanx.strategies.fsdp import shard_units
 from phalanx.train.step_errors import explained

@@ -10,7 +10,7 @@ from phalanx import TrainConfig, Trainer
 from phalanx.data import Prefetcher, ShardedBatches, load_digits
 from phalanx.launcher import WorkerContext
 from phalanx.strategies import Sync, runtime_for
-from phalanx.train.checkpoint import latest_checkpoint
+from phalanx.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.gpu
 

@@ -25,7 +25,7 @@ from phalanx.recompute import checkpoint_blocks
 from phalanx.strategies import meta_init
 from phalanx.task.models import model_units
 from phalanx.task.step import DefaultStep
-from phalanx.train.checkpoint import load_checkpoint, tensors
+from phalanx.checkpoint import load_checkpoint, tensors
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason="transformers is not installed (pip install -e '.[dev]')")

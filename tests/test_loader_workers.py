@@ -17,7 +17,7 @@ from phalanx.data import ArrayDataset, ShardedBatches
 from phalanx.data.lazy import LazyExamples
 from phalanx.data.loader import Position
 from phalanx.errors import PhalanxError
-from phalanx.train import checkpoint as ckpt
+from phalanx import checkpoint as ckpt
 
 
 class NpyDigits(torch.utils.data.Dataset):

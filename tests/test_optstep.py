@@ -33,7 +33,7 @@ from phalanx.launcher import WorkerContext
 from phalanx.task.models import cnn
 from phalanx.strategies import runtime_for
 from phalanx.task import call_model_factory, call_optimizer_factory
-from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, tensors
+from phalanx.checkpoint import latest_checkpoint, load_checkpoint, tensors
 
 K, BATCH, MAX_NORM = 4, 12, 0.05  # the cnn's gradient norm on this data is 0.3-1.5: every step is clipped
 

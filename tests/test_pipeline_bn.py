@@ -21,7 +21,7 @@ from torch import nn
 from helpers import REPO, gather, run_cli, run_in_process, run_workers
 from phalanx.launcher import WorkerContext
 from phalanx.strategies import Pipeline, runtime_for
-from phalanx.train.checkpoint import load_checkpoint, tensors
+from phalanx.checkpoint import load_checkpoint, tensors
 
 K = 3  # SGD steps compared
 BATCH = 16

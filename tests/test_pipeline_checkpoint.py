@@ -20,7 +20,7 @@ import torch
 
 from helpers import REPO, run_in_process
 from phalanx import Pipeline, TrainConfig, Trainer
-from phalanx.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, tensors
+from phalanx.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, tensors
 from test_sharded_checkpoint import assert_same
 
 sys.path.insert(0, str(REPO / "examples"))

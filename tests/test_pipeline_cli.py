@@ -15,7 +15,7 @@ from phalanx.errors import PhalanxError
 from phalanx.strategies import Job
 from phalanx.task.models import lstm
 from phalanx.strategies.pipeline.split import model_blocks
-from phalanx.train.checkpoint import load_checkpoint, tensors
+from phalanx.checkpoint import load_checkpoint, tensors
 
 
 def run(*args: str, cwd) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ from helpers import gather, only_run, run_cli, run_in_process, run_workers
 from phalanx.launcher import WorkerContext
 from phalanx.task.models import cnn
 from phalanx.strategies import Pipeline, runtime_for
-from phalanx.train.checkpoint import load_checkpoint, tensors
+from phalanx.checkpoint import load_checkpoint, tensors
 import test_pipeline_bn as bn
 from test_pipeline_equivalence import BATCH, K, assert_same, batches, make_model, make_optimizer, reference
 

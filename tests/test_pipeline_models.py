@@ -29,7 +29,7 @@ from phalanx.task import call_optimizer_factory
 from phalanx.strategies import Pipeline, runtime_for
 from phalanx.strategies.base import COUNT_CORRECT
 from phalanx.strategies.layout import Job
-from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, tensors
+from phalanx.checkpoint import latest_checkpoint, load_checkpoint, tensors
 
 sys.path.insert(0, str(REPO / "examples"))
 import gpt  # noqa: E402  (the example, importable here and in the spawned workers)

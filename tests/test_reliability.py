@@ -11,8 +11,8 @@ import torch
 from helpers import run_and_signal, run_cli, run_in_process, small_filesystem
 from phalanx.errors import PhalanxError, StorageError
 from phalanx.strategies.hogwild import reclaim_leftovers
-from phalanx.train.checkpoint import (DirectoryLock, latest_checkpoint, list_checkpoints, load_checkpoint,
-                                      save_checkpoint)
+from phalanx.checkpoint import (DirectoryLock, latest_checkpoint, list_checkpoints, load_checkpoint,
+                                save_checkpoint)
 
 
 def _state(step: int, w: torch.Tensor) -> dict:

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from helpers import BATCHNORM_NET, phalanx_cmd, run_in_process
-from phalanx.shard_read import read_entries
-from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, tensors
+from phalanx.checkpoint import read_entries
+from phalanx.checkpoint import latest_checkpoint, load_checkpoint, tensors
 
 
 H = 40

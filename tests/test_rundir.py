@@ -14,7 +14,7 @@ import socket
 import pytest
 
 from helpers import only_run, python_script, run_cli, run_in_process, run_main, small_filesystem
-from phalanx.train.checkpoint import RUN_NAME, list_checkpoints, load_checkpoint, read_run
+from phalanx.checkpoint import RUN_NAME, list_checkpoints, load_checkpoint, read_run
 
 # --checkpoint-dir given: these are the rules of a directory that runs share (the default is a new one per run)
 QUICK = ["--model", "mlp", "--workers", "2", "--log-every", "10", "--progress", "lines",

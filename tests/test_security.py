@@ -22,9 +22,9 @@ import torch
 from helpers import phalanx_cmd, run_in_process, run_workers
 from phalanx import evaluate
 from phalanx.errors import PhalanxError
-from phalanx.shard_read import read_entries
-from phalanx.train import checkpoint as ckpt
-from phalanx.train.sharded import STATE, file_digest
+from phalanx.checkpoint import STATE, load_checkpoint, read_entries, tensors
+from phalanx.checkpoint.integrity import file_digest, payload_digest
+from phalanx.checkpoint.pt import write_file
 
 
 class Payload:
@@ -58,8 +58,8 @@ def _reseal(dcp):
     state = torch.load(dcp / STATE, weights_only=True)
     state["files"] = {p.name: file_digest(p) for p in sorted(dcp.iterdir()) if p.is_file() and p.name != STATE}
     state.pop("checksum")
-    state["checksum"] = ckpt.payload_digest(state)
-    ckpt.write_file(state, dcp / STATE)
+    state["checksum"] = payload_digest(state)
+    write_file(state, dcp / STATE)
 
 
 def _crafted(run, tmp_path, what):
@@ -130,7 +130,7 @@ def test_a_crafted_phalanx_pt_or_entry_in_a_sharded_checkpoint_runs_nothing(run,
 @pytest.mark.slow
 def test_the_genuine_checkpoint_still_loads_whole_and_by_entry(run):
     assert evaluate(str(run["dcp"])) == pytest.approx(run["summary"]["test_metrics"])
-    state = ckpt.tensors(ckpt.load_checkpoint(run["dir"]))
+    state = tensors(load_checkpoint(run["dir"]))
     assert state["step"] == 2 and state["model"] and state["optimizer"]["param_groups"][0]["lr"] > 0
     assert set(read_entries(str(run["dcp"]), ["model"])["model"]) == set(state["model"])
 

@@ -26,8 +26,8 @@ from helpers import REPO, run_in_process
 from phalanx import TrainConfig, Trainer, evaluate
 from phalanx.errors import PhalanxError
 from phalanx.task.models import cnn
-from phalanx.train.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint, read_run,
-                                     remove_stale_temporaries, tensors)
+from phalanx.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint, read_run,
+                                remove_stale_temporaries, tensors)
 
 TOL = dict(rtol=1e-5, atol=1e-6)  # float32, as test_fsdp.py's resume test
 
@@ -175,7 +175,7 @@ import os, sys, torch, torch.nn.functional as F
 from phalanx import FSDP
 from phalanx.launcher import launch
 from phalanx.strategies import runtime_for
-from phalanx.train.sharded import ShardWriter
+from phalanx.checkpoint import ShardWriter
 
 def sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)

@@ -31,7 +31,7 @@ from phalanx.compare.simulated import deadline
 from phalanx.compare.simulated_problem import build_problem
 from phalanx.simulate.versions import Versions
 from phalanx.simulate.world import World
-from phalanx.train.checkpoint import load_checkpoint, tensors
+from phalanx.checkpoint import load_checkpoint, tensors
 from phalanx.task.models import mlp
 from phalanx.scenarios.straggle import Slowness
 

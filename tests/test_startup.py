@@ -11,7 +11,7 @@ import sys
 import torch
 
 from helpers import run_cli, run_in_process, run_workers
-from phalanx.train.checkpoint import load_checkpoint
+from phalanx.checkpoint import load_checkpoint
 
 
 def _environment_and_output(ctx, name):

@@ -16,7 +16,7 @@ from phalanx.errors import WorkerFailed
 from phalanx.launcher.survivors import survivors
 from phalanx.launcher.watch import launcher_view, say_gone
 from phalanx.strategies.replicas import average_over
-from phalanx.train.checkpoint import load_checkpoint
+from phalanx.checkpoint import load_checkpoint
 
 NOTES = {"local-sgd": "its own replica; the lost worker's local steps since the last averaging are lost with it",
          "diloco": "an outer round of its own pseudo-gradient; the lost worker's local steps since its last round are "

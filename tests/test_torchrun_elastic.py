@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from helpers import spawned_children
-from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint
+from phalanx.checkpoint import latest_checkpoint, load_checkpoint
 
 STEPS = 600
 

@@ -10,7 +10,7 @@ from helpers import run_workers
 from phalanx import Sync, TrainConfig, Trainer
 from phalanx.errors import PhalanxError, TrainingDiverged
 from phalanx.strategies import runtime_for
-from phalanx.train.checkpoint import latest_checkpoint, list_checkpoints
+from phalanx.checkpoint import latest_checkpoint, list_checkpoints
 
 
 def _train(tmp: Path, name: str, **overrides) -> dict:

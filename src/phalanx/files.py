@@ -5,7 +5,7 @@ resume continues). Under a permissive umask (000, common in containers) another 
 them; so each is created with its mode given (``os.open``'s, ``mkdir``'s: the umask can only take bits
 away), never created first and narrowed after. Files that torch writes itself (a sharded checkpoint's
 shards and ``.metadata``) are written into a folder created 0700, where no one else can reach them, and
-narrowed to 0600 before that folder is renamed into place (``train/sharded.py``).
+narrowed to 0600 before that folder is renamed into place (``checkpoint/dcp.py``).
 """
 
 from __future__ import annotations

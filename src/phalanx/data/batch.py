@@ -89,6 +89,12 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
     return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
 
 
+def to_cpu(tree: Any) -> Any:
+    """A copy of the tree with every tensor detached and on the CPU: a checkpoint's state, which loads anywhere,
+    or state sent to another rank (``gather_object`` would otherwise unpickle it on the receiver's device)."""
+    return map_tensors(lambda t: t.detach().cpu(), tree)
+
+
 def pin(batch: Any) -> Any:
     """Every tensor in page-locked memory, so a copy to the GPU can overlap the step (``non_blocking``)."""
     return map_tensors(lambda t: t.pin_memory(), batch)

@@ -2,7 +2,7 @@
 
 Between averagings the replicas of local SGD and DiLoCo differ: each rank's weights, buffers and
 optimizer state are its own. On 2+ workers their checkpoint keeps both promises, as a sharded checkpoint
-(``step-N.dcp/``, torch's distributed checkpoint, the format fsdp's are in: ``train/sharded.py``):
+(``step-N.dcp/``, torch's distributed checkpoint, the format fsdp's are in: ``checkpoint/dcp.py``):
 
 - ``model``: the one model the run prints and ``phalanx evaluate`` reads (local SGD: the replicas'
   average, computed for the checkpoint without changing them; DiLoCo: its global model), equal on every
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..launcher import WorkerContext
-from ..shard_read import ALIASES, read_entries, with_aliases
+from ..checkpoint import ALIASES, read_entries, with_aliases
 from .replicas import average_buffers
 
 REPLICAS = "replicas"

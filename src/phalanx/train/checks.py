@@ -29,7 +29,7 @@ from ..task.step import DefaultStep, calls_model_alone, logits_of, own_loss
 from ..task.models import MODELS
 from ..strategies import STRATEGIES, Layout
 from ..task import Task, label
-from . import checkpoint as ckpt
+from .. import checkpoint as ckpt
 from . import rundir
 from .config import TrainConfig
 from .resume import batch_for, check_fits

@@ -29,7 +29,7 @@ from ..task.metrics import Totals, add_up, said
 from ..task.models import MODELS
 from ..options import add_flags, given
 from ..task import is_import_path, task_from
-from . import checkpoint as ckpt
+from .. import checkpoint as ckpt
 from .config import TrainConfig
 from .resume import check_fits
 

@@ -34,7 +34,7 @@ from ..precision import Precision, compile_model
 from ..recompute import Recomputed, checkpoint_blocks
 from ..launcher.startup import Marks
 from ..strategies import Build, meta_init
-from . import checkpoint as ckpt
+from .. import checkpoint as ckpt
 from .feed import Feed
 from .learning_rate import LearningRate
 from .losses import LossWindow, first_non_finite

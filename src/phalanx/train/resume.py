@@ -25,7 +25,7 @@ from torch import nn
 
 from ..data.loader import Position, advance
 from ..errors import PhalanxError
-from .checkpoint import shapes
+from ..checkpoint import shapes
 from .config import TrainConfig
 from .config_checks import OWN_SCHEDULE, SETTINGS, flag
 from ..task.schedules import scaled_lr

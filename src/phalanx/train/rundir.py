@@ -2,7 +2,7 @@
 
 A *run* is one training job's life, continued by ``--resume`` and by restarts. Its id is written
 in every checkpoint (``run_id``), in the directory's record (``.phalanx-run.json``, see
-``checkpoint.py``) and in the first line of its metrics file. The rules:
+``checkpoint/format.py``) and in the first line of its metrics file. The rules:
 
 - **A new run** (no ``--resume``) is refused in a directory that holds another run's checkpoints,
   or next to another run's metrics file; ``--overwrite`` removes them first (phalanx's own files
@@ -39,7 +39,7 @@ from typing import Mapping, Optional
 
 from ..errors import PhalanxError
 from ..launcher import in_torchrun, launcher_rank
-from . import checkpoint as ckpt
+from .. import checkpoint as ckpt
 from .config import TrainConfig
 
 

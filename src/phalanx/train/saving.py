@@ -1,8 +1,8 @@
 """Inside a worker: the run's checkpoints, saved at a step and restored at the start.
 
 Every rank takes part in a save (the RNG states of ranks in step, a sharded checkpoint's shards and its
-parameters' shapes are collectives); rank 0 writes a single file (``checkpoint.py``), or every rank its
-own shards (``sharded.py``; ``--async-checkpoint``: written in the background).
+parameters' shapes are collectives); rank 0 writes a single file (``checkpoint/pt.py``), or every rank its
+own shards (``checkpoint/dcp.py``; ``--async-checkpoint``: written in the background).
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import torch
 import torch.distributed as dist
 
 from ..data.loader import Position
-from ..shard_read import ALIASES
-from . import checkpoint as ckpt
+from ..checkpoint import ALIASES, ShardWriter
+from .. import checkpoint as ckpt
 from .resume import data_position, restore_settings, settings_of
-from .sharded import ShardWriter
 
 
 def restore(runtime: Any, state: dict[str, Any], fresh_optimizer: bool, rank: int,
@@ -145,7 +144,7 @@ class Checkpointer:
     def _shapes(self, state: dict[str, Any]) -> dict[str, list[int]]:
         """Every tensor of the model, by name, and its shape: rank 0 records them all, also where each rank saves
         a part of the model only (a pipeline's stage: one small all-gather of the names and shapes), and a tied
-        weight's every name (a pipeline's sharded checkpoint saves it once: ``shard_read.ALIASES``)."""
+        weight's every name (a pipeline's sharded checkpoint saves it once: ``checkpoint.ALIASES``)."""
         shapes = {name: list(t.shape) for name, t in state["model"].items()}
         shapes.update({alias: shapes[key] for alias, key in state.get(ALIASES, {}).items() if key in shapes})
         if self.shard_writer is None or not self.ctx.distributed:

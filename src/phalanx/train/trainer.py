@@ -29,7 +29,7 @@ from ..data.user import cast_to_model
 from ..task import Task, named_optimizer, user_task
 from ..task.step import DefaultStep
 from ..strategies import Job, Layout, meta_init
-from . import checkpoint as ckpt
+from .. import checkpoint as ckpt
 from . import checks, rundir, tensorboard
 from .config import TrainConfig
 from .loop import run_worker
@@ -220,8 +220,9 @@ def _steps_made(summary: Optional[dict[str, Any]], plan: Plan) -> int:
     """Steps this job advanced the run by (a resumed run started at its checkpoint's step)."""
     if summary is None or plan.resume_path is None:
         return summary["steps"] if summary else 0
-    name = ckpt._NAME.match(Path(plan.resume_path).name)  # phalanx names its checkpoints by step
-    start = int(name.group(1)) if name else int(ckpt.load_checkpoint(plan.resume_path)["step"])
+    start = ckpt.step_of(plan.resume_path)  # phalanx names its checkpoints by step
+    if start is None:
+        start = int(ckpt.load_checkpoint(plan.resume_path)["step"])
     return summary["steps"] - start
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...data.batch import to_cpu
 from ..base import COUNT_CORRECT, Build, Report, Runtime, SurvivorState
 from ..replicas import average_buffers, average_over, verify_replicas
 from .outer import average, due, fragment_bounds, fragment_offsets, wire_bytes
@@ -16,17 +17,6 @@ from .. import replica_state
 
 if TYPE_CHECKING:
     from . import DiLoCo
-
-
-def _to_cpu(value: Any) -> Any:
-    """State with every tensor on the CPU (gathered objects are unpickled on rank 0's device otherwise)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
 
 
 class DiLoCoRuntime(Runtime):
@@ -140,7 +130,7 @@ class DiLoCoRuntime(Runtime):
             average_over(self.buffers, group)
             for g, b in zip(self.global_buffers, self.buffers):
                 g.copy_(b)
-        mine = _to_cpu(Runtime.state_dict(self))
+        mine = to_cpu(Runtime.state_dict(self))
         state = {**mine, "model": self._global_state(mine["model"]),
                  "diloco": {"outer_optimizer": self.outer.state_dict(), "workers": [], "unsynced": []}}
         kept = "an outer round of its own pseudo-gradient" if group is None else \
@@ -179,7 +169,7 @@ class DiLoCoRuntime(Runtime):
         optimizer, and ``diloco`` the outer optimizer and every rank's local model and inner optimizer,
         gathered (a collective), so a resume is exact at any step, not only at sync steps. The other ranks
         return None."""
-        mine = _to_cpu(super().state_dict())
+        mine = to_cpu(super().state_dict())
         workers: list = [None] * self.ctx.world_size if self.ctx.is_main else None
         if self.ctx.distributed:
             dist.gather_object(mine, workers, dst=0)

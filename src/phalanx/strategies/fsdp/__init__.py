@@ -25,7 +25,7 @@ model with no block holding parameters is refused. ``--precision bf16`` on a GPU
 
 Checkpoints are sharded: every rank saves its own shards of the parameters and the optimizer state
 with torch's distributed checkpoint (``get_state_dict`` with sharded state dicts, ``dcp.save``; see
-``train/sharded.py``), and no rank gathers the whole model. Loading reads each rank's part of every
+``checkpoint/dcp.py``), and no rank gathers the whole model. Loading reads each rank's part of every
 tensor, whatever worker count wrote it (DCP reshards); ``sync``, one process and ``phalanx
 evaluate`` read the whole. A single-file checkpoint (sync's, a pipeline's, a plain model's) loads
 too: every rank takes its shard of the full state dict. :meth:`FSDPRuntime.state_dict` still gives

@@ -18,7 +18,7 @@ from torch import nn
 
 from ...data.batch import head
 from ...errors import PhalanxError
-from ...shard_read import ALIASES, read_entries, with_aliases
+from ...checkpoint import ALIASES, read_entries, with_aliases
 from ...task.metrics import FORWARD_ONLY, Totals, add_up
 from ...task.models import describe_blocks
 from .. import meta_init
@@ -210,7 +210,7 @@ class FSDPRuntime(Runtime):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        from ...dcp_safe import SafePlanner, SafeReader
+        from ...checkpoint.safe_read import SafePlanner, SafeReader
 
         # The state dicts to fill in place: this rank's shards, with an optimizer state (torch makes one).
         target = {key: value for key, value in self.shard_state_dict().items() if key in keys}

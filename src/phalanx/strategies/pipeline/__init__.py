@@ -7,7 +7,7 @@ way. Every stage of a pipeline loads the same batch: the first stage feeds the i
 one the labels. The last stage alone knows the loss, so :meth:`global_losses` sums it over the
 ranks (the others add zero); :meth:`evaluate` runs the pipeline forward and sums the last
 stages' counts; a checkpoint is written by every rank, its own stage's part under the unsplit model's
-names (torch's distributed checkpoint, as fsdp's: see ``train/sharded.py``), no rank gathering the model.
+names (torch's distributed checkpoint, as fsdp's: see ``checkpoint/dcp.py``), no rank gathering the model.
 
 With W = R·P workers for P stages, R replicas of the pipeline train side by side on a 2-D device
 mesh (stages × replicas; rank = stage·R + replica, so one stage's replicas are neighbours, as in

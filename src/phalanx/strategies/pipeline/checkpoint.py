@@ -2,7 +2,7 @@
 
 Who talks to whom: :meth:`StageCheckpoints.state_dict` gathers replica 0's stages to rank 0 over its
 pipeline group (one ``gather_object``); a sharded checkpoint is written and read by every rank alone,
-under the unsplit model's names (torch's distributed checkpoint, as fsdp's: see ``train/sharded.py``),
+under the unsplit model's names (torch's distributed checkpoint, as fsdp's: see ``checkpoint/dcp.py``),
 so any partition, stage count or strategy reads it. The optimizer state's numbering and renaming is
 ``state.py``'s; this module is what the runtime does with it.
 """
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...shard_read import ALIASES, model_aliases
+from ...checkpoint import ALIASES, model_aliases
 from ..base import Build, Runtime, load_model_state
 from . import state as opt_state
 from .traced import TracedStage

@@ -21,21 +21,14 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ...data.batch import to_cpu
 from ...errors import PhalanxError
-from ...shard_read import read_entries
-
-
-def _cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _cpu(v) for k, v in value.items()}
-    return value
+from ...checkpoint import read_entries
 
 
 def to_global(local: dict[str, Any], local_to_global: Sequence[int]) -> dict[str, Any]:
     """A stage optimizer's ``state_dict()`` with whole-model parameter indices (CPU tensors)."""
-    state = {local_to_global[int(i)]: _cpu(s) for i, s in local["state"].items()}
+    state = {local_to_global[int(i)]: to_cpu(s) for i, s in local["state"].items()}
     groups = [{**{k: v for k, v in g.items() if k != "params"},
                "params": [local_to_global[int(i)] for i in g["params"]]} for g in local["param_groups"]]
     return {"state": state, "param_groups": groups}

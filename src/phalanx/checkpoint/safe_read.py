@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _Em
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from .errors import PhalanxError
+from ..errors import PhalanxError
 
 METADATA = ".metadata"
 _PATHS = {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}

@@ -5,7 +5,7 @@ right shapes (fsdp does: its runtime's shards). Whatever holds no such template 
 the whole model for ``evaluate``, ``--init-from`` or sync; a pipeline stage reading its own blocks
 whatever partition wrote them) reads by name instead: torch's "empty" planner rebuilds the entries from
 the checkpoint's own metadata, and only the entries asked for are read from disk. Nothing read runs code:
-``.metadata`` and the non-tensor entries go through a restricted unpickler (``dcp_safe``).
+``.metadata`` and the non-tensor entries go through a restricted unpickler (``safe_read``).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ def read_entries(directory: str, wanted: Optional[Iterable[str]] = None) -> dict
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from .dcp_safe import SafeEmptyPlanner, SafeReader, unwrapped
+    from .safe_read import SafeEmptyPlanner, SafeReader, unwrapped
 
     found: dict[str, Any] = {}
     # What torch's dcp_to_torch_save does, in memory; no_dist: this process reads every entry it plans.
-    # Its reader and planner, but reading nothing that could run code (see dcp_safe).
+    # Its reader and planner, but reading nothing that could run code (see safe_read).
     keys = None if wanted is None else set(wanted)
     try:
         _load_state_dict(found, storage_reader=SafeReader(directory), planner=SafeEmptyPlanner(keys=keys),

@@ -20,7 +20,7 @@ The guarantees of the single-file checkpoints hold:
 - **Checksummed.** DCP's metadata records where each tensor lies, not what its bytes are, and its
   reader checks nothing: a flipped byte would load silently. So rank 0 hashes every file before the
   rename, and every load verifies them (streamed: no file is held in memory).
-- **Retention and the run id** are the single-file ones (``checkpoint.commit``): the run record names
+- **Retention and the run id** are the single-file ones (``directory.commit``): the run record names
   the directory before the rename; the oldest beyond ``--keep-checkpoints`` are removed.
 
 ``--async-checkpoint``: ``dcp.async_save`` copies this rank's shards to CPU memory (the only time
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import hashlib
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -42,12 +41,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..data.batch import to_cpu
 from ..errors import PhalanxError, StorageError
 from ..files import PRIVATE_DIR, PRIVATE_FILE
-from ..shard_read import ALIASES, read_entries, with_aliases
-from . import checkpoint as ckpt
+from .directory import commit, os_error, storage_error
+from .format import FORMAT, STATE, checkpoint_path, latest_checkpoint, remove
+from .integrity import file_digest, payload_digest
+from .pt import write_file
 
-STATE = "phalanx.pt"
 #: what a sharded checkpoint's tensors are saved under (as the runtime's ``shard_state_dict`` keys them)
 KEYS = ("model", "optimizer")
 
@@ -73,14 +74,14 @@ class ShardWriter:
         import torch.distributed.checkpoint as dcp
 
         self.wait()
-        final = ckpt.checkpoint_path(directory, step, sharded=True)
-        tmp, previous = temporary(final), ckpt.latest_checkpoint(directory)
+        final = checkpoint_path(directory, step, sharded=True)
+        tmp, previous = temporary(final), latest_checkpoint(directory)
         if self.ctx.rank == 0:
             try:
-                ckpt.remove(tmp)  # a save of this step that an earlier attempt left unfinished
+                remove(tmp)  # a save of this step that an earlier attempt left unfinished
                 tmp.mkdir(mode=PRIVATE_DIR)  # no one else reaches the files torch writes into it
             except OSError as e:
-                raise ckpt.storage_error(e, final, previous) from None
+                raise storage_error(e, final, previous) from None
         dist.barrier()  # every rank writes into the directory rank 0 made, empty
         if not self.asynchronous:
             try:
@@ -106,7 +107,7 @@ class ShardWriter:
 
     def _seal(self, tmp: Path, final: Path, state: dict[str, Any], keep: int, previous: Optional[Path]) -> None:
         if self.ctx.rank == 0:
-            ckpt.commit(final.parent, final, str(state.get("run_id") or ""), keep, lambda f: seal(tmp, f, state))
+            commit(final.parent, final, str(state.get("run_id") or ""), keep, lambda f: seal(tmp, f, state))
 
     def wait(self) -> None:
         """Until the save in flight (if any) is written and sealed; its error, if it failed."""
@@ -133,7 +134,7 @@ def writer(tmp: Path) -> Any:
             try:
                 return super().write_data(plan, planner)
             except Exception as e:
-                cause = ckpt.os_error(e)
+                cause = os_error(e)
                 if cause is None or cause is e:
                     raise
                 raise OSError(cause.errno, cause.strerror, cause.filename) from None
@@ -152,7 +153,7 @@ def _failed(e: BaseException, final: Path, previous: Optional[Path]) -> BaseExce
     """One line for a failed DCP save: DCP wraps every rank's error in a CheckpointException."""
     failures = getattr(e, "failures", None) or {}
     inner = next((failure[0] for failure in failures.values()), e)
-    error = ckpt.storage_error(inner, final, previous)
+    error = storage_error(inner, final, previous)
     if isinstance(error, StorageError):
         return error
     first = (str(inner).strip().splitlines() or [type(inner).__name__])[0][:160]
@@ -163,21 +164,21 @@ def _failed(e: BaseException, final: Path, previous: Optional[Path]) -> BaseExce
 def seal(tmp: Path, final: Path, state: dict[str, Any]) -> None:
     """Rank 0, once every rank's shards are in ``tmp``: their checksums and ``state`` into its state file,
     then ``tmp`` renamed to ``final`` (an older ``final`` of the same step is replaced)."""
-    payload = ckpt.to_cpu(state)
+    payload = to_cpu(state)
     files = [p for p in sorted(tmp.iterdir()) if p.is_file()]
     for p in files:  # 0600 as a .pt is (torch's open() made them 0666 less the umask)
         with contextlib.suppress(PermissionError):  # (another node's rank wrote it as another user)
             os.chmod(p, PRIVATE_FILE)
     payload["files"] = {p.name: file_digest(p) for p in files}
-    payload["checksum"] = ckpt.payload_digest(payload)
-    ckpt.write_file(payload, tmp / STATE)
+    payload["checksum"] = payload_digest(payload)
+    write_file(payload, tmp / STATE)
     _fsync_directory(tmp)
     if final.exists():  # rename(2) does not replace a directory that has files: move it aside first
         old = final.parent / f".{final.name}.old.tmp"
-        ckpt.remove(old)
+        remove(old)
         os.replace(final, old)
         os.replace(tmp, final)
-        ckpt.remove(old)
+        remove(old)
     else:
         os.replace(tmp, final)
     _fsync_directory(final.parent)
@@ -192,20 +193,12 @@ def _fsync_directory(path: Path) -> None:
         os.close(fd)
 
 
-def file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 # --------------------------------------------------------------------------- reading
 
 
 def read(p: Path, use: str = "--resume", verify: bool = True) -> dict[str, Any]:
     """A sharded checkpoint's small state, every file verified against its checksum (``verify``); its
-    tensors stay on disk (``state["shards"]``: the directory; :func:`joined` or the runtime reads them)."""
+    tensors stay on disk (``state["shards"]``: the directory; ``convert.joined`` or the runtime reads them)."""
     earlier = f"{'resume from' if use == '--resume' else f'give {use}'} an earlier checkpoint of the same directory"
     if not (p / STATE).is_file():  # written last, before the rename: lost since (see is_damaged_checkpoint)
         raise PhalanxError(f"checkpoint {p} is incomplete: its {STATE} is missing; {earlier}")
@@ -216,9 +209,9 @@ def read(p: Path, use: str = "--resume", verify: bool = True) -> dict[str, Any]:
         if first.startswith("Weights only load failed"):  # (weights_only: nothing it names was run)
             first = "it holds objects a checkpoint never holds; nothing in it was run"
         raise PhalanxError(f"checkpoint {p} is corrupt: its {STATE} is unreadable ({first}); {earlier}") from None
-    if not isinstance(state, dict) or state.get("format") != ckpt.FORMAT or "files" not in state:
+    if not isinstance(state, dict) or state.get("format") != FORMAT or "files" not in state:
         raise PhalanxError(f"{p} is not a phalanx checkpoint; pass a step-* checkpoint written by phalanx train")
-    if ckpt.payload_digest(state) != state.get("checksum"):
+    if payload_digest(state) != state.get("checksum"):
         raise PhalanxError(f"checkpoint {p} is corrupt (its {STATE} does not match its checksum); {earlier}")
     for name, expected in state["files"].items() if verify else ():
         if not (p / name).is_file():
@@ -227,32 +220,8 @@ def read(p: Path, use: str = "--resume", verify: bool = True) -> dict[str, Any]:
             raise PhalanxError(f"checkpoint {p} is corrupt: its shard {name} does not match its checksum (the file "
                                f"changed after it was written); {earlier}")
     if verify:  # its checksums are no signature: whoever made the files made them too. Refused here, in one line.
-        from ..dcp_safe import read_metadata
+        from .safe_read import read_metadata
 
         read_metadata(p)
     state.update(path=str(p), shards=str(p), shard_keys=list(KEYS))
     return state
-
-
-def joined(state: dict[str, Any], optimizer: bool = True) -> dict[str, Any]:
-    """``state`` with the whole model (and optimizer state, in a plain optimizer's numbering) read into this
-    process from its shards: what a single-file checkpoint holds, for whatever runs the model whole
-    (sync, one process, ``phalanx evaluate``, ``--init-from``). No process group is needed or used."""
-    wanted = [key for key in state["shard_keys"] if optimizer or key == "model"]
-    found = read_entries(state["shards"], [*wanted, ALIASES])
-    plain = {k: v for k, v in state.items() if k not in ("shards", "shard_keys", "files")}
-    plain["model"] = with_aliases(found["model"], found.get(ALIASES, {}))
-    if "optimizer" in found:
-        plain["optimizer"] = plain_numbering(found["optimizer"])
-    return plain
-
-
-def plain_numbering(state: dict[str, Any]) -> dict[str, Any]:
-    """DCP's optimizer state (keyed by parameter name) numbered as ``optimizer.state_dict()`` numbers it:
-    a plain optimizer's parameter i is the i-th name across the param groups (the same factory lists
-    the same parameters in the same order, sharded or not)."""
-    index = {name: i for i, name in enumerate(n for group in state["param_groups"] for n in group["params"])}
-    ordered = sorted(state.get("state", {}).items(), key=lambda item: index[item[0]])  # (none: plain SGD)
-    return {"state": {index[name]: value for name, value in ordered},
-            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
-                             for group in state["param_groups"]]}
