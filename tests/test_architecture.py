@@ -173,22 +173,8 @@ def described(cycle: list[tuple[str, str]]) -> str:
     return " -> ".join(f"{module} ({where})" for module, where in cycle) + f" -> {cycle[0][0]}"
 
 
-#: cycles left to another change, as the set of their modules -> why (a cycle that is gone must leave this list)
-ALLOWED_CYCLES = {
-    frozenset({"phalanx.train.checkpoint", "phalanx.train.sharded"}):
-        "the checkpoint format, split between two files; issue 43 makes them one checkpoint package",
-}
-
-
 def test_no_module_imports_itself_back_through_other_files():
-    found = [c for c in cycles(imports(type_checking=False)) if frozenset(m for m, _ in c) not in ALLOWED_CYCLES]
-    assert [described(c) for c in found] == []
-
-
-def test_every_cycle_allowed_is_still_there():
-    left = {frozenset(m for m, _ in c) for c in cycles(imports(type_checking=False))}
-    assert [sorted(group) for group in ALLOWED_CYCLES if group not in left] == [], \
-        "these cycles are gone: take them out of ALLOWED_CYCLES"
+    assert [described(c) for c in cycles(imports(type_checking=False))] == []
 
 
 def test_a_cycle_is_named_with_where_each_file_imports_the_next():
