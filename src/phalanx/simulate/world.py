@@ -18,7 +18,9 @@ at a step are those a real one-process evaluation of the same parameters reports
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 import time
 from statistics import NormalDist
 from typing import Any, Iterator, Optional
@@ -153,7 +155,10 @@ class World:
     def prediction(self, options: Any = None) -> Prediction:
         """The strategy's cost model at W workers: its step time and where the time goes."""
         options = options or self.options
-        return cost_model(options).predict(options, self.problem.compute, self.problem.facts,
+        model = cost_model(options)
+        if model is None:
+            raise PhalanxError(f"{type(options).__name__} has no cost model: a simulated strategy registers one")
+        return model.predict(options, self.problem.compute, self.problem.facts,
                                            self.problem.network, self.workers)
 
     # ---- the clock ----
@@ -269,7 +274,7 @@ def clip_rows(grads: list[torch.Tensor], limit: float) -> None:
     worker w's gradient (the simulated local steps stack the W workers' copies)."""
     if not grads:
         return
-    norms = sum(g.reshape(len(g), -1).square().sum(1) for g in grads).sqrt()
+    norms = functools.reduce(operator.add, (g.reshape(len(g), -1).square().sum(1) for g in grads)).sqrt()
     scale = (limit / (norms + 1e-6)).clamp(max=1.0)
     for g in grads:
         g.mul_(scale.view(-1, *([1] * (g.dim() - 1))))
