@@ -28,7 +28,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from ..costs import Prediction, cost_model
+from ..costs import Prediction, modelled_cost
 from ..data import ShardedBatches, eval_batches
 from ..data.batch import to_device
 from ..errors import PhalanxError
@@ -155,10 +155,7 @@ class World:
     def prediction(self, options: Any = None) -> Prediction:
         """The strategy's cost model at W workers: its step time and where the time goes."""
         options = options or self.options
-        model = cost_model(options)
-        if model is None:
-            raise PhalanxError(f"{type(options).__name__} has no cost model: a simulated strategy registers one")
-        return model.predict(options, self.problem.compute, self.problem.facts,
+        return modelled_cost(options).predict(options, self.problem.compute, self.problem.facts,
                                            self.problem.network, self.workers)
 
     # ---- the clock ----

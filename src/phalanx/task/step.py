@@ -202,7 +202,7 @@ def averages_tokens(step: Any, model: nn.Module, example: Any) -> bool:
 def counted_targets(step: DefaultStep, model: nn.Module, batch: Any) -> torch.Tensor:
     """How many targets of ``batch`` its loss averages over: those not ``-100`` (torch's and Hugging Face's
     ignore index), a causal LM's from the second position on (its loss shifts them)."""
-    y = batches.targets(batch, step.target_key)
+    y: torch.Tensor = batches.targets(batch, step.target_key)
     if not batches.is_pair(batch) and causal_lm(model):
         y = shifted(y, y)[1]
     return (y != -100).sum()
