@@ -214,6 +214,12 @@ class TrainConfig:
         return self.link
 
     @property
+    def slowness(self) -> Optional[Slowness]:
+        """``straggler`` parsed (from __post_init__ on)."""
+        assert self.straggler is None or isinstance(self.straggler, Slowness), "__post_init__ parses the straggler"
+        return self.straggler
+
+    @property
     def run_dir(self) -> str:
         """The run's directory: ``checkpoint_dir`` once ``rundir.placed`` named it."""
         assert self.checkpoint_dir is not None, "rundir.placed names the run's directory"
