@@ -345,6 +345,10 @@ class Runtime:
 
     def state_dict(self) -> Optional[dict[str, Any]]:
         """Model and optimizer state to save (called on every rank; rank 0's result is written)."""
+        return Runtime.own_state(self)
+
+    def own_state(self) -> dict[str, Any]:
+        """This rank's own model and optimizer state, no collective (a survivor's save: :class:`SurvivorState`)."""
         scaler = {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), **scaler}
 

@@ -21,7 +21,7 @@ import dataclasses
 import os
 import re
 import tempfile
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import torch
 import torch.distributed as dist
@@ -88,7 +88,7 @@ def _alive(pid: int) -> bool:
 class HogwildRuntime(Runtime):
     def __init__(self, build: Build, options: Hogwild):
         ctx, model = build.ctx, build.model
-        self.path = None
+        self.path: Optional[str] = None
         self.staleness = StalenessStats(bound=None)
         # What every worker writes into and reads: the parameters, and the float32 buffers beside them.
         params = list(model.parameters()) + [b for b in model.buffers() if b.dtype == torch.float32]
@@ -116,7 +116,7 @@ class HogwildRuntime(Runtime):
         super().__init__(build, description=options.describe())
 
     def _map_shared(self, ctx, count: int) -> torch.Tensor:
-        name = [None]
+        name: list[Optional[str]] = [None]
         if ctx.rank == 0:
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
             reclaim_leftovers(shm)
@@ -126,6 +126,7 @@ class HogwildRuntime(Runtime):
             name = [path]
             self.path = path
         dist.broadcast_object_list(name, src=0)
+        assert name[0] is not None, "rank 0 named the file"
         return torch.from_file(name[0], shared=True, size=count, dtype=torch.float32)
 
     def train_step(self, batch, y=None, parts=None):

@@ -114,7 +114,7 @@ class LocalSGDRuntime(Runtime):
         average_over(self.params + self.buffers, group)
         kept = "its own replica" if group is None else "the survivors' replicas averaged"
         # (the base's state: this rank's own, no collective, whatever a checkpoint of the whole job holds)
-        return SurvivorState(held, Runtime.state_dict(self), f"{kept}; the lost worker's local steps since the last "
+        return SurvivorState(held, Runtime.own_state(self), f"{kept}; the lost worker's local steps since the last "
                                                              "averaging are lost with it")
 
     def global_losses(self, losses: torch.Tensor) -> torch.Tensor:

@@ -180,6 +180,7 @@ class PipelineRuntime(StageCheckpoints):
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         owned = self.traced.owned()
         self.grad_norm = self.gradient_norm([p.grad for p in params if id(p) in owned])
+        assert self.build.clip_grad_norm is not None, "called where the run clips (--clip-grad-norm)"
         torch.nn.utils.clip_grads_with_norm_(params, self.build.clip_grad_norm, self.grad_norm)
 
     def gradient_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
