@@ -215,10 +215,12 @@ class PipelineRuntime(StageCheckpoints):
         if self.replica_group is None:
             return
         params = [p for p in self.stage_module.parameters() if p.requires_grad]
+        shared = []
         for p in params:
             if p.grad is None:  # every replica must send the same layout
                 p.grad = torch.zeros_like(p)
-        shared = [p.grad for p in params] + [b for b in self.stage_module.buffers() if b.is_floating_point()]
+            shared.append(p.grad)
+        shared += [b for b in self.stage_module.buffers() if b.is_floating_point()]
         for dtype in sorted({t.dtype for t in shared}, key=str):
             tensors = [t for t in shared if t.dtype == dtype]
             flat = torch.cat([t.reshape(-1) for t in tensors])
