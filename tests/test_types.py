@@ -1,6 +1,7 @@
 """mypy over src/phalanx (its settings in pyproject.toml): part of the README's test command, so CI runs it.
 
-Cold (a fresh clone, no .mypy_cache) it takes about 12 s of CPU, most of it reading torch's own annotations; warm, 1 s.
+Cold (a fresh clone, no .mypy_cache) it takes about 12 s of CPU, most of it reading torch's own annotations (what
+pyproject.toml leaves out of them, and why); warm, under 1 s.
 """
 
 import subprocess
