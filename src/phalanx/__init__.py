@@ -6,6 +6,7 @@ refused at parse time, and the start of a job's worker server do not wait for to
 
 import importlib
 import importlib.util
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.0"
 
@@ -28,8 +29,22 @@ _CALLABLE = ("compare", "estimate")
 
 __all__ = sorted([*_WHERE, *_CALLABLE])
 
+if TYPE_CHECKING:  # the same names for type checkers and editors ("X as X": re-exported); at run time __getattr__
+    # imports each when first used
+    from .data import ArrayDataset as ArrayDataset
+    from .devices import resolve_devices as resolve_devices
+    from .errors import PhalanxError as PhalanxError, TrainingDiverged as TrainingDiverged, WorkerFailed as WorkerFailed
+    from .launcher import WorkerContext as WorkerContext, launch as launch
+    from .parallel import ParallelModule as ParallelModule, make_parallel as make_parallel
+    from .strategies import (FSDP as FSDP, SSP as SSP, STRATEGIES as STRATEGIES, Backup as Backup, DiLoCo as DiLoCo,
+                             Hogwild as Hogwild, LocalSGD as LocalSGD, Options as Options,
+                             ParameterServer as ParameterServer, Pipeline as Pipeline, Runtime as Runtime, Sync as Sync)
+    from .topology import Topology as Topology, detect_topology as detect_topology
+    from .train import Schedule as Schedule, TrainConfig as TrainConfig, TrainResult as TrainResult, Trainer as Trainer
+    from .train.evaluate import evaluate as evaluate
 
-def __getattr__(name: str):
+
+def __getattr__(name: str) -> Any:
     if name not in _WHERE:  # a submodule by attribute (phalanx.devices.cuda_count()), as an eager package had it
         if importlib.util.find_spec(f"{__name__}.{name}") is None:
             raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
@@ -39,5 +54,5 @@ def __getattr__(name: str):
     return value
 
 
-def __dir__() -> list:
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_WHERE) | set(_CALLABLE))

@@ -80,9 +80,9 @@ def apply(path: str | Path, parser: argparse.ArgumentParser, args: argparse.Name
 
     A key that is no flag of ``parser`` is refused naming the nearest ones, as a mistyped flag is."""
     actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in skip}
-    for action in list(actions.values()):  # a flag renamed from its field (--timeout for timeout_s) by either name
-        for option in action.option_strings:
-            actions.setdefault(option.lstrip("-").replace("-", "_"), action)
+    for known in list(actions.values()):  # a flag renamed from its field (--timeout for timeout_s) by either name
+        for option in known.option_strings:
+            actions.setdefault(option.lstrip("-").replace("-", "_"), known)
     applied = []
     for name, (value, where) in read(path).items():
         action = actions.get(name)
@@ -113,7 +113,7 @@ def _converted(action: argparse.Action, value: Any, where: str) -> Any:
     if isinstance(value, bool):
         raise PhalanxError(f"{where} = {str(value).lower()}: this flag takes a value, not true or false")
     text = ",".join(_text(v) for v in value) if isinstance(value, list) else _text(value)
-    convert = action.type or str
+    convert = action.type if callable(action.type) else str
     try:
         return convert(text)
     except (argparse.ArgumentTypeError, ValueError, PhalanxError) as e:

@@ -78,7 +78,7 @@ def resolve_devices(spec: DeviceSpec = "auto", strict: bool = False) -> list[tor
     if isinstance(spec, str):
         if spec.strip().lower() == "auto":
             return [torch.device("cuda", i) for i in range(n_cuda)] or [torch.device("cpu")]
-        parts = [spec]
+        parts: list[str | torch.device] = [spec]
     else:
         parts = list(spec)
         if not parts:

@@ -82,7 +82,7 @@ def checkpoint_blocks(model: nn.Module, units: list[tuple[str, nn.Module]],
     else:
         _checkpoint_each(modules)
     with_ = saved_bytes(model, modules, measure) if measure is not None else None
-    how = f"; by {type(declaring[0]).__name__}'s own {_enabler(declaring[0]).__name__}()" if declaring else ""
+    how = f"; by {type(declaring[0]).__name__}'s own {_enabler_name(declaring[0])}()" if declaring else ""
     return Recomputed(describe_blocks(units) + how, len(units), without, with_, unmeasured)
 
 
@@ -109,10 +109,17 @@ def _enabler(module: nn.Module) -> Optional[Callable[..., Any]]:
     return None
 
 
+def _enabler_name(module: nn.Module) -> str:
+    """The name of the switch of a module :func:`declares_recompute` found (it has one)."""
+    enable = _enabler(module)
+    assert enable is not None, "declares_recompute keeps only the modules that have a switch"
+    return enable.__name__
+
+
 def _enable_declared(module: nn.Module) -> None:
     """The model's own switch, non-reentrant (its keyword inputs pass through; the default's, from transformers
     4.35 on, said explicitly as Accelerate does). It also turns the cache off while it recomputes."""
-    enable = _enabler(module)
+    enable = getattr(module, _enabler_name(module))
     kwargs = {"use_reentrant": False}
     if enable.__name__ == "activation_checkpointing_enable":
         enable(activation_checkpointing_kwargs=kwargs)
@@ -139,14 +146,14 @@ def _caches_off(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[
     recomputation would append to it a second time."""
     if not (module.training and torch.is_grad_enabled()):
         return None
-    args, kwargs, changed = list(args), dict(kwargs), False
+    given, kwargs, changed = list(args), dict(kwargs), False
     for name, index in _cache_inputs(module).items():
-        if index is not None and index < len(args):
-            if args[index] is not None and args[index] is not False:
-                args[index], changed = CACHES[name], True
+        if index is not None and index < len(given):
+            if given[index] is not None and given[index] is not False:
+                given[index], changed = CACHES[name], True
         elif kwargs.get(name) is not None and kwargs[name] is not False:
             kwargs[name], changed = CACHES[name], True
-    return (tuple(args), kwargs) if changed else None
+    return (tuple(given), kwargs) if changed else None
 
 
 def _cache_inputs(module: nn.Module) -> dict[str, Optional[int]]:

@@ -270,7 +270,8 @@ def apply_reduction(ddp_model, reduce: str, compress: Optional[str], islands: Op
 def _flat(ddp_model, compress: Optional[str], world_size: int) -> None:
     """One all-reduce per bucket: half precision through a hook, or DDP's own reducer (its bytes counted as
     each backward is armed)."""
-    if compress is not None:
-        ddp_model.register_comm_hook(CompressState(WireBuffers(COMPRESSIONS[compress]), world_size), compress_hook)
+    half = COMPRESSIONS[compress]
+    if half is not None:
+        ddp_model.register_comm_hook(CompressState(WireBuffers(half), world_size), compress_hook)
     else:
         ddp_model.register_forward_pre_hook(CountedAllReduce(ddp_model))

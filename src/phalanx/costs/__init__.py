@@ -14,9 +14,9 @@ Nothing here imports torch, starts a process or knows a strategy.
 
 from .inputs import Compute, ModelFacts, Network, allreduce, gather_or_scatter
 from .link import Link
-from .model import COSTS, Alternative, CostModel, cost_model
+from .model import COSTS, Alternative, CostModel, cost_model, modelled_cost
 from .prediction import Prediction
 from .timeline import Op, finish, schedule
 
 __all__ = ["COSTS", "Alternative", "Compute", "CostModel", "Link", "ModelFacts", "Network", "Op", "Prediction",
-           "allreduce", "cost_model", "finish", "gather_or_scatter", "schedule"]
+           "allreduce", "cost_model", "finish", "gather_or_scatter", "modelled_cost", "schedule"]

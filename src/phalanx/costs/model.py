@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence
 
+from ..errors import PhalanxError
 from .inputs import Compute, ModelFacts, Network
 from .prediction import Prediction
 
@@ -78,3 +79,14 @@ def cost_model(options: Any) -> Optional[CostModel]:
     """The cost model of an options object or class; None: the estimate does not model that strategy."""
     cls = options if isinstance(options, type) else type(options)
     return COSTS.get(cls)
+
+
+def modelled_cost(options: Any) -> CostModel:
+    """The cost model of a strategy known to have one (the estimate predicts only those, the simulation plays only
+    those); one line where it has none."""
+    model = cost_model(options)
+    if model is None:
+        cls = options if isinstance(options, type) else type(options)
+        raise PhalanxError(f"strategy {getattr(cls, 'name', cls.__name__)} has no cost model: phalanx estimate and "
+                           "compare --simulate do not model it")
+    return model

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol
 
 import numpy as np
 import torch
@@ -28,6 +28,39 @@ CIFAR_CROP = 24
 
 def _identity(x: torch.Tensor, params: Optional[torch.Tensor]) -> torch.Tensor:
     return x
+
+
+class ExampleSet(Protocol):
+    """What the readers and checks use of a set of examples, whatever holds them: an :class:`ArrayDataset`,
+    :class:`~phalanx.data.columns.Columns` (a tree of tensors in memory) or
+    :class:`~phalanx.data.lazy.LazyExamples` (the user's Dataset, read by loader workers)."""
+
+    def __len__(self) -> int: ...
+
+    @property
+    def augment_params(self) -> Optional[Callable[[int, torch.Generator], torch.Tensor]]: ...
+
+    @property
+    def example_shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def input_dtype(self) -> torch.dtype: ...
+
+    @property
+    def target_dtype(self) -> torch.dtype: ...
+
+    @property
+    def target_shape(self) -> tuple[int, ...]: ...
+
+    def largest_target(self) -> int: ...
+
+    def take(self, idx: torch.Tensor, params: Optional[torch.Tensor] = None) -> Any: ...
+
+    def read(self, plan: Iterable[tuple[torch.Tensor, Optional[torch.Tensor]]]) -> Iterator[Any]: ...
+
+    def subset(self, idx: torch.Tensor) -> ExampleSet: ...
+
+    def cast(self, inputs: Optional[torch.dtype] = None, targets: Optional[torch.dtype] = None) -> ExampleSet: ...
 
 
 @dataclasses.dataclass
@@ -96,8 +129,8 @@ class ArrayDataset:
 @dataclasses.dataclass
 class DataBundle:
     name: str
-    train: ArrayDataset
-    test: ArrayDataset
+    train: ExampleSet
+    test: ExampleSet
     input_shape: tuple[int, ...]
     num_classes: int
     held_out: str = "test"  #: what the evaluation set is called: "test", or "validation" (held out of train)

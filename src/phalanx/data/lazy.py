@@ -29,7 +29,7 @@ from typing import Any, Iterable, Iterator, NamedTuple, Optional
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..errors import PhalanxError
 from ..launcher.forkserver import GUARD
@@ -124,7 +124,7 @@ class LazyExamples:
     def subset(self, idx: torch.Tensor) -> "LazyExamples":
         subset = Subset(self.dataset, idx.tolist())
         if hasattr(self.dataset, "collate_fn"):
-            subset.collate_fn = self.dataset.collate_fn
+            setattr(subset, "collate_fn", self.dataset.collate_fn)  # torch's Subset keeps no collate_fn of its own
         return LazyExamples(subset, self.workers, self.name, self.inputs, self.targets, self.target_key)
 
     def cast(self, inputs: Optional[torch.dtype] = None, targets: Optional[torch.dtype] = None) -> "LazyExamples":
@@ -139,9 +139,9 @@ class LazyExamples:
             ys = [as_tensor(known, self.name)]
         else:
             n, step = len(self), 256
-            ys = [batches.targets(b, self.target_key)
-                  for b in self.read((torch.arange(s, min(s + step, n)), None) for s in range(0, n, step))]
-            ys = [y for y in ys if isinstance(y, torch.Tensor)]
+            read = (batches.targets(b, self.target_key)
+                    for b in self.read((torch.arange(s, min(s + step, n)), None) for s in range(0, n, step)))
+            ys = [y for y in read if isinstance(y, torch.Tensor)]
         for y in ys:
             check_targets(y, self.name)
         return max((int(y.max()) for y in ys if y.numel()), default=0)
@@ -165,7 +165,7 @@ class Unreadable(NamedTuple):
     message: str
 
 
-class _Guarded:
+class _Guarded(Dataset):
     """The examples as the DataLoader workers read them: a failure to read one comes back as :class:`Unreadable`."""
 
     def __init__(self, examples: LazyExamples):

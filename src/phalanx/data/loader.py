@@ -24,7 +24,7 @@ import torch
 
 from ..errors import PhalanxError
 from .batch import pin, record_stream, to_device
-from .datasets import ArrayDataset
+from .datasets import ExampleSet
 
 
 def epoch_generator(seed: int, epoch: int, stream: int) -> torch.Generator:
@@ -59,7 +59,7 @@ def advance(start: Position, steps: int, size: int, global_batch: int) -> Positi
 class ShardedBatches:
     """This worker's batches, global step by global step, from any starting position."""
 
-    def __init__(self, data: ArrayDataset, batch_size: int, rank: int = 0, world_size: int = 1,
+    def __init__(self, data: ExampleSet, batch_size: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, shuffle: bool = True, augment: bool = True):
         self.data, self.batch_size, self.rank, self.world = data, batch_size, rank, world_size
         self.seed, self.shuffle, self.augment = seed, shuffle, augment
@@ -112,7 +112,7 @@ class ShardedBatches:
         return self.data.take(*next(self.plan(start)))
 
 
-def eval_batches(data: ArrayDataset, batch_size: int, rank: int = 0, world_size: int = 1
+def eval_batches(data: ExampleSet, batch_size: int, rank: int = 0, world_size: int = 1
                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This worker's contiguous share of an evaluation set (shares differ by at most one example)."""
     n = len(data)
@@ -164,7 +164,7 @@ class Prefetcher:
                         batch = to_device(pin(batch), self.device, non_blocking=True)
                         ready = torch.cuda.Event()
                         ready.record(self.stream)
-                    item = (batch, ready)
+                    item: tuple[Any, Optional[torch.cuda.Event]] = (batch, ready)
                 else:
                     item = (batch, None)
                 while not self.stop.is_set():
@@ -207,7 +207,7 @@ class Prefetcher:
         if self.inline is not None:  # a reader holding DataLoader worker processes ends them now
             getattr(self.inline, "close", lambda: None)()
             return
-        while self.thread.is_alive():
+        while self.thread is not None and self.thread.is_alive():
             try:
                 while True:
                     self.queue.get_nowait()

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from ..errors import PhalanxError
-from .datasets import ArrayDataset, DataBundle
+from .datasets import ArrayDataset, DataBundle, ExampleSet
 from .batch import IGNORE, collate
 from .columns import Columns, check_targets
 from .lazy import LazyExamples, as_tensor, read_item
@@ -44,12 +44,12 @@ class Examples(ArrayDataset):
             self.y = self.y.long()
 
 
-def regression(data: ArrayDataset) -> bool:
+def regression(data: ExampleSet) -> bool:
     """Float targets: a regression (MSE by default), not a classifier."""
     return data.target_dtype.is_floating_point
 
 
-def as_arrays(value: Any, name: str, loader_workers: int = 0, target_key: Optional[str] = None) -> ArrayDataset:
+def as_arrays(value: Any, name: str, loader_workers: int = 0, target_key: Optional[str] = None) -> ExampleSet:
     """One set of examples in memory: (input, target) pairs as an ArrayDataset, items of any other structure as
     :class:`Columns` (a general Dataset with ``loader_workers``: left lazy, see ``lazy.py``), or one line saying
     what it should be."""
@@ -146,7 +146,7 @@ def user_bundle(train: Any, test: Any, validation_split: Optional[float] = None,
     return DataBundle(name, train_ds, test_ds, train_ds.example_shape, classes, held_out=held_out)
 
 
-def _outputs(train: ArrayDataset, test: ArrayDataset, train_name: str, test_name: str) -> int:
+def _outputs(train: ExampleSet, test: ExampleSet, train_name: str, test_name: str) -> int:
     """What ``num_classes`` tells a model factory: the classes, or for regression the values per example."""
     if regression(train):
         return max(1, int(torch.tensor(train.target_shape).prod()))
@@ -154,7 +154,7 @@ def _outputs(train: ArrayDataset, test: ArrayDataset, train_name: str, test_name
     return max(max(largest) + 1, 2)
 
 
-def _largest_counted(data: ArrayDataset, name: str) -> int:
+def _largest_counted(data: ExampleSet, name: str) -> int:
     """The largest class index; every target -100 (-100 is the one negative allowed: the largest is -100 only
     then) leaves no loss to take: a mean over no targets is nan, which read as a divergence at step 1."""
     largest = data.largest_target()
@@ -164,7 +164,7 @@ def _largest_counted(data: ArrayDataset, name: str) -> int:
     return largest
 
 
-def _split(data: ArrayDataset, fraction: float, seed: int) -> tuple[ArrayDataset, ArrayDataset]:
+def _split(data: ExampleSet, fraction: float, seed: int) -> tuple[ExampleSet, ExampleSet]:
     """A fixed part held out: the same examples on every run with this seed, whatever the workers."""
     n_out = int(round(len(data) * fraction))
     if not 1 <= n_out < len(data):

@@ -56,7 +56,9 @@ def _attempt(setup: Setup, row: Row, alternative: Alternative, compute: Compute,
     if alternative.strategy is None:
         return predict(setup, row, compute, net, options=dataclasses.replace(row.options, **alternative.changes))
     other, _ = plan_row(setup, setup.strategies[alternative.strategy], row.workers)
-    measured = computes.get(conditions_for(setup, other)) if other is not None else None
+    if other is None:
+        return None
+    measured = computes.get(conditions_for(setup, other))
     return predict(setup, other, measured, net) if measured is not None else None
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ..costs import cost_model
+from ..costs import cost_model, modelled_cost
 from ..errors import PhalanxError
 from ..options import field_flag, option
-from ..strategies import STRATEGIES
+from ..strategies import STRATEGIES, Options
 from ..units import check_link_pair, parse_bandwidth, parse_duration, parse_workers
 
 
@@ -100,14 +100,14 @@ def check_plot_suffix(path: str, flag: str = "--plot") -> None:
         raise PhalanxError(f"{flag} {path}: name a .png, .pdf or .svg file")
 
 
-def owners() -> dict[str, list[type]]:
+def owners() -> dict[str, list[type[Options]]]:
     """Strategy option -> the options classes that take it (several may: ``sync_every`` is local-sgd's and
     diloco's), in phalanx's order: the fields their cost models depend on."""
     from ..strategies import strategy_class
 
-    found: dict[str, list[type]] = {}
+    found: dict[str, list[type[Options]]] = {}
     for cls in (strategy_class(name) for name in estimated()):
-        for field in cost_model(cls).fields:
+        for field in modelled_cost(cls).fields:
             found.setdefault(field, []).append(cls)
     return found
 

@@ -84,6 +84,7 @@ def fixed_costs(ctx, beside: int, work: Step, step_s: float, ddp_step: Optional[
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     rounds = _rounds(slowest.item())
     if not beside:
+        assert ddp_step is not None and params is not None, "a rank with no process beside it steps DDP"
         return {"ddp_excess": _ddp_excess(work, ddp_step(), rounds),
                 **_meeting(work, params, _rounds(slowest.item() * MEETING_AFTER)), "round_trip_tiny": None,
                 "round_trip_spread": None}

@@ -122,7 +122,8 @@ def probe(ctx, spec: ProbeSpec, beside: int = 0) -> list[dict]:
         prefetcher.close()
     result = {"rows": rows, **_blocks(model, batch, device, spec, step)}
     if spec.micro_batches:  # a pipeline's rows: the task is a pair the pipeline takes (setup.refuses_task)
-        result["engine"] = engine_seconds(ctx, model, *batch, spec.micro_batches, task.loss_fn)
+        x, y = batch
+        result["engine"] = engine_seconds(ctx, model, x, y, spec.micro_batches, task.loss_fn)
     result.update(vector_ops(model, optimizer, batch, device, step))
 
     def ddp_step() -> Callable[[], None]:  # the same step of a DDP copy of the model (every worker makes it at once)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..costs import cost_model
+from ..costs import modelled_cost
 from ..costs.inputs import MEETING_AFTER
 from ..errors import PhalanxError
 from .run import Estimate
@@ -42,7 +42,7 @@ def describe(est: Estimate) -> str:
         rows = [p for p in est.predictions if p.strategy == cls.name]
         if not rows:
             continue
-        cost = cost_model(cls)
+        cost = modelled_cost(cls)
         lines += ["", cost.title, _header(cost.bubble)]
         lines += [_row(est, p, cost.bubble) for p in rows]
         lines += [f"  {note}" for note in rows[-1].notes]

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..costs import Compute, Network, Prediction, cost_model
+from ..costs import Compute, Network, Prediction, modelled_cost
 from .advice import advise
 from .link import Link, describe_link, measure_link, ring_of_gpus
 from .overhead import FIGURES
@@ -111,7 +111,7 @@ def _probe_spec(setup: Setup) -> ProbeSpec:
     batch = setup.config.batch_size
     rowed = {type(row.options) for row in setup.rows}  # (a strategy refused on this task measures nothing)
     micro = {m for cls in setup.predicted if cls in rowed for m in
-             cost_model(cls).micro_batches(setup.strategies[cls], batch)}
+             modelled_cost(cls).micro_batches(setup.strategies[cls], batch)}
     return ProbeSpec(setup.config, setup.options.measure_steps, tuple(sorted(micro)), task=setup.task,
                      bucket_mb=setup.bucket_mb)
 
@@ -122,7 +122,7 @@ def settle_links(setup: Setup, say: Say) -> tuple[Network, list[str]]:
     """The link within a machine and between machines, and a line saying where each comes from."""
     opts = setup.options
     given = Link(opts.link_latency, 1.0 / opts.link_bandwidth, "given by --link-bandwidth and --link-latency") \
-        if opts.link_given else None
+        if opts.link_bandwidth is not None and opts.link_latency is not None else None
     spans = max(opts.workers) > setup.per_node
     intra = _intra_link(setup, given, say)
     notes = [f"within a machine: {describe_link(intra)}"]
@@ -147,6 +147,7 @@ def _intra_link(setup: Setup, given: Optional[Link], say: Say) -> Link:
         if opts.measure_link or (opts.measure_link is None and given is None):
             say("measuring the link: all-reduces between 2 local gloo ranks ...")
             return measure_link("cpu")[0]
+        assert given is not None, "setup refuses --no-measure-link without --link-*"
         return dataclasses.replace(given, source=given.source + " (--measure-link measures this machine's own)")
     if opts.measure_link:
         say("measuring the link: NCCL all-reduces between cuda:0 and cuda:1 ...")

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..costs import Compute, CostModel, ModelFacts, Network, Prediction, cost_model
+from ..costs import Compute, CostModel, ModelFacts, Network, Prediction, modelled_cost
 from ..devices import resolve_devices
 from ..errors import PhalanxError
 from ..launcher import available_cores
@@ -44,7 +44,7 @@ class Row:
 
     @property
     def cost(self) -> CostModel:
-        return cost_model(self.options)
+        return modelled_cost(self.options)
 
     @property
     def strategy(self) -> str:
@@ -59,7 +59,7 @@ class Setup:
     config: TrainConfig  #: resolved: the recipe's optimizer and the data defaults filled in
     task: Task  #: the user's problem (what is measured: its model, data and optimizer)
     #: every estimated strategy's options class -> its options with the flags typed (predicted or not)
-    strategies: dict[type, Options]
+    strategies: dict[type[Options], Options]
     device: torch.device
     per_node: int
     cores: int
@@ -72,7 +72,7 @@ class Setup:
     skipped: list[str] = dataclasses.field(default_factory=list)  #: rows that cannot exist, and why
 
     @property
-    def predicted(self) -> list[type]:
+    def predicted(self) -> list[type[Options]]:
         """The options classes of the strategies asked for, in the order of ``--strategy all``."""
         return [strategy_class(name) for name in self.options.strategies]
 
@@ -87,7 +87,7 @@ def prepare(options: EstimateOptions, train_values: dict, strategy_values: dict,
     # the API's objects, else the user's model and data by import path, or the built-in ones
     task = user_task(config, **objects) if objects else task_from(config)
     config = named_optimizer(config, task).resolved(task.model_name)
-    strategies = {cls: cls(**{k: v for k, v in strategy_values.items() if k in cost_model(cls).fields})
+    strategies = {cls: cls(**{k: v for k, v in strategy_values.items() if k in modelled_cost(cls).fields})
                   for cls in map(strategy_class, estimated())}
     from ..train.checks import data_facts
 
@@ -103,13 +103,13 @@ def prepare(options: EstimateOptions, train_values: dict, strategy_values: dict,
     model = task.make_model(facts.input_shape, facts.num_classes)
     if task.data is not None:  # float64 numpy inputs meet float32 parameters, as in train
         facts = data_facts(config, cast_to_model(task.data, model))
-    caps = (cost_model(o).bucket_mb(o) for o in strategies.values())
+    caps = (modelled_cost(o).bucket_mb(o) for o in strategies.values())
     bucket_mb = next((cap for cap in caps if cap is not None), DEFAULT_BUCKET_MB)
     sizes = model_facts(model, facts.example, config.batch_size, bucket_mb, task.step)
     setup = Setup(options, config, task, strategies, device, per_node, available_cores(), model, sizes,
                   tuple(facts.input_shape), bucket_mb, facts.example)
     for cls in setup.predicted:
-        _plan_strategy(setup, cls, typed=any(k in cost_model(cls).fields for k in strategy_values))
+        _plan_strategy(setup, cls, typed=any(k in modelled_cost(cls).fields for k in strategy_values))
     return setup
 
 
@@ -138,7 +138,7 @@ def unknown_gpu_link(per_node: int, gpus: int) -> PhalanxError:
                         "machine is unknown: give --link-bandwidth and --link-latency, or run on that machine")
 
 
-def _plan_strategy(setup: Setup, cls: type, typed: bool) -> None:
+def _plan_strategy(setup: Setup, cls: type[Options], typed: bool) -> None:
     """Rows of one strategy, or 'not predicted' lines naming the layout's reason. A strategy the user asked
     for by name or by its flags that runs on none of the counts asked is an error: there is nothing to show."""
     reasons = []
@@ -162,7 +162,7 @@ def plan_row(setup: Setup, options: Options, workers: int) -> tuple[Optional[Row
         return None, refused
     job = Job((setup.device,) * workers, setup.config.batch_size, model=setup.model)
     refused = ""
-    for plan in cost_model(options).plans(options, workers, blocks, setup.per_node):
+    for plan in modelled_cost(options).plans(options, workers, blocks, setup.per_node):
         try:
             layout = plan.layout(job)
         except PhalanxError as e:

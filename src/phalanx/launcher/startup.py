@@ -57,7 +57,8 @@ class Marks:
 
     def line(self) -> str:
         """``start-up 2.41 s to the first step: imports and the parent's checks 1.52 s, workers ... +0.61 s, ...``"""
-        parts, before = [], 0.0
+        parts: list[str] = []
+        before = 0.0
         for phase, at in self.seconds.items():
             parts.append(f"{PHASES[phase]} {'+' if parts else ''}{at - before:.2f} s")
             before = at

@@ -68,13 +68,16 @@ class Forward:
         return self.first is not None and (not steps_made or self.ended_at_once is not None)
 
     def stopped(self, steps_made: bool) -> Stopped:
-        """The stop, for a job that ended without stopping together at one step."""
+        """The stop, for a job that ended without stopping together at one step (a stop was asked:
+        :meth:`explains_failure`)."""
+        assert self.first is not None, "asked only once a stop was requested"
         if not steps_made:
             return Stopped(f"stopped by {self.first} before the first step; nothing was saved", self.first)
-        return Stopped(f"stopped by {self.first}: {self.label(self.ended_at_once)} had not begun its first step "
-                       "and ended "
-                       "at once, so no step could be saved together; checkpoints are written atomically, so the "
-                       "newest one in the checkpoint directory is whole", self.first)
+        why = "every worker ended before they could stop together at a step" if self.ended_at_once is None else \
+            f"{self.label(self.ended_at_once)} had not begun its first step and ended at once, so no step could be " \
+            "saved together"
+        return Stopped(f"stopped by {self.first}: {why}; checkpoints are written atomically, so the newest one in the "
+                       "checkpoint directory is whole", self.first)
 
 
 @contextlib.contextmanager
@@ -87,8 +90,9 @@ def signals_to(handler: Callable[[str], None]):
     for sig in previous:
         signal.signal(sig, lambda signum, frame: handler(signal.Signals(signum).name))
     try:
-        if asked() is not None:  # a request the caller recorded before this launch took over (compare's)
-            handler(asked())
+        early = asked()
+        if early is not None:  # a request the caller recorded before this launch took over (compare's)
+            handler(early)
         yield
     finally:
         for sig, old in previous.items():

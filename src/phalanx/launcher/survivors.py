@@ -90,7 +90,8 @@ def survivors(store: Optional[dist.Store], rank: int, world_size: int, step: int
     if view is None:
         return None
     try:
-        view.set(f"rng/{rank}", _bytes(torch.get_rng_state()))
+        # torch's stub says str; the binding takes bytes as well (a std::string either way)
+        view.set(f"rng/{rank}", _bytes(torch.get_rng_state()))  # type: ignore[arg-type]
         view.set(f"survivor/{rank}", str(step))
         deadline = time.monotonic() + settle_s
         while True:

@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, overload
 
 import torch.distributed as dist
 
@@ -49,6 +49,10 @@ def enable_flight_recorder() -> None:
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
 
 
+@overload
+def launcher_view(store: dist.Store) -> dist.Store: ...
+@overload
+def launcher_view(store: None) -> None: ...
 def launcher_view(store: Optional[dist.Store]) -> Optional[dist.Store]:
     """The job's store as the launcher keeps its records in it (under ``PREFIX``): progress, hang dumps, who
     left and who is gone (:func:`say_gone`)."""
@@ -124,7 +128,7 @@ class Progress:
     def publish(self, store: dist.Store) -> "Progress":
         """Start publishing to ``store`` (a connection of this thread's own) once a second."""
         self.store = store
-        self._thread = threading.Thread(target=self._beat, name="phalanx-progress", daemon=True)
+        self._thread = threading.Thread(target=self._beat, args=(store,), name="phalanx-progress", daemon=True)
         self._thread.start()
         return self
 
@@ -165,11 +169,11 @@ class Progress:
             if early is not None and self.stop_requested is None:
                 stop(early, None)
 
-    def _beat(self) -> None:
+    def _beat(self, store: dist.Store) -> None:
         while not self._closing.wait(self.interval_s):
             try:
-                self._publish()
-                self._answer_dump()
+                self._publish(store)
+                self._answer_dump(store)
             except Exception:  # the store is gone: the job is ending
                 return
             finally:
@@ -178,22 +182,22 @@ class Progress:
         # and the parent names the step of the death from the freshest heartbeat (a beat is a quarter
         # second, hundreds of steps in a fast job).
         try:
-            self._publish()
+            self._publish(store)
         except Exception:
             pass
 
-    def _publish(self) -> None:
-        self.store.set(f"progress/{self.rank}", json.dumps(
+    def _publish(self, store: dist.Store) -> None:
+        store.set(f"progress/{self.rank}", json.dumps(
             {"step": self.step, "phase": self.phase, "moved": self.moved, "beat": time.time(), "pid": os.getpid()}))
 
-    def _answer_dump(self) -> None:
-        if not self.store.check(["dump"]):
+    def _answer_dump(self, store: dist.Store) -> None:
+        if not store.check(["dump"]):
             return
-        request = self.store.get("dump").decode()
+        request = store.get("dump").decode()
         if request == self._answered_dump:
             return
         self._answered_dump = request
-        self.store.set(f"dump/{self.rank}", json.dumps({"collectives": flight_recorder_view(),
+        store.set(f"dump/{self.rank}", json.dumps({"collectives": flight_recorder_view(),
                                                         "stack": main_thread_stack()}))
 
     def close(self) -> None:
@@ -207,15 +211,16 @@ def flight_recorder_view() -> dict[str, Any]:
     try:
         import torch._C._distributed_c10d as c10d
 
-        entries = json.loads(c10d._dump_fr_trace_json(True, True)).get("entries", [])
+        # private, so absent from torch's stubs
+        entries = json.loads(c10d._dump_fr_trace_json(True, True)).get("entries", [])  # type: ignore[attr-defined]
     except Exception as e:  # an older torch, or no process group
         return {"error": str(e)[:120]}
     newest: dict[str, dict] = {}
-    for e in entries:
-        group = ",".join(map(str, e.get("process_group", ["?"])))
-        seq = e.get("p2p_seq_id") if e.get("is_p2p") else e.get("collective_seq_id")
-        newest[group] = {"name": e.get("profiling_name", "?"), "seq": seq, "waiting": not e.get("retired", True),
-                         "p2p": bool(e.get("is_p2p"))}
+    for entry in entries:
+        group = ",".join(map(str, entry.get("process_group", ["?"])))
+        seq = entry.get("p2p_seq_id") if entry.get("is_p2p") else entry.get("collective_seq_id")
+        newest[group] = {"name": entry.get("profiling_name", "?"), "seq": seq,
+                         "waiting": not entry.get("retired", True), "p2p": bool(entry.get("is_p2p"))}
     return newest
 
 
@@ -359,17 +364,19 @@ def describe_hang(states: dict[int, RankState], dumps: dict[int, dict], world: i
         step = max([state.step] + ([min(waiting_steps)] if lockstep and waiting_steps else []))
         alive = r in dumps and now - state.beat < 3 * timeout_s
         how = "alive and busy" if alive else f"process stopped or frozen: no heartbeat for {now - state.beat:.0f} s"
-        where = "not in a collective" if waiting[r] is None else f"in {waiting[r][0]} (collective {waiting[r][1]})"
+        collective = waiting[r]
+        where = "not in a collective" if collective is None else f"in {collective[0]} (collective {collective[1]})"
         parts.append(f"{label(r)} is stuck in step {step}, in {state.phase}, {where} (no progress for "
                      f"{now - state.moved:.0f} s; {how})")
     groups: dict[tuple, list[int]] = {}
     for r in in_collective:
-        if r not in stuck:
-            step = states[r].step if r in states else "?"
-            groups.setdefault((waiting[r][0], waiting[r][1], step), []).append(r)
-    for (name, seq, step), ranks in sorted(groups.items(), key=lambda kv: kv[1]):
+        collective = waiting[r]
+        if r not in stuck and collective is not None:
+            at = states[r].step if r in states else "?"
+            groups.setdefault((collective[0], collective[1], at), []).append(r)
+    for (name, seq, at), ranks in sorted(groups.items(), key=lambda kv: kv[1]):
         verb = "waits" if len(ranks) == 1 else "wait"
-        parts.append(f"{_join([label(r) for r in ranks])} {verb} in {name} (collective {seq}) of step {step}")
+        parts.append(f"{_join([label(r) for r in ranks])} {verb} in {name} (collective {seq}) of step {at}")
     lines = ["; ".join(parts)]
     for r in stuck:
         stack = (dumps.get(r) or {}).get("stack") or []

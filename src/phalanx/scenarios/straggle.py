@@ -231,6 +231,7 @@ class Straggle:
             return []
         known = {r: c for r, c in enumerate(self.compute) if c is not None}
         if s.kind == "slow":
+            assert s.rank is not None, "Slowness checks that a slow rank is named"
             c = known.get(s.rank)
             if c is None:
                 return [f"straggler: rank {s.rank} is {s.factor:g}x as slow (it reads no data: nothing to slow)"]

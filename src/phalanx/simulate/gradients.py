@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import operator
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -124,11 +126,11 @@ class Gradients:
         if self._one_pass(shards):
             out = self._call(leaf, torch.cat([b[0] for b in shards]))
             if type(out) is torch.Tensor:
-                total, start = 0.0, 0
+                losses, start = [], 0
                 for bx, by in shards:  # each shard's own mean loss, weighted 1/k: the mean of k gradients
-                    total = total + self.loss_fn(out[start:start + len(bx)], by)
+                    losses.append(self.loss_fn(out[start:start + len(bx)], by))
                     start += len(bx)
-                loss = total / len(shards)
+                loss = functools.reduce(operator.add, losses) / len(shards)
                 (g,) = torch.autograd.grad(loss, leaf)
                 self.computed += len(shards)
                 return g, float(loss.detach())

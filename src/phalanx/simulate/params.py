@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -28,9 +30,10 @@ class Stepped:
     """
 
     def __init__(self, model, elementwise: bool):
-        self.model = None  #: the module whose own tensors are stepped (a factory that takes the model gets it)
+        #: the module whose own tensors are stepped (a factory that takes the model gets it)
+        self.model: Optional[torch.nn.Module] = None
         if elementwise:
-            self.flat = flat_of(model.parameters()).requires_grad_(True)
+            self.flat: Optional[torch.Tensor] = flat_of(model.parameters()).requires_grad_(True)
             self.tensors = [self.flat]
         else:
             self.flat, self.model = None, model

@@ -9,6 +9,8 @@ in use, not the number of workers or of updates.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -17,8 +19,9 @@ class Versions:
         self._store: dict[int, list] = {}  # id -> [flat tensor, references]
         self.peak = 0  #: the most versions held at once
 
-    def add(self, flat: torch.Tensor, version: int) -> int:
-        """Keep ``flat`` as ``version`` (once: a second add of the same version only counts a reference)."""
+    def add(self, flat: Optional[torch.Tensor], version: int) -> int:
+        """Keep ``flat`` as ``version`` (once: a second add of the same version only counts a reference, and may
+        give None)."""
         if version in self._store:
             self._store[version][1] += 1
         else:

@@ -18,7 +18,9 @@ at a step are those a real one-process evaluation of the same parameters reports
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 import time
 from statistics import NormalDist
 from typing import Any, Iterator, Optional
@@ -26,7 +28,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from ..costs import Prediction, cost_model
+from ..costs import Prediction, modelled_cost
 from ..data import ShardedBatches, eval_batches
 from ..data.batch import to_device
 from ..errors import PhalanxError
@@ -153,7 +155,7 @@ class World:
     def prediction(self, options: Any = None) -> Prediction:
         """The strategy's cost model at W workers: its step time and where the time goes."""
         options = options or self.options
-        return cost_model(options).predict(options, self.problem.compute, self.problem.facts,
+        return modelled_cost(options).predict(options, self.problem.compute, self.problem.facts,
                                            self.problem.network, self.workers)
 
     # ---- the clock ----
@@ -269,7 +271,7 @@ def clip_rows(grads: list[torch.Tensor], limit: float) -> None:
     worker w's gradient (the simulated local steps stack the W workers' copies)."""
     if not grads:
         return
-    norms = sum(g.reshape(len(g), -1).square().sum(1) for g in grads).sqrt()
+    norms = functools.reduce(operator.add, (g.reshape(len(g), -1).square().sum(1) for g in grads)).sqrt()
     scale = (limit / (norms + 1e-6)).clamp(max=1.0)
     for g in grads:
         g.mul_(scale.view(-1, *([1] * (g.dim() - 1))))

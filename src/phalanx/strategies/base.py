@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import operator
 from typing import Any, Callable, ClassVar, Iterable, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -155,7 +157,8 @@ class Build:
     hang_timeout_s: float = 0.0
     precision: Precision = Precision()  #: autocast around each forward (and fp16's gradient scaler)
     clip_grad_norm: Optional[float] = None  #: the largest norm of the gradient an update applies (None: no clipping)
-    step: Optional[Step] = None  #: the task's training step (None: the model on a pair's inputs, then loss_fn)
+    #: the task's training step (not given: the model on a pair's inputs, then loss_fn, set in __post_init__)
+    step: Step = None  # type: ignore[assignment]  # (a default made of another field: always a Step once built)
 
     def __post_init__(self) -> None:
         if self.step is None:
@@ -234,12 +237,11 @@ class Runtime:
         shares = self._token_shares(pieces)
         if len(pieces) == 1 and shares is None:  # (the common case, without the micro-batches' bookkeeping)
             return self._backward(batch, 1.0)
-        size, total = batches.length(batch), None
+        size, losses = batches.length(batch), []
         for i, piece in enumerate(pieces):
             with self.no_sync() if i < len(pieces) - 1 else contextlib.nullcontext():
-                part = self._backward(piece, shares[i] if shares is not None else batches.length(piece) / size)
-            total = part if total is None else total + part
-        return total
+                losses.append(self._backward(piece, shares[i] if shares is not None else batches.length(piece) / size))
+        return functools.reduce(operator.add, losses)
 
     def _token_shares(self, pieces: list[Batch]) -> Optional[list[torch.Tensor]]:
         """Where the ranks' batches are one batch (``one_batch``) and the loss is a mean over counted tokens
@@ -293,6 +295,7 @@ class Runtime:
         """torch's clip_grad_norm_, in its two halves, over the optimizer's parameters: the total norm of the
         gradient the update applies (:meth:`gradient_norm`), then every gradient scaled by max_norm / norm where
         that is below 1. No host read: the norm stays on the device (``grad_norm``) until a log step."""
+        assert self.build.clip_grad_norm is not None, "called where the run clips (--clip-grad-norm)"
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         self.grad_norm = self.gradient_norm([p.grad for p in params])
         torch.nn.utils.clip_grads_with_norm_(params, self.build.clip_grad_norm, self.grad_norm)
@@ -343,6 +346,10 @@ class Runtime:
 
     def state_dict(self) -> Optional[dict[str, Any]]:
         """Model and optimizer state to save (called on every rank; rank 0's result is written)."""
+        return Runtime.own_state(self)
+
+    def own_state(self) -> dict[str, Any]:
+        """This rank's own model and optimizer state, no collective (a survivor's save: :class:`SurvivorState`)."""
         scaler = {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), **scaler}
 

@@ -144,9 +144,9 @@ def materialise(root: nn.Module, device: torch.device, init: Optional[InitFn] = 
             if id(module) not in touched:
                 continue
             if id(module) in fresh and callable(getattr(module, "reset_parameters", None)):
-                module.reset_parameters()
+                getattr(module, "reset_parameters")()  # (the module's own: nn.Module declares none)
             if id(module) in declared:
-                declared[id(module)]._init_weights(module)
+                getattr(declared[id(module)], "_init_weights")(module)  # (transformers' PreTrainedModel's)
             if init is not None:
                 init(module)
     for name, module in fresh.values():
@@ -172,8 +172,12 @@ def _allocate_all(root: nn.Module, device: torch.device, where: str) -> tuple[di
             if id(tensor) not in memo:
                 memo[id(tensor)] = (tensor, _allocate(tensor, device))
                 allocated += tensor.numel() * tensor.element_size()
-            table = module._parameters if attr in module._parameters else module._buffers
-            table[attr] = memo[id(tensor)][1]
+            made = memo[id(tensor)][1]
+            if attr in module._parameters:
+                assert isinstance(made, nn.Parameter), "_allocate keeps a Parameter one"
+                module._parameters[attr] = made
+            else:
+                module._buffers[attr] = made
         fresh[id(module)] = (name, module)
         touched.add(id(module))
     return fresh, touched, allocated

@@ -18,17 +18,20 @@ cost something else, so they inherit no cost model by accident.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, TypeVar
 
 from ..costs.model import COSTS, CostModel
 from ..simulate.registry import RULES, SimulatedRule
+from .base import Options
+
+OptionsClass = TypeVar("OptionsClass", bound=type[Options])
 
 #: CLI name -> options class, in the order registered.
-STRATEGIES: dict[str, type] = {}
+STRATEGIES: dict[str, type[Options]] = {}
 
 
-def register(options_class: type, *, cost: Optional[CostModel] = None,
-             simulated: Optional[SimulatedRule] = None) -> type:
+def register(options_class: OptionsClass, *, cost: Optional[CostModel] = None,
+             simulated: Optional[SimulatedRule] = None) -> OptionsClass:
     """Make ``options_class`` a strategy named ``options_class.name``; ``cost``: what its step costs (None:
     ``estimate`` does not predict it); ``simulated``: how ``compare --simulate`` plays it (None: not simulated)."""
     known = STRATEGIES.get(options_class.name)
@@ -43,7 +46,7 @@ def register(options_class: type, *, cost: Optional[CostModel] = None,
     return options_class
 
 
-def unregister(options_class: type) -> None:
+def unregister(options_class: type[Options]) -> None:
     """Forget a strategy (a test's own, or a plug-in's): its name, cost model and simulated rule."""
     if STRATEGIES.get(options_class.name) is options_class:
         del STRATEGIES[options_class.name]

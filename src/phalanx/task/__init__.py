@@ -66,6 +66,7 @@ class Task:
     def optimizer(self, model: Any) -> torch.optim.Optimizer:
         """The factory's optimizer on ``model`` (a module: see :func:`call_optimizer_factory`), checked: a
         factory returning something else is one line."""
+        assert self.make_optimizer is not None, "asked only of a task with an optimizer factory"
         made = call_optimizer_factory(self.make_optimizer, model)
         if not isinstance(made, torch.optim.Optimizer):
             raise PhalanxError(f"the optimizer factory {label(self.make_optimizer)} returned "
@@ -76,6 +77,7 @@ class Task:
         """The user's LR scheduler on ``optimizer``, checked: something without ``step`` and ``state_dict``
         (what the loop and checkpoints use) is one line."""
         factory = self.make_scheduler
+        assert factory is not None, "asked only of a task with a scheduler factory"
         made = factory(optimizer, total_steps=total_steps) if names_parameter(factory, "total_steps") \
             else factory(optimizer)
         if not all(callable(getattr(made, m, None)) for m in ("step", "state_dict", "load_state_dict")):
@@ -195,10 +197,10 @@ def _metrics(cfg: Any, given: Optional[Sequence[Any]], regression: bool, sequenc
     if regression and any(m.name == "accuracy" for m in chosen):
         raise PhalanxError(f"{flag} accuracy: the targets are floats (a regression), and accuracy counts classes; "
                            "use mse, rmse or mae, or give integer class targets")
-    chosen = with_loss(chosen)
+    measured = with_loss(chosen)
     if target is not None:
-        check_target(target, chosen, target_flag)
-    return chosen
+        check_target(target, measured, target_flag)
+    return measured
 
 
 def metric_of(spec: Any, flag: str = "--metric") -> Metric:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -42,7 +42,7 @@ def call_model_factory(factory: Callable, name: str, input_shape: tuple, num_cla
     where a parameter is so named or through ``**kwargs`` (torchvision's builders pass it on to the model's
     constructor), ``input_shape`` only where a parameter is so named (no constructor of the ecosystem takes it)."""
     try:
-        params = inspect.signature(factory).parameters
+        params: Mapping[str, inspect.Parameter] = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         params = {}
     takes_more = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

@@ -13,12 +13,12 @@ import importlib
 import inspect
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, TypeGuard
 
 from ..errors import PhalanxError
 
 
-def is_import_path(name: Any) -> bool:
+def is_import_path(name: Any) -> TypeGuard[str]:
     return isinstance(name, str) and ":" in name
 
 
@@ -85,7 +85,6 @@ def _attribute(obj: Any, part: str, module_name: str, attr: str, spec: str, flag
 
 def label(obj: Any) -> str:
     """``module:qualname`` of a function or class (of an object: of its class)."""
-    target = obj if inspect.isfunction(obj) or inspect.isclass(obj) else type(obj)
-    if isinstance(obj, functools.partial):
-        target = obj.func
+    target: Any = obj.func if isinstance(obj, functools.partial) \
+        else obj if inspect.isfunction(obj) or inspect.isclass(obj) else type(obj)
     return f"{target.__module__}:{target.__qualname__}"

@@ -68,7 +68,7 @@ def _predicted(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return outputs.argmax(1)
 
 
-def correct(outputs: torch.Tensor, targets: torch.Tensor) -> tuple[Any, int]:
+def correct(outputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int | torch.Tensor]:
     """Targets of ``-100`` (torch's ``ignore_index``, Hugging Face's padding) are no class: left out."""
     hits = _predicted(outputs, targets) == targets
     if targets.is_floating_point() or not bool((targets == IGNORE).any()):
@@ -174,13 +174,15 @@ class Totals:
             return self.zeros()
         if isinstance(targets, torch.Tensor) and isinstance(outputs, torch.Tensor):
             targets = targets.to(outputs.device)
-        pairs = []
+        pairs: list[Sequence[Any]] = []
         if self.with_loss:
             if loss is None:
+                assert self.loss_fn is not None, "a Totals with the loss is given the step's loss or a loss_fn"
                 loss = self.loss_fn(outputs, targets)
             n = counted(targets) if targets is not None else _examples(batch)
             pairs.append((loss.detach().double() * n, n))
         for metric in self.tallies:
+            assert metric.tally is not None  # (the tallies are the metrics that have one)
             made = metric.tally(outputs, batch if metric.wants_batch else targets)
             if not isinstance(made, (tuple, list)) or len(made) != 2:
                 raise PhalanxError(f"metric {metric.name} returned {type(made).__name__}; a metric returns (sum, "

@@ -43,14 +43,14 @@ def cifar10(input_shape: tuple[int, ...], num_classes: int) -> nn.Sequential:
     c, h, w = input_shape
     # Two 3/2 max-pools with padding 1 take 24 -> 12 -> 6.
     side_h, side_w = _pooled(_pooled(h)), _pooled(_pooled(w))
-    norm = dict(size=4, alpha=0.001 / 9.0, beta=0.75, k=1.0)
+    norm = dict(alpha=0.001 / 9.0, beta=0.75, k=1.0)
     return nn.Sequential(
         nn.Sequential(
             nn.Conv2d(c, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1),
-            nn.LocalResponseNorm(**norm),
+            nn.LocalResponseNorm(4, **norm),
         ),
         nn.Sequential(
-            nn.Conv2d(64, 64, 5, padding=2), nn.ReLU(), nn.LocalResponseNorm(**norm),
+            nn.Conv2d(64, 64, 5, padding=2), nn.ReLU(), nn.LocalResponseNorm(4, **norm),
             nn.MaxPool2d(3, 2, padding=1),
         ),
         nn.Sequential(nn.Flatten(), nn.Linear(64 * side_h * side_w, 384), nn.ReLU()),
@@ -119,7 +119,8 @@ def model_blocks_by_default(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ``transformer`` dict gives ``wte``, ``wpe``, each block of ``h`` and ``ln_f``. Only those holding parameters."""
     if hasattr(model, "pipeline_blocks"):
         by_id = {id(m): n for n, m in model.named_modules() if n}
-        units = [(by_id[id(b)], b) for b in model.pipeline_blocks() if id(b) in by_id]
+        # (a method the model declares: nn.Module's own __getattr__ knows only tensors and modules)
+        units = [(by_id[id(b)], b) for b in getattr(model, "pipeline_blocks")() if id(b) in by_id]
     else:
         units = _called_children(model)
     return [(n, m) for n, m in units if _holds_parameters(m)]

@@ -199,10 +199,12 @@ def averages_tokens(step: Any, model: nn.Module, example: Any) -> bool:
     return isinstance(y, torch.Tensor) and y.dim() >= 2 and not y.is_floating_point()
 
 
-def counted_targets(step: DefaultStep, model: nn.Module, batch: Any) -> torch.Tensor:
+def counted_targets(step: Callable, model: nn.Module, batch: Any) -> torch.Tensor:
     """How many targets of ``batch`` its loss averages over: those not ``-100`` (torch's and Hugging Face's
     ignore index), a causal LM's from the second position on (its loss shifts them)."""
+    assert isinstance(step, DefaultStep), "asked only where averages_tokens holds: the default step"
     y = batches.targets(batch, step.target_key)
+    assert isinstance(y, torch.Tensor), "asked only where averages_tokens holds: targets per position"
     if not batches.is_pair(batch) and causal_lm(model):
         y = shifted(y, y)[1]
     return (y != -100).sum()

@@ -62,9 +62,10 @@ def parse_topo_matrix(text: str) -> TopoMatrix:
     for line in lines[at + 1:]:
         cells = [c for c in _cells(line)]
         cells = cells[1:] if cells and cells[0] == "" else cells  # p2p rows start with a space/tab
-        if not cells or not _GPU.match(cells[0]):
+        gpu = _GPU.match(cells[0]) if cells else None
+        if gpu is None:
             continue
-        index = int(_GPU.match(cells[0]).group(1))
+        index = int(gpu.group(1))
         values = cells[1:1 + len(devices)]
         if len(values) < len(devices):
             raise PhalanxError(f"row {cells[0]} has {len(values)} cells but the header names {len(devices)} devices")

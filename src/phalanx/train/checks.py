@@ -14,6 +14,7 @@ import socket
 import sys
 import tempfile
 import threading
+from types import FrameType
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -62,8 +63,9 @@ def data_facts(cfg: TrainConfig, user: Optional[DataBundle]) -> DataFacts:
         train_size, _ = cifar10_sizes(cfg.data_dir)
         shape = (3, CIFAR_CROP, CIFAR_CROP)
         return DataFacts(shape, 10, train_size, (torch.zeros(2, *shape), torch.zeros(2, dtype=torch.long)))
-    shape, size = tuple(cfg.synthetic_shape), cfg.synthetic_size
-    return DataFacts(shape, 10, size - size // 5, (torch.zeros(2, *shape), torch.zeros(2, dtype=torch.long)))
+    assert cfg.synthetic_shape is not None and cfg.synthetic_size is not None, "resolved() fills their defaults"
+    synthetic, size = tuple(cfg.synthetic_shape), cfg.synthetic_size
+    return DataFacts(synthetic, 10, size - size // 5, (torch.zeros(2, *synthetic), torch.zeros(2, dtype=torch.long)))
 
 
 def _facts(bundle: DataBundle, keep: Optional[DataBundle]) -> DataFacts:
@@ -93,30 +95,30 @@ def check_precision(cfg: TrainConfig, layout: Layout) -> None:
         raise PhalanxError("--precision fp16 runs on CUDA devices only (its gradient scaler is a GPU feature); "
                            "use --precision bf16 on the CPU (fp32's range, no scaler; faster than fp32 only on CPUs "
                            "with AMX or AVX-512 BF16), or fp32")
-    if not cfg.strategy.fp16_scaler:
+    if not cfg.options.fp16_scaler:
         able = " or ".join(name for name, cls in STRATEGIES.items() if cls.fp16_scaler)
         raise PhalanxError(f"--precision fp16 works with --strategy {able} only (a gradient scaler that skips a step "
-                           f"must skip it on every replica alike); use --precision bf16 with {cfg.strategy.name}")
+                           f"must skip it on every replica alike); use --precision bf16 with {cfg.options.name}")
 
 
 def check_async_checkpoint(cfg: TrainConfig, layout: Layout) -> None:
     """--async-checkpoint writes sharded checkpoints in the background: a run that writes one file is refused."""
     if not cfg.async_checkpoint:
         return
-    if not cfg.strategy.sharded_checkpoints:
+    if not cfg.options.sharded_checkpoints:
         able = " or ".join(name for name, cls in STRATEGIES.items() if cls.sharded_checkpoints)
         raise PhalanxError(f"--async-checkpoint writes sharded checkpoints, which --strategy {able} saves; "
-                           f"{cfg.strategy.name} saves one file from rank 0: leave --async-checkpoint out")
+                           f"{cfg.options.name} saves one file from rank 0: leave --async-checkpoint out")
     if layout.world_size < 2:
-        raise PhalanxError(f"--async-checkpoint writes sharded checkpoints, and {cfg.strategy.name} on one worker "
+        raise PhalanxError(f"--async-checkpoint writes sharded checkpoints, and {cfg.options.name} on one worker "
                            "shards nothing (it saves one file): leave --async-checkpoint out, or use --workers 2 "
                            "or more")
 
 
 def check_straggler(cfg: TrainConfig, layout: Layout) -> None:
     """``--straggler RANK:FACTOR`` must name a rank of this run that computes (reads data)."""
-    slow = cfg.straggler
-    if slow is None or slow.kind != "slow":
+    slow = cfg.slowness
+    if slow is None or slow.kind != "slow" or slow.rank is None:
         return
     spelled = f"--straggler {slow.rank}:{slow.factor:g}"
     if slow.rank >= layout.world_size:
@@ -265,7 +267,8 @@ def check_main_guard() -> None:
     spec = getattr(main, "__spec__", None)
     if not path or not os.path.isfile(path) or (spec is not None and spec.name.endswith("__main__")):
         return  # nothing spawn would run again (a package's __main__.py is never re-run)
-    line, frame = None, sys._getframe()
+    line: Optional[int] = None
+    frame: Optional[FrameType] = sys._getframe()
     while frame is not None:  # the outermost module-level line of the script that led here
         if frame.f_globals is vars(main) and frame.f_code.co_name == "<module>":
             line = frame.f_lineno
@@ -326,11 +329,12 @@ def check_address(addr: str, deadline_s: float = 5.0) -> None:
 
 def check_metrics_path(cfg: TrainConfig) -> None:
     """The metrics file must be creatable; its directory must exist unless it is the checkpoint directory."""
+    assert cfg.metrics is not None, "rundir.placed names the metrics file"
     path = Path(cfg.metrics)
     if path.is_dir():
         raise PhalanxError(f"--metrics {path} is a directory; give a file name such as {path}/metrics.jsonl")
     parent = path.parent
-    inside_checkpoints = parent.resolve() == Path(cfg.checkpoint_dir).resolve()
+    inside_checkpoints = parent.resolve() == Path(cfg.run_dir).resolve()
     if not parent.is_dir():
         if inside_checkpoints:
             return  # created with the checkpoint directory, whose writability is checked there
@@ -350,7 +354,7 @@ def check_metrics_path(cfg: TrainConfig) -> None:
 
 def check_checkpoint_dir(cfg: TrainConfig) -> None:
     """Without creating it: the checkpoint directory exists and is writable, or can be created."""
-    root = Path(cfg.checkpoint_dir)
+    root = Path(cfg.run_dir)
     probe = root
     while not probe.exists():
         probe = probe.parent
@@ -375,7 +379,7 @@ def check_init(cfg: TrainConfig, model: nn.Module) -> TrainConfig:
     state = ckpt.load_checkpoint(cfg.init_from, "--init-from")
     ckpt.warn_skipped(state)  # as --resume and evaluate say it: a newer checkpoint that did not verify
     check_fits(state, model, state["path"], "start from it")
-    if cfg.overwrite and Path(state["path"]).resolve().parent == Path(cfg.checkpoint_dir).resolve():
+    if cfg.overwrite and Path(state["path"]).resolve().parent == Path(cfg.run_dir).resolve():
         raise PhalanxError(f"--overwrite would remove {state['path']} before --init-from starts from it; choose "
                            "another --checkpoint-dir for the new run")
     return dataclasses.replace(cfg, init_from=state["path"])

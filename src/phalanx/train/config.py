@@ -199,6 +199,38 @@ class TrainConfig:
         if self.metrics is None and self.checkpoint_dir is not None:  # else named with the run's directory
             self.metrics = f"{self.checkpoint_dir}/metrics.jsonl"
 
+    # ---- fields as a run reads them: each takes what a user may give (a name, None for "the default"), and
+    # __post_init__, resolved() or rundir.placed() leaves it in one form; these read that form, typed ----
+    @property
+    def options(self) -> Options:
+        """The strategy's options (a name given is its default options from __post_init__ on)."""
+        assert isinstance(self.strategy, Options), "__post_init__ makes a strategy's name its options"
+        return self.strategy
+
+    @property
+    def link_rate(self) -> Optional[LinkRate]:
+        """``link`` parsed (from __post_init__ on)."""
+        assert not isinstance(self.link, str), "__post_init__ parses the link's rate"
+        return self.link
+
+    @property
+    def slowness(self) -> Optional[Slowness]:
+        """``straggler`` parsed (from __post_init__ on)."""
+        assert self.straggler is None or isinstance(self.straggler, Slowness), "__post_init__ parses the straggler"
+        return self.straggler
+
+    @property
+    def run_dir(self) -> str:
+        """The run's directory: ``checkpoint_dir`` once ``rundir.placed`` named it."""
+        assert self.checkpoint_dir is not None, "rundir.placed names the run's directory"
+        return self.checkpoint_dir
+
+    @property
+    def total_steps(self) -> int:
+        """``steps`` once :meth:`resolved` filled it from the recipe."""
+        assert self.steps is not None, "resolved() fills the steps from the recipe"
+        return self.steps
+
     # ---- what a run uses ----
     @property
     def target(self) -> Optional[Target]:
@@ -236,9 +268,9 @@ class TrainConfig:
         tables = {section.split(" (")[0].replace(" ", "_"): {name: _flag_value(getattr(self, name))
                                                              for name in names if self._saved(name)}
                   for section, names in SECTIONS.items()}
-        tables["parallelism"]["strategy"] = self.strategy.name
-        tables[self.strategy.name] = {f.name: _flag_value(getattr(self.strategy, f.name))
-                                      for f in declared(type(self.strategy))}
+        tables["parallelism"]["strategy"] = self.options.name
+        tables[self.options.name] = {f.name: _flag_value(getattr(self.options, f.name))
+                                     for f in declared(type(self.options))}
         return config_file.render(tables, "a phalanx train run: phalanx train --config FILE repeats it "
                                           "(flags typed with it override its values)")
 
@@ -256,7 +288,7 @@ class TrainConfig:
         given = [name for name in ("optimizer", "lr", "steps") if getattr(self, name) is not None]
         run = self.resolved(model)
         told = f"; set by flags: {', '.join(given)}" if given else "; any flag overrides"
-        lr = "its own lr" if ":" in run.optimizer else f"lr {run.lr:g}"
+        lr = "its own lr" if run.optimizer is not None and ":" in run.optimizer else f"lr {run.lr:g}"
         return f"recipe: {run.optimizer}, {lr}, {run.steps} steps ({source}{told})"
 
 

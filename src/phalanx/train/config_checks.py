@@ -60,9 +60,9 @@ def check_recompute(cfg: TrainConfig) -> None:
     traces or splits the model, or that has not been wired and tested for it, refuses it."""
     if not isinstance(cfg.activation_checkpointing, bool):
         raise PhalanxError(f"--activation-checkpointing is on or off, got {cfg.activation_checkpointing!r}")
-    if cfg.activation_checkpointing and not cfg.strategy.checkpoints_activations:
+    if cfg.activation_checkpointing and not cfg.options.checkpoints_activations:
         takes = ", ".join(name for name, cls in STRATEGIES.items() if cls.checkpoints_activations)
-        raise PhalanxError(f"--strategy {cfg.strategy.name} does not take --activation-checkpointing; use one of "
+        raise PhalanxError(f"--strategy {cfg.options.name} does not take --activation-checkpointing; use one of "
                            f"{takes}, or drop the flag")
 
 

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, Any, Optional
 
 from tqdm import tqdm
 
@@ -60,7 +60,7 @@ class Reporter:
                  start_step: int, resumed_from: Optional[str] = None, run_id: Optional[str] = None,
                  tensorboard: Optional[str] = None):
         self.enabled = enabled
-        self.metrics = None
+        self.metrics: Optional[IO[str]] = None
         self.metrics_path = metrics_path
         self.bar = None
         self.board = None
@@ -128,6 +128,8 @@ class Reporter:
             raise metrics_error(self.metrics_path, e) from None
 
     def _drop_metrics(self) -> None:
+        if self.metrics is None:
+            return
         try:
             self.metrics.close()  # closes the file even when its last flush fails again
         except OSError:
@@ -160,9 +162,9 @@ class Reporter:
 
 def metrics_error(path: Optional[str], e: OSError) -> StorageError:
     """``cannot write metrics file m.jsonl: No space left on device (ENOSPC); free some space ...``"""
-    code = errno.errorcode.get(e.errno, "") if e.errno else ""
+    code = errno.errorcode.get(e.errno, "") if e.errno is not None else ""
     why = f"{e.strerror or e}{f' ({code})' if code else ''}"
     fix = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space",
-           errno.EIO: "check the disk"}.get(e.errno, "fix the permissions")
+           errno.EIO: "check the disk"}.get(e.errno or 0, "fix the permissions")
     return StorageError(f"cannot write metrics file {path}: {why}; {fix} or choose another --metrics, then continue "
                         "with --resume (the checkpoints are not affected)")

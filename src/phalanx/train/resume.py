@@ -143,6 +143,7 @@ def _batch_line(run: TrainConfig, state: dict[str, Any], shards: int) -> Optiona
 
 
 def _lr_rule(run: TrainConfig, old_global: int, new_global: int) -> str:
+    assert run.lr is not None, "a resolved run has its lr"
     if run.lr_base_batch is None:
         return f"lr {run.lr:g}, not scaled (--lr-base-batch would scale it with the global batch)"
     now = scaled_lr(run.lr, new_global, run.lr_base_batch)

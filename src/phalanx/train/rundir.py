@@ -91,7 +91,7 @@ def placed(cfg: TrainConfig) -> TrainConfig:
         elif resume is not None:
             directory = resume if Path(resume).is_dir() else str(Path(resume).parent)
         else:
-            directory = str(Path(RUNS) / f"{cfg.strategy.name}-{next_number(Path(RUNS))}")
+            directory = str(Path(RUNS) / f"{cfg.options.name}-{next_number(Path(RUNS))}")
     if resume == NEWEST:
         resume = directory
     metrics = cfg.metrics if cfg.metrics is not None else f"{directory}/metrics.jsonl"
@@ -154,7 +154,7 @@ def new_run_id(launcher: str) -> str:
 
 def claim(cfg: TrainConfig) -> Claim:
     """The run this job is: a torchrun attempt continuing its own, a --resume, or a new run."""
-    root = Path(cfg.checkpoint_dir)
+    root = Path(cfg.run_dir)
     record = _record(root, cfg)
     launcher = launcher_identity()
     if restart_attempt() > 0 and launcher and record is not None and record.launcher == launcher:
@@ -182,7 +182,7 @@ def _new_run(cfg: TrainConfig, root: Path, record: Optional[ckpt.RunRecord]) -> 
 
 def resumed_run(cfg: TrainConfig, state: dict) -> str:
     """The run a resume continues (its checkpoint's); refused when the directory holds another run."""
-    root = Path(cfg.checkpoint_dir)
+    root = Path(cfg.run_dir)
     record = _record(root, cfg)
     here = Path(state["path"]).resolve().parent == root.resolve()
     theirs = record.run_id if record is not None and record.run_id else None
@@ -219,7 +219,7 @@ def cut_record(cfg: TrainConfig, resumed: Optional[str]) -> tuple[Path, ...]:
     """Where ``--resume`` named a checkpoint that verified (``resumed``) and the directory's run record is
     unreadable: one warning, and the record to remove (then rewritten from the checkpoints, in step order, by
     :func:`take` once the directory is locked)."""
-    root = Path(cfg.checkpoint_dir)
+    root = Path(cfg.run_dir)
     if resumed is None or not names_a_checkpoint(cfg.resume) or not (root / ckpt.RUN_NAME).exists():
         return ()
     try:
@@ -250,6 +250,7 @@ def metrics_owner(path: Path) -> tuple[bool, Optional[str]]:
 def check_metrics(cfg: TrainConfig, run_id: str, new: bool) -> tuple[Path, ...]:
     """A metrics file is never silently overwritten: a continued run appends to its own; a new run
     is refused next to another run's (--overwrite: removed, if phalanx wrote it). Returns what to remove."""
+    assert cfg.metrics is not None, "placed() names the metrics file"
     path = Path(cfg.metrics)
     if launcher_rank() != 0 or not path.is_file() or path.stat().st_size == 0:
         return ()

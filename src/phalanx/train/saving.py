@@ -107,7 +107,7 @@ class Checkpointer:
         if state is None:  # (a rank whose part rank 0 gathered, e.g. a pipeline's later stage: nothing to write)
             return None
         small = self._small(step, rng, scheduler, position, self._shapes(state))
-        if shards:  # every rank writes its own shards; rank 0 adds the small state and seals the directory
+        if self.shard_writer is not None:  # every rank writes its own shards; rank 0 adds the small state, seals
             self.shard_writer.save(state, small, self.cfg.checkpoint_dir, step, self.cfg.keep_checkpoints)
         elif self.ctx.is_main:
             ckpt.save_checkpoint({**small, **state}, self.cfg.checkpoint_dir, step, self.cfg.keep_checkpoints)

@@ -153,7 +153,8 @@ class Summary:
             if end.reached:
                 say(f"stopped at step {end.step}: {self.data.held_out} {self.target.metric} reached the target "
                     f"{self.target}")
-            say(f"{self.data.held_out} {said(end.values)} after {end.step} steps")
+            if end.values is not None:  # (None: a stop asked for speed skipped the evaluation)
+                say(f"{self.data.held_out} {said(end.values)} after {end.step} steps")
         say(f"throughput {rate:.1f} examples/sec (global), training time {end.seconds:.1f} s")
         for line in describe(mine, most):
             say(line)

@@ -27,7 +27,6 @@ from ..errors import JobHung, PhalanxError, Stopped, WorkerFailed
 from ..launcher import in_torchrun, launch, launcher_rank, launcher_world_size
 from ..data.user import cast_to_model
 from ..task import Task, named_optimizer, user_task
-from ..task.step import DefaultStep
 from ..strategies import Job, Layout, meta_init
 from .. import checkpoint as ckpt
 from . import checks, rundir, tensorboard
@@ -100,22 +99,22 @@ class Trainer:
         if task.data is not None:  # float64 numpy inputs meet float32 parameters: cast once, here
             facts = checks.data_facts(cfg, cast_to_model(task.data, model))
         checks.check_model(model, facts, task.loss_fn, task.metrics, task.step)
-        checks.check_optimizer(task, model, cfg.steps)
+        checks.check_optimizer(task, model, cfg.total_steps)
         devices = worker_devices(cfg)
         job = Job(tuple(devices), cfg.batch_size, cfg.accumulate, processes=launcher_world_size(),
                   gpu_islands=_gpu_islands(devices, cfg), model=model)
-        layout = cfg.strategy.layout(job)
+        layout = cfg.options.layout(job)
         # the strategy's first step (a split forward, a tp plan), tried on a copy of the model
-        cfg.strategy.rehearse(model, facts.example, task.step or DefaultStep(task.loss_fn))
+        cfg.options.rehearse(model, facts.example, task.step)
         checks.check_global_batch(cfg, layout, facts)
         checks.check_straggler(cfg, layout)
-        if cfg.strategy.builds_on_meta():
+        if cfg.options.builds_on_meta():
             meta_init.check_run(cfg.init_from, cfg.straggler,
                                 lambda: task.make_model(facts.input_shape, facts.num_classes))
         checks.check_precision(cfg, layout)
         checks.check_async_checkpoint(cfg, layout)
-        if cfg.link is not None:
-            shaped_link.check(cfg.link, devices=list(layout.devices), world_size=layout.world_size,
+        if cfg.link_rate is not None:
+            shaped_link.check(cfg.link_rate, devices=list(layout.devices), world_size=layout.world_size,
                               addr=cfg.master_addr, joined=in_torchrun())
         spawning = layout.world_size > 1 and not in_torchrun()
         if spawning:
@@ -146,25 +145,25 @@ class Trainer:
                 print(done, flush=True)
             return TrainResult.complete(done.step, done.path, self.config.metrics)
         cfg = plan.config
-        created = not Path(cfg.checkpoint_dir).exists()
-        made_runs = Path(cfg.checkpoint_dir).parent == Path(rundir.RUNS) and not Path(rundir.RUNS).exists()
-        ckpt.ensure_writable(cfg.checkpoint_dir)
+        created = not Path(cfg.run_dir).exists()
+        made_runs = Path(cfg.run_dir).parent == Path(rundir.RUNS) and not Path(rundir.RUNS).exists()
+        ckpt.ensure_writable(cfg.run_dir)
         # One job per checkpoint directory: the process that writes the checkpoints holds the lock.
-        lock = ckpt.DirectoryLock(cfg.checkpoint_dir) if launcher_rank() == 0 else None
+        lock = ckpt.DirectoryLock(cfg.run_dir) if launcher_rank() == 0 else None
         try:
             if lock is not None:
                 lock.acquire()
-                rundir.take(cfg.checkpoint_dir, plan.run_id, plan.remove)  # only the checkpoint writer
+                rundir.take(cfg.run_dir, plan.run_id, plan.remove)  # only the checkpoint writer
                 # the run as a file: --config of it repeats the run (a resume writes what it resolved now)
-                config_file.write(Path(cfg.checkpoint_dir) / config_file.SAVED_NAME, cfg.to_toml())
-            ckpt.remove_stale_temporaries(cfg.checkpoint_dir)
-            with shaped_link.shaped(cfg.link) as link:  # --link: the whole job (store, workers) on the shaped loopback
+                config_file.write(Path(cfg.run_dir) / config_file.SAVED_NAME, cfg.to_toml())
+            ckpt.remove_stale_temporaries(cfg.run_dir)
+            with shaped_link.shaped(cfg.link_rate) as link:  # --link: the whole job on the shaped loopback
                 summary = self._run_restarting(plan)
                 if link is not None:  # read in the namespace: its loopback counted exactly this job's bytes
                     summary = link.record(summary, cfg.metrics, _steps_made(summary, plan))
         except PhalanxError:
             if created and lock is not None and lock.fd is not None:
-                _remove_if_empty(Path(cfg.checkpoint_dir))  # leave nothing behind for a run that never started
+                _remove_if_empty(Path(cfg.run_dir))  # leave nothing behind for a run that never started
                 if made_runs and not any(Path(rundir.RUNS).iterdir()):
                     Path(rundir.RUNS).rmdir()  # (runs/ too, where this run made it)
             raise
@@ -176,7 +175,7 @@ class Trainer:
                           f"{summary['checkpoint']}", summary["stopped_by"], summary)
         return None if summary is None else TrainResult.from_summary(summary)
 
-    def _run_restarting(self, plan: Plan) -> dict[str, Any]:
+    def _run_restarting(self, plan: Plan) -> Optional[dict[str, Any]]:
         """Launch; when a worker dies or the job hangs, start every worker again from the newest
         checkpoint (up to --max-restarts times): exact resume makes the result the uninterrupted one."""
         cfg, restarts = plan.config, 0
@@ -186,9 +185,9 @@ class Trainer:
                               addr=cfg.master_addr, timeout_s=max(cfg.timeout_s, 2 * cfg.hang_timeout_s),
                               tolerate=plan.layout.expendable, hang_timeout_s=cfg.hang_timeout_s,
                               label=plan.layout.label, lockstep=plan.layout.lockstep,
-                              survivors_save=cfg.strategy.survivors_save)
+                              survivors_save=cfg.options.survivors_save)
             except (WorkerFailed, JobHung) as e:
-                newest = ckpt.latest_checkpoint(cfg.checkpoint_dir)
+                newest = ckpt.latest_checkpoint(cfg.run_dir)
                 if restarts >= cfg.max_restarts:
                     if isinstance(e, JobHung):
                         raise
@@ -198,7 +197,7 @@ class Trainer:
                 if point is not None and point["step"] >= cfg.steps:  # it died after the last checkpoint
                     print(f"{_what_failed(e, plan.layout)}; {rundir.RunComplete(point['step'], point['path'])}",
                           flush=True)
-                    return TrainResult.complete(point["step"], point["path"], cfg.metrics)
+                    return TrainResult.complete(point["step"], point["path"], cfg.metrics).to_dict()
                 restarts += 1
                 plan = dataclasses.replace(plan, resume_path=point["path"] if point else None)
                 where = f"checkpoint step {point['step']}" if point else "the start (no checkpoint yet)"
@@ -210,10 +209,10 @@ class Trainer:
     def _restart_point(cfg: TrainConfig, run_id: str) -> Optional[dict[str, Any]]:
         """This run's newest checkpoint that verifies (None: none yet, start again from step 0). Only
         this run's: the directory was claimed for it before the first launch, and is locked."""
-        record = ckpt.read_run(cfg.checkpoint_dir)
-        if record is None or record.run_id != run_id or not ckpt.list_checkpoints(cfg.checkpoint_dir):
+        record = ckpt.read_run(cfg.run_dir)
+        if record is None or record.run_id != run_id or not ckpt.list_checkpoints(cfg.run_dir):
             return None
-        return ckpt.load_checkpoint(cfg.checkpoint_dir)
+        return ckpt.load_checkpoint(cfg.run_dir)
 
 
 def _steps_made(summary: Optional[dict[str, Any]], plan: Plan) -> int:
@@ -226,11 +225,11 @@ def _steps_made(summary: Optional[dict[str, Any]], plan: Plan) -> int:
     return summary["steps"] - start
 
 
-def _what_failed(e: PhalanxError, layout: Layout) -> str:
+def _what_failed(e: WorkerFailed | JobHung, layout: Layout) -> str:
     """``worker 1 died at step 57 (SIGKILL)`` / ``the job hung``: the restart line's first half."""
     if isinstance(e, JobHung):
         return f"the job hung ({str(e).split(': ', 1)[-1].splitlines()[0]})"
-    at = f" at step {e.step}" if getattr(e, "step", None) is not None else ""
+    at = f" at step {e.step}" if e.step is not None else ""
     detail = e.detail.strip().splitlines()
     how = re.search(r"killed by (\w+)", detail[0]) if detail else None
     why = how.group(1) if how else (detail[-1][:120] if detail else "no report")

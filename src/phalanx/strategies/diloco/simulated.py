@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,7 +61,7 @@ def _mean_on_the_wire(pseudo: torch.Tensor, precision: str) -> torch.Tensor:
             total += part
         return total.float()
     if precision == "int8":  # each quantized with its own max-abs scale, summed in fp32
-        return sum(dequantize_int8(*quantize_int8(p)) for p in pseudo) / W
+        return functools.reduce(operator.add, (dequantize_int8(*quantize_int8(p)) for p in pseudo)) / W
     return pseudo.sum(0) / W
 
 

@@ -63,8 +63,8 @@ from .units import shard_units
 
 def parse_blocks(value: Union[str, Iterable[str]]) -> tuple[str, ...]:
     """``"encoder,decoder"`` or ``["Block"]`` -> a tuple of submodule or class names."""
-    names = value.split(",") if isinstance(value, str) else list(value)
-    names = tuple(str(n).strip() for n in names if str(n).strip())
+    given = value.split(",") if isinstance(value, str) else list(value)
+    names = tuple(str(n).strip() for n in given if str(n).strip())
     if not names:
         raise PhalanxError("--blocks names no submodule: give names like 'encoder,decoder' or a class like 'Block', "
                            "or leave it out")

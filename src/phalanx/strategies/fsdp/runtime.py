@@ -131,6 +131,7 @@ class FSDPRuntime(Runtime):
             return super().clip_gradients()
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         self.grad_norm = self.gradient_norm([p.grad for p in params])
+        assert self.build.clip_grad_norm is not None, "called where the run clips (--clip-grad-norm)"
         tensor_parallel.clip(params, self.build.clip_grad_norm, self.grad_norm)
 
     # ---- evaluation ----
@@ -198,9 +199,9 @@ class FSDPRuntime(Runtime):
         model, optimizer = get_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=False))
         # A buffer is a whole tensor on every rank, each rank's moved by its own batches; DCP writes one rank's
         # copy, not necessarily rank 0's. Copies of rank 0's, as a full checkpoint holds (the live ones stay).
-        plain = [name for name, value in model.items() if isinstance(value, torch.Tensor)
-                 and not isinstance(value, DTensor)]
-        copies = [model[name].detach().clone() for name in plain]
+        plain = {name: value for name, value in model.items() if isinstance(value, torch.Tensor)
+                 and not isinstance(value, DTensor)}
+        copies = [value.detach().clone() for value in plain.values()]
         broadcast_buffers(copies)
         model.update(zip(plain, copies))
         return {"model": model, "optimizer": optimizer}
@@ -276,6 +277,9 @@ def _containers(value: Any) -> Any:
 
 @contextlib.contextmanager
 def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    from torch.distributed.fsdp import FSDPModule
+
+    assert isinstance(model, FSDPModule), "fully_shard made the root an FSDPModule"
     model.set_requires_gradient_sync(False)  # recursive: every block of the model
     try:
         yield

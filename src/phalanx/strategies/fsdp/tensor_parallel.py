@@ -21,13 +21,16 @@ A rank holds 1/N of the heads: an attention keeping its head count as an attribu
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
 
 from ...errors import PhalanxError
 from ..layout import Job, Layout, RankPlan, Role
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 from . import tp_plan
 
 
@@ -61,7 +64,7 @@ def describe(plan: dict[str, dict[str, str]]) -> str:
     return f"{same} of {len(plan)} blocks: " + ", ".join(parts)
 
 
-def meshes(device_type: str, world_size: int, n: int) -> tuple[Optional[object], Optional[object]]:
+def meshes(device_type: str, world_size: int, n: int) -> tuple[Optional[DeviceMesh], Optional[DeviceMesh]]:
     """(the "shard" mesh fsdp shards over, the "tp" mesh): None for a dim of size 1 (nothing to split there)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -73,7 +76,7 @@ def meshes(device_type: str, world_size: int, n: int) -> tuple[Optional[object],
     return mesh["shard"], mesh["tp"]
 
 
-def apply(block: nn.Module, plan: dict[str, str], mesh: object) -> None:
+def apply(block: nn.Module, plan: dict[str, str], mesh: DeviceMesh) -> None:
     """torch's ColwiseParallel / RowwiseParallel on the block's planned layers, in place (``tp_styles.py``)."""
     from . import tp_styles  # (imports DTensor: only where a mesh exists)
 

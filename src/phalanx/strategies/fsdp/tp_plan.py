@@ -44,8 +44,16 @@ def widths(module: nn.Module) -> Optional[tuple[int, int]]:
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
     if transposed(module):
-        return tuple(module.weight.shape)
+        rows, cols = getattr(module, "weight").shape  # (transposed: a 2-d weight)
+        return rows, cols
     return None
+
+
+def _widths(projection: nn.Module) -> tuple[int, int]:
+    """(in, out) of one of a block's ``projections`` (modules that :func:`widths` knows)."""
+    found = widths(projection)
+    assert found is not None, "projections are the modules widths() knows"
+    return found
 
 
 def transposed(module: nn.Module) -> bool:
@@ -163,9 +171,10 @@ def _attention_plan(attention: nn.Module, path: str, projections: list[tuple[str
     kept whole; a per-head table (T5's relative position bias) column-wise. Heads checked against N."""
     mine = _projections_under(projections, path)
     heads = heads_of(attention)
-    first_in, q_width = widths(mine[0][1])
+    assert heads is not None, "block_plan asks only of a module that has heads"
+    first_in, q_width = _widths(mine[0][1])
     plan: Plan = {}
-    if len(mine) == 2 and q_width == 3 * widths(mine[1][1])[0]:  # one projection d -> 3d, split in forward
+    if len(mine) == 2 and q_width == 3 * _widths(mine[1][1])[0]:  # one projection d -> 3d, split in forward
         if getattr(attention, "split_size", None) != q_width // 3:
             raise PhalanxError(f"--tensor-parallel: '{where}' computes q, k, v in one projection ({mine[0][0]} "
                                f"{first_in}->{q_width}) split in forward by a width phalanx cannot tell (GPT-2 keeps "
@@ -178,9 +187,9 @@ def _attention_plan(attention: nn.Module, path: str, projections: list[tuple[str
         after = projections[projections.index(mine[-1]) + 1:]
         inputs, out = (mine[:-1], mine[-1]) if len(mine) >= 4 else (mine, after[0] if after and len(mine) == 3
                                                                       else None)
-        if (out is None or widths(out[1]) != (q_width, first_in)
-                or any(widths(m)[0] != first_in for _, m in inputs)):
-            shapes = ", ".join(f"{p} {widths(m)[0]}->{widths(m)[1]}" for p, m in mine)
+        if (out is None or _widths(out[1]) != (q_width, first_in)
+                or any(_widths(m)[0] != first_in for _, m in inputs)):
+            shapes = ", ".join(f"{p} {_widths(m)[0]}->{_widths(m)[1]}" for p, m in mine)
             raise PhalanxError(f"--tensor-parallel: cannot tell the q, k, v and output projections of '{where}' "
                                f"({type(attention).__name__}: {shapes}); its model should declare a tp plan "
                                "(transformers' base_model_tp_plan), or drop --tensor-parallel")
@@ -194,8 +203,8 @@ def _attention_plan(attention: nn.Module, path: str, projections: list[tuple[str
         if isinstance(table, nn.Embedding) and table.embedding_dim == heads:
             plan[f"{path}.{name}" if path else name] = COLWISE
     for p, m in mine:
-        if plan.get(p) == COLWISE and widths(m)[1] % head_dim == 0 and (widths(m)[1] // head_dim) % n:
-            raise PhalanxError(f"--tensor-parallel {n}: '{where}' has {widths(m)[1] // head_dim} heads in {p}, which "
+        if plan.get(p) == COLWISE and _widths(m)[1] % head_dim == 0 and (_widths(m)[1] // head_dim) % n:
+            raise PhalanxError(f"--tensor-parallel {n}: '{where}' has {_widths(m)[1] // head_dim} heads in {p}, which "
                                f"do not split between {n} ranks; give a --tensor-parallel that divides them")
     return plan
 
@@ -205,7 +214,7 @@ def _mlp_plan(projections: list[tuple[str, nn.Module]]) -> Plan:
     plan: Plan = {}
     run: list[tuple[str, tuple[int, int]]] = []
     for path, module in projections:
-        shape = widths(module)
+        shape = _widths(module)
         if run and shape == tuple(reversed(run[-1][1])):
             plan.update({p: COLWISE for p, s in run if s == run[-1][1]})
             plan[path] = ROWWISE

@@ -19,7 +19,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from .tp_plan import COLWISE, FUSED, HEAD_ATTRIBUTES, KV_ATTRIBUTES, ROWWISE, transposed
@@ -28,7 +28,7 @@ from .tp_plan import COLWISE, FUSED, HEAD_ATTRIBUTES, KV_ATTRIBUTES, ROWWISE, tr
 WIDTH_ATTRIBUTES = ("all_head_size", "inner_dim", "split_size")
 
 
-def _placing(placements: dict[str, object]):
+def _placing(placements: dict[str, Placement]):
     def partition(_name: str, module: nn.Module, mesh) -> None:
         for name, param in list(module.named_parameters(recurse=False)):
             sharded = distribute_tensor(param, mesh, [placements[name]])

@@ -21,13 +21,14 @@ import dataclasses
 import os
 import re
 import tempfile
-from typing import ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 import torch.distributed as dist
 
 from ...errors import PhalanxError
-from ..base import Build, Options, Report, Runtime
+from ...launcher import WorkerContext
+from ..base import Batch, Build, Options, Report, Runtime
 from ..layout import Job, Layout, StopRule, data_parallel
 from ..registry import register
 from ...comm.staleness import StalenessStats
@@ -88,7 +89,7 @@ def _alive(pid: int) -> bool:
 class HogwildRuntime(Runtime):
     def __init__(self, build: Build, options: Hogwild):
         ctx, model = build.ctx, build.model
-        self.path = None
+        self.path: Optional[str] = None
         self.staleness = StalenessStats(bound=None)
         # What every worker writes into and reads: the parameters, and the float32 buffers beside them.
         params = list(model.parameters()) + [b for b in model.buffers() if b.dtype == torch.float32]
@@ -115,8 +116,8 @@ class HogwildRuntime(Runtime):
                 self.path = None
         super().__init__(build, description=options.describe())
 
-    def _map_shared(self, ctx, count: int) -> torch.Tensor:
-        name = [None]
+    def _map_shared(self, ctx: WorkerContext, count: int) -> torch.Tensor:
+        name: list[Optional[str]] = [None]
         if ctx.rank == 0:
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
             reclaim_leftovers(shm)
@@ -126,9 +127,10 @@ class HogwildRuntime(Runtime):
             name = [path]
             self.path = path
         dist.broadcast_object_list(name, src=0)
+        assert name[0] is not None, "rank 0 named the file"
         return torch.from_file(name[0], shared=True, size=count, dtype=torch.float32)
 
-    def train_step(self, batch, y=None, parts=None):
+    def train_step(self, batch: Batch, y: Optional[torch.Tensor] = None, parts: Optional[int] = None) -> torch.Tensor:
         rank = self.ctx.rank
         seen = float(self.counters.sum()) - float(self.counters[rank])
         loss = super().train_step(batch, y, parts)
@@ -137,7 +139,7 @@ class HogwildRuntime(Runtime):
         self.staleness.record(int(others - seen))
         return loss
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Every rank writes the checkpoint's (same) parameters into the shared buffer, then waits for the
         others: a late rank's copy would otherwise undo the updates an early one already made."""
         super().load_state_dict(state)
@@ -153,7 +155,7 @@ class HogwildRuntime(Runtime):
         average_buffers(self.unshared)  # (integer step counts: rank 0's, which it saves)
         return True
 
-    def global_losses(self, losses):
+    def global_losses(self, losses: torch.Tensor) -> torch.Tensor:
         return losses  # no collective: workers never wait for each other
 
     def report(self, final: bool = False) -> Report:

@@ -19,7 +19,7 @@ last averaging are lost with it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 from torch.distributed.algorithms.model_averaging import utils as averaging
@@ -29,7 +29,7 @@ from .costs import LocalSGDCost
 from .simulated import LOCAL_SGD
 from ...options import option
 from ...errors import PhalanxError
-from ..base import Build, Options, Runtime, SurvivorState
+from ..base import Batch, Build, Options, Runtime, SurvivorState
 from ..layout import Job, Layout, data_parallel
 from .. import replica_state
 from ..registry import register
@@ -78,7 +78,7 @@ class LocalSGDRuntime(Runtime):
             # The optimizer stays the user's object; its step() now ends with the averager's turn.
             self.optimizer.register_step_post_hook(lambda *_: self._after_step())
 
-    def train_step(self, batch, y=None, parts=None) -> torch.Tensor:
+    def train_step(self, batch: Batch, y: Optional[torch.Tensor] = None, parts: Optional[int] = None) -> torch.Tensor:
         loss = super().train_step(batch, y, parts)  # (its update ends with the averager's turn: _after_step)
         self.ahead = False
         return loss
@@ -105,7 +105,7 @@ class LocalSGDRuntime(Runtime):
         self.since = 0
         return True
 
-    def survivor_state(self, step: int, survivors) -> SurvivorState:
+    def survivor_state(self, step: int, survivors: Any) -> SurvivorState:
         """The survivors' replicas averaged over a group of their own (parameters and buffers, as an averaging
         does): the lost replica's local steps since the last averaging are lost with it. This rank's optimizer
         state is saved with it, as at any checkpoint."""
@@ -114,7 +114,7 @@ class LocalSGDRuntime(Runtime):
         average_over(self.params + self.buffers, group)
         kept = "its own replica" if group is None else "the survivors' replicas averaged"
         # (the base's state: this rank's own, no collective, whatever a checkpoint of the whole job holds)
-        return SurvivorState(held, Runtime.state_dict(self), f"{kept}; the lost worker's local steps since the last "
+        return SurvivorState(held, Runtime.own_state(self), f"{kept}; the lost worker's local steps since the last "
                                                              "averaging are lost with it")
 
     def global_losses(self, losses: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torch import nn
 from ...checkpoint import ALIASES, model_aliases
 from ..base import Build, Runtime, load_model_state
 from . import state as opt_state
+from .split import StageModule
 from .traced import TracedStage
 
 
@@ -36,6 +37,11 @@ class StageCheckpoints(Runtime):
     local_to_global: list[int]  #: the whole model's parameter index of each of this stage's optimizer's
     _groups: Optional[list[list[str]]]  #: see _whole_groups
 
+    def _cut_stage(self) -> StageModule:
+        """This rank's stage where the model was cut at its blocks (not traced): its blocks as one module."""
+        assert isinstance(self.stage_module, StageModule), "a pipelined stage cut at its blocks is a StageModule"
+        return self.stage_module
+
     def state_dict(self) -> Optional[dict[str, Any]]:
         """Rank 0 gets the whole model's state_dict and one optimizer state (see ``pipeline/state.py``).
 
@@ -45,7 +51,7 @@ class StageCheckpoints(Runtime):
             return super().state_dict()
         if self.replica != 0:
             return None  # every replica holds the same weights and optimizer state: replica 0's are saved
-        weights = self.traced.state() if self.traced is not None else self.stage_module.full_state_dict()
+        weights = self.traced.state() if self.traced is not None else self._cut_stage().full_state_dict()
         part = (weights, opt_state.to_global(self.optimizer.state_dict(), self.local_to_global))
         parts: Optional[list] = [None] * self.stages if self.ctx.rank == 0 else None
         dist.gather_object(part, parts, dst=0, group=self.pipe_group)  # replica 0's pipeline; rank 0 is stage 0
@@ -79,7 +85,7 @@ class StageCheckpoints(Runtime):
         """This stage's parameters and buffers under the unsplit model's keys."""
         if not self.pipelined:
             return self.stage_module.state_dict()
-        return self.traced.state() if self.traced is not None else self.stage_module.full_state_dict()
+        return self.traced.state() if self.traced is not None else self._cut_stage().full_state_dict()
 
     def _local_names(self) -> list[str]:
         """The unsplit model's name of each parameter of this stage's optimizer, in its order."""
@@ -111,7 +117,7 @@ class StageCheckpoints(Runtime):
         elif self.traced is not None:  # the stage's tensors are the model's own (the rest as they are: unused here)
             load_model_state(self.build.model, {**self.build.model.state_dict(), **weights})
         else:
-            self.stage_module.load_full_state_dict(weights)
+            self._cut_stage().load_full_state_dict(weights)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Every stage takes its blocks' weights and its parameters' optimizer state: from a sharded

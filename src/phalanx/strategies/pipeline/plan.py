@@ -99,12 +99,13 @@ class StagePlan:
                        f"{sum(self.params[lo:hi]):,} parameters{timing}")
         out += self._boundary_lines()
         ideal = ideal_bubble(p, m)
-        if per_stage is None:
+        with_messages, step = self.stage_seconds(messages=True), self.step_seconds()
+        if per_stage is None or with_messages is None or step is None:  # (all three, or none: the blocks' times)
             out.append(f"  predicted bubble {ideal:.1%} (equal stages: (P-1)/(M+P-1); time not measured)")
             return out
-        slowest = max(self.stage_seconds(messages=True))
+        slowest = max(with_messages)
         out.append(f"  slowest stage {slowest * 1e3:.2f} ms per micro-batch with its messages; predicted step "
-                   f"{self.step_seconds() * 1e3:.1f} ms, predicted bubble {self.bubble():.1%} "
+                   f"{step * 1e3:.1f} ms, predicted bubble {self.bubble():.1%} "
                    f"(equal stages would give (P-1)/(M+P-1) = {ideal:.1%})")
         if self.conditions:
             out.append(f"  measured {self.conditions}")

@@ -74,7 +74,9 @@ class StagePlanner:
             check_counts(options.balance, len(params), self.stages)
             counts = options.balance
         else:
-            counts = partition(plan.seconds if how == "time" else params, self.stages)
+            weights = plan.seconds if how == "time" else params
+            assert weights is not None, "_measure_pieces measured every piece"
+            counts = partition(weights, self.stages)
         plan.counts = tuple(counts)
         plan.traced = tuple(points[lo - 1] for lo, _ in bounds(counts)[1:])
         return plan, plan.traced
@@ -108,18 +110,20 @@ class StagePlanner:
         if how == "time" and example is None:
             raise PhalanxError("--balance time needs a batch to profile the blocks on: give Build(example=...), "
                                "or use --balance params")
-        if how == "explicit":
+        if isinstance(options.balance, tuple):  # (how == "explicit")
             check_counts(options.balance, len(blocks), self.stages)  # before measuring: a bad plan fails at once
         params = parameter_counts(blocks)
         plan = StagePlan((), [n for n, _ in named], params, None, how, options.chunks, options.schedule,
                          self.replicas)
         if example is not None:
             self._measure(blocks, example, plan)
-        if how == "explicit":
-            plan.counts = tuple(options.balance)
+        if isinstance(options.balance, tuple):  # (how == "explicit")
+            plan.counts = options.balance
+        elif how == "time":
+            assert plan.seconds is not None, "_measure measured every block"
+            plan.counts = partition(plan.seconds, self.stages, plan.boundary())
         else:
-            plan.counts = partition(plan.seconds, self.stages, plan.boundary()) if how == "time" else \
-                partition(params, self.stages)
+            plan.counts = partition(params, self.stages)
         return plan
 
     def _measure(self, blocks: list[nn.Module], example: torch.Tensor, plan: StagePlan) -> None:

@@ -180,6 +180,7 @@ class PipelineRuntime(StageCheckpoints):
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         owned = self.traced.owned()
         self.grad_norm = self.gradient_norm([p.grad for p in params if id(p) in owned])
+        assert self.build.clip_grad_norm is not None, "called where the run clips (--clip-grad-norm)"
         torch.nn.utils.clip_grads_with_norm_(params, self.build.clip_grad_norm, self.grad_norm)
 
     def gradient_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -214,10 +215,12 @@ class PipelineRuntime(StageCheckpoints):
         if self.replica_group is None:
             return
         params = [p for p in self.stage_module.parameters() if p.requires_grad]
+        shared = []
         for p in params:
             if p.grad is None:  # every replica must send the same layout
                 p.grad = torch.zeros_like(p)
-        shared = [p.grad for p in params] + [b for b in self.stage_module.buffers() if b.is_floating_point()]
+            shared.append(p.grad)
+        shared += [b for b in self.stage_module.buffers() if b.is_floating_point()]
         for dtype in sorted({t.dtype for t in shared}, key=str):
             tensors = [t for t in shared if t.dtype == dtype]
             flat = torch.cat([t.reshape(-1) for t in tensors])

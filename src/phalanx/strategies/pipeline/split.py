@@ -27,7 +27,7 @@ from ...errors import PhalanxError
 def model_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name in the model, block) for every block, in forward order; a clear error otherwise."""
     if hasattr(model, "pipeline_blocks"):
-        blocks = list(model.pipeline_blocks())
+        blocks = list(getattr(model, "pipeline_blocks")())  # (the model's own method: nn.Module declares none)
         names = {id(m): name for name, m in model.named_modules() if name}
         missing = [type(b).__name__ for b in blocks if id(b) not in names]
         if missing:
@@ -52,7 +52,7 @@ def has_blocks(model: nn.Module) -> bool:
     blocks share a parameter: then a pipeline cuts it at its blocks; otherwise it traces it (``trace.py``)."""
     if not (hasattr(model, "pipeline_blocks") or isinstance(model, nn.Sequential)):
         return False
-    blocks = list(model.pipeline_blocks()) if hasattr(model, "pipeline_blocks") else list(model.children())
+    blocks = list(getattr(model, "pipeline_blocks")()) if hasattr(model, "pipeline_blocks") else list(model.children())
     params = [id(p) for block in blocks for p in block.parameters()]
     return len(set(params)) == len(params)
 

@@ -32,13 +32,14 @@ import itertools
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.func import functional_call
 
 
 def static_stage(stages: Sequence[nn.Module], index: int, num_stages: int, device: torch.device,
-                 group: Optional[object], micro_batch: torch.Tensor, backward: bool) -> PipelineStage:
+                 group: Optional[dist.ProcessGroup], micro_batch: torch.Tensor, backward: bool) -> PipelineStage:
     """A ``PipelineStage`` for ``stages[index]`` that runs no shape inference: its examples come
     from :func:`stage_examples` (``stages`` holds at least the stages up to ``index``)."""
     inputs, outputs = stage_examples(stages[: index + 1], micro_batch, device, backward)

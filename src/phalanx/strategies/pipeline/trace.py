@@ -195,7 +195,7 @@ def contiguous_crossings(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             made = gm.graph.call_function(torch.ops.aten.clone.default, (node,),
                                           {"memory_format": torch.contiguous_format})
         made.meta.update(node.meta)  # (where it sits in the model's modules: the split outlines by it)
-        with val.fake_mode:
+        with val.fake_mode:  # type: ignore[attr-defined]  # a traced node's value is a FakeTensor
             made.meta["val"] = val.clone(memory_format=torch.contiguous_format)
         where[made] = where[node]
         for user in later:
@@ -229,7 +229,7 @@ def compiled_code(stage: nn.Module) -> None:
     exit). The code is the same graph; ``_run_with_interpreter`` is the switch torch itself reads."""
     for module in stage.modules():
         if hasattr(module, "_run_with_interpreter"):
-            module._run_with_interpreter = False
+            setattr(module, "_run_with_interpreter", False)  # (not a tensor or module: no attribute form)
 
 
 def adopt(stage: nn.Module, model: nn.Module, aliases: Optional[dict[str, str]] = None) -> None:

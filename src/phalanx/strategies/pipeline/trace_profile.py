@@ -101,7 +101,7 @@ class _Pieces:
         for node, leaves, out in reversed(record):
             outs = out if isinstance(out, (tuple, list)) else (out,)
             if node is self.nodes[-1]:
-                pairs = [(outs[self.traced.positions[0]], None)]
+                pairs: list[tuple[Any, Optional[torch.Tensor]]] = [(outs[self.traced.positions[0]], None)]
             else:
                 keys = [(node, k if isinstance(out, (tuple, list)) else None) for k in range(len(outs))]
                 pairs = [(o, grads[key]) for o, key in zip(outs, keys) if key in grads and o.requires_grad]

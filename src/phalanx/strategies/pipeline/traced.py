@@ -86,7 +86,7 @@ class TracedStage:
         micro = max(m for m in range(1, min(chunks, n) + 1) if n % m == 0)
         tensors = flat_tensors(batch)[0]
         schedule = self.schedule(schedule_class, False, batch, micro)
-        self._outputs: list = []
+        self._outputs = []
         if self.is_first:
             schedule.eval(*tensors, return_outputs=False)
         elif self.is_last:
@@ -132,13 +132,15 @@ class TracedStage:
             if self.index not in holders:
                 continue
             params = [self._params[i] for i, h in self.tied.items() if h == holders]
+            grads = []
             for p in params:
                 if p.grad is None:  # this stage's use gave it none: every member must send the same layout
                     p.grad = torch.zeros_like(p)
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
+                grads.append(p.grad)
+            flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=group)
-            for p, part in zip(params, flat.split([p.numel() for p in params])):
-                p.grad.copy_(part.view_as(p))
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g))
 
     def state(self) -> dict[str, torch.Tensor]:
         """This stage's parameters and buffers under the whole model's keys (CPU copies); a tied one under

@@ -27,7 +27,7 @@ replies, and the server keeps one set (see ``server.py``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Iterable, Optional
 
 import torch
 
@@ -37,7 +37,7 @@ from ...errors import PhalanxError
 from ...options import option
 from ...launcher.watch import has_raised, launcher_view, say_gone
 from ...task.metrics import Totals, add_up
-from ..base import COUNT_CORRECT, Build, Options, Report, Runtime
+from ..base import COUNT_CORRECT, Batch, Build, Options, Report, Runtime
 from ..layout import Job, Layout, RankPlan, Role, StopRule
 from ..registry import register
 from ..sync import Sync
@@ -186,7 +186,8 @@ class ServerRuntime(Runtime):
         self.notes += [] if rule.drops_late else momentum_note(self.optimizer, workers)
         self.told_diverged = False
 
-    def train_step(self, batch=None, y=None, parts=None) -> torch.Tensor:
+    def train_step(self, batch: Batch = None, y: Optional[torch.Tensor] = None, parts: Optional[int] = None
+                   ) -> torch.Tensor:
         return self.server.serve_one_step()  # (it reads no data)
 
     def next_step(self, step: int) -> Optional[int]:
@@ -211,7 +212,7 @@ class ServerRuntime(Runtime):
     def arrive_for_evaluation(self) -> None:
         pass  # the server evaluates alone
 
-    def evaluate(self, batches, totals: Totals = COUNT_CORRECT) -> tuple[float, ...]:
+    def evaluate(self, batches: Iterable[Batch], totals: Totals = COUNT_CORRECT) -> tuple[float, ...]:
         # the whole set, no collective
         return tuple(add_up(self.module, batches, self.ctx.device, totals, self.build.step).tolist())
 

@@ -28,6 +28,7 @@ class Asynchronous:
     """Each gradient is applied as it arrives, scaled by 1/W, so W of them move as far as one sync step."""
 
     drops_late = False  #: every gradient is taken, however stale (only a lost worker's can be dropped)
+    backup = 0  #: no backup workers: no round waits for fewer than every live worker
 
     def __init__(self, workers: int):
         self.workers = workers

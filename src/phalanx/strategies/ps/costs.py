@@ -29,11 +29,14 @@ A CPU node also bounds the step from below: its cores must supply every process'
 from __future__ import annotations
 
 import heapq
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ...costs.inputs import TINY_BYTES, Compute, ModelFacts, Network, cpu_bound
 from ...costs.model import Alternative, CostModel
 from ...costs.prediction import Prediction
+
+if TYPE_CHECKING:
+    from ..base import Options
 
 SIMULATED_UPDATES = 40  #: updates per worker played out (the first quarter is the warm-up)
 SIMULATED_UP_TO = 1024  #: workers played out event by event; more are taken in closed form
@@ -155,7 +158,7 @@ class ParameterServerCost(CostModel):
 
     title = "ps (parameter server; a step is W updates)"
 
-    def __init__(self, instead: Optional[type] = None):
+    def __init__(self, instead: Optional[type[Options]] = None):
         self.instead = instead
 
     def predict(self, options, compute: Compute, facts: ModelFacts, net: Network, workers: int) -> Prediction:

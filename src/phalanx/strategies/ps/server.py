@@ -40,7 +40,7 @@ import math
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.nn.utils import parameters_to_vector
@@ -56,7 +56,7 @@ from .protocol import BYE, HELLO, PUSH, Message, Reply, buffer_count, buffers_to
 log = logging.getLogger(__name__)
 
 
-def apply_gradients(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, grads: list[torch.Tensor],
+def apply_gradients(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, grads: list[torch.Tensor],
                     weight: float, clip: Optional[Callable[[], None]] = None) -> None:
     """One update of ``params``: ``weight`` times the sum of ``grads`` (flat vectors the caller gives up:
     the first is summed into and scaled in place), stepped by ``optimizer``. The parameters' gradients
@@ -148,8 +148,9 @@ class Server:
             item = self.outboxes[worker].get()
             if item is None:
                 return
+            reply, parameters, buffers = item
             try:
-                protocol.send_reply(worker, *item, self.device)
+                protocol.send_reply(worker, reply, parameters, buffers, self.device)
             except Exception as e:  # it died after its last push reached us
                 self._connection_lost(worker, e)
                 return
@@ -232,9 +233,12 @@ class Server:
 
     def _apply(self, taken: list[Message]) -> None:
         """One update: the weighed sum of the gradients taken, and the first worker's buffers."""
+        grads = []
         for message in taken:
             self.staleness.record(self.updates - message.version)
-        apply_gradients(self.params, self.optimizer, [m.grad for m in taken], self.rule.weight(len(taken)), self.clip)
+            assert message.grad is not None, "a gradient taken came with a push"
+            grads.append(message.grad)
+        apply_gradients(self.params, self.optimizer, grads, self.rule.weight(len(taken)), self.clip)
         if taken[0].buffers is not None:  # taken is in worker order: the lowest-numbered worker's
             vector_to_buffers(taken[0].buffers, self.model)
         self.updates += 1

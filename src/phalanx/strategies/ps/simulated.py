@@ -67,7 +67,7 @@ class Server(SimulatedRule):
         for w in range(W):
             reply(w, 0.0)
         inbound = server = 0.0
-        pending: dict[int, torch.Tensor] = {}
+        pending: dict[int, tuple[torch.Tensor, int]] = {}
         waiting: set[int] = set()
         updates = applied = dropped = step = 0
         dropped_by: dict[int, int] = {}
