@@ -2,13 +2,17 @@
 and a small comparison started cold (every worker a fresh interpreter) and warm (forks of the fork
 server, the default).
 
-    python3 benchmarks/startup.py                 # 5 interleaved rounds, then the comparison twice
-    python3 benchmarks/startup.py --rounds 9 --save
+    python3 benchmarks/startup.py                 # 10 interleaved rounds, then the comparison once
+    python3 benchmarks/startup.py --rounds 15 --compare-repeats 0 --save
+    python3 benchmarks/startup.py --before /tmp/before   # also the package of /tmp/before/src (git archive)
 
 Part 1, interleaved per round (so that a change in the machine's load hits every variant alike):
-``python3 -c "import torch"``; ``phalanx train --steps 1 --progress none`` as it is; the same with
+``python3 -c "import torch"``; one SGD step written by hand in one process (what any training
+pays beyond ``import torch``: constructing a ``torch.optim`` optimizer imports ``torch._dynamo``);
+``phalanx train --steps 1 --progress none`` as it is (2 workers); the same with
 ``PHALANX_START_METHOD=spawn`` (each worker imports torch itself, as before the fork server).
-Medians, min-max, and the ratios to ``import torch`` (issue 20's goal: train ≤ 2.2 × import torch).
+Medians, min-max, the ratios of the medians to ``import torch`` (issue 42's goal: train ≤ 1.5 ×
+import torch) and the median of each round's own ratio; the load average before and after.
 
 Part 2: ``phalanx compare`` (2 strategies × 2 scenarios × 2 repeats) warm and cold, interleaved:
 wall time, median start-up per run and the share of wall time spent training and evaluating, from
@@ -25,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parser, print_medians, save_result  # noqa: E402
@@ -33,8 +38,12 @@ TRAIN = [sys.executable, "-m", "phalanx", "train", "--steps", "1", "--progress",
          "--checkpoint-dir", "ck"]
 COMPARE = [sys.executable, "-m", "phalanx", "compare", "--strategies", "sync,ps", "--scenarios", "none,slow:1:2",
            "--repeats", "2", "--target", "0.9", "--max-steps", "120", "--out", "report"]
+HAND_WRITTEN_STEP = ("import torch; model = torch.nn.Linear(64, 10); "
+                     "optimizer = torch.optim.SGD(model.parameters(), lr=0.1); "
+                     "model(torch.randn(32, 64)).sum().backward(); optimizer.step()")
 VARIANTS = {
     "import torch": ([sys.executable, "-c", "import torch"], {}),
+    "one SGD step by hand": ([sys.executable, "-c", HAND_WRITTEN_STEP], {}),
     "phalanx train (fork server)": (TRAIN, {}),
     "phalanx train (spawn)": (TRAIN, {"PHALANX_START_METHOD": "spawn"}),
 }
@@ -47,18 +56,34 @@ def timed(cmd: list[str], env: dict, cwd: Path) -> float:
     return time.perf_counter() - start
 
 
-def cold_start(rounds: int, scratch: Path) -> dict:
-    print(f"1. cold start, {rounds} interleaved rounds (seconds of wall time)")
-    runs: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    timed(TRAIN, {}, scratch)  # once untimed: the digits cache and the file system's caches are warm for all
+def cold_start(rounds: int, scratch: Path, before: Optional[Path] = None) -> dict:
+    variants = dict(VARIANTS)
+    if before is not None:  # the package from another checkout (PYTHONPATH comes before the installed one)
+        variants[f"phalanx train ({before.name})"] = (TRAIN, {"PYTHONPATH": str(before / "src")})
+    load_before = os.getloadavg()
+    print(f"1. cold start, {rounds} interleaved rounds (seconds of wall time); load average {_load(load_before)}")
+    runs: dict[str, list[float]] = {name: [] for name in variants}
+    for cmd, env in variants.values():  # once untimed: the digits cache and the file system's caches are warm
+        timed(cmd, env, scratch)
     for _ in range(rounds):
-        for name, (cmd, env) in VARIANTS.items():
+        for name, (cmd, env) in variants.items():
             runs[name].append(timed(cmd, env, scratch))
     med = print_medians(runs, 30, " s")
-    ratios = {name: med[name] / med["import torch"] for name in VARIANTS}
-    for name, r in ratios.items():
-        print(f"  {name:<30} {r:5.2f} x import torch")
-    return {"seconds": runs, "medians": med, "ratios_to_import_torch": ratios}
+    ratios = {name: med[name] / med["import torch"] for name in variants}
+    # each round's own ratio: a change of load between rounds cancels out of it
+    paired = {name: statistics.median(t / base for t, base in zip(runs[name], runs["import torch"]))
+              for name in variants}
+    for name in variants:
+        print(f"  {name:<30} {ratios[name]:5.2f} x import torch (medians), {paired[name]:5.2f} x (paired)")
+    load_after = os.getloadavg()
+    print(f"  load average {_load(load_after)} at the end")
+    return {"seconds": runs, "medians": med, "ratios_to_import_torch": ratios,
+            "paired_ratios_to_import_torch": paired, "load_average_before": load_before,
+            "load_average_after": load_after}
+
+
+def _load(load: tuple[float, float, float]) -> str:
+    return " ".join(f"{x:.1f}" for x in load) + " (1, 5, 15 min)"
 
 
 def comparison(scratch: Path, repeats: int) -> dict:
@@ -83,12 +108,14 @@ def comparison(scratch: Path, repeats: int) -> dict:
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of part 1")
+    p.add_argument("--rounds", type=int, default=10, help="interleaved rounds of part 1")
+    p.add_argument("--before", default=None,
+                   help="also time phalanx train from this checkout's src/ (the code before a change), interleaved")
     p.add_argument("--compare-repeats", type=int, default=1, help="times each comparison runs in part 2 (0: skip)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        cold = cold_start(args.rounds, scratch)
+        cold = cold_start(args.rounds, scratch, Path(args.before) if args.before else None)
         compared = comparison(scratch, args.compare_repeats) if args.compare_repeats else None
     save_result("startup", args, cold_start=cold, compare=compared)
 

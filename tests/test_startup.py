@@ -3,6 +3,7 @@
 Real processes: the fork server is multiprocessing's own, the workers real gloo ranks.
 """
 
+import gc
 import json
 import os
 import subprocess
@@ -10,8 +11,9 @@ import sys
 
 import torch
 
-from helpers import run_cli, run_in_process, run_workers
+from helpers import run_cli, run_in_process, run_main, run_workers
 from phalanx.checkpoint import load_checkpoint
+from phalanx.cli import COMMANDS
 
 
 def _environment_and_output(ctx, name):
@@ -32,6 +34,41 @@ def test_the_cli_imports_no_torch_before_it_starts_the_worker_server():
             "print(sorted(m for m in ('torch', 'sklearn', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out
+
+
+#: what phalanx train's parent has no use for: the other commands' code, and what only they (or a flag not
+#: given) need
+NOT_FOR_TRAIN = ("phalanx.compare", "phalanx.estimate", "phalanx.topology.cli", "phalanx.topology.probe",
+                 "phalanx.simulate.options", "phalanx.train.evaluate", "matplotlib", "transformers", "tensorboard",
+                 "sklearn")
+
+
+def test_phalanx_train_plans_its_run_without_the_other_commands_code(tmp_path):
+    code = ("import sys\n"
+            "from phalanx.cli import build_parser, chosen_command, config_from_args\n"
+            "from phalanx.train import Trainer\n"
+            "argv = ['train', '--steps', '1', '--checkpoint-dir', 'ck']\n"
+            "Trainer(config_from_args(build_parser(only=chosen_command(argv)).parse_args(argv))).plan()\n"
+            f"print(sorted(m for m in sys.modules if m.startswith({NOT_FOR_TRAIN!r})))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_help_lists_every_command_with_its_line(capsys):
+    code, out = run_main(["--help"], capsys)
+    assert code == 0
+    text = " ".join(out.out.split())  # argparse wraps the lines
+    for name, command in COMMANDS.items():
+        assert f"{name} {command.help}" in text, (name, out.out)
+
+
+def _collector(ctx):
+    return gc.isenabled(), gc.get_freeze_count()
+
+
+def test_a_forked_worker_collects_garbage_and_leaves_what_the_server_imported_frozen():
+    enabled, frozen = run_workers(_collector, 2)
+    assert enabled and frozen > 100_000  # torch's objects, imported by the server with the collector off
 
 
 def test_forked_and_spawned_workers_train_to_the_same_parameters_and_the_start_up_is_profiled(tmp_path):

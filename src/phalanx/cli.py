@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import sys
 import time
@@ -116,25 +117,33 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int], str]
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One subcommand: its one-line help, and the module holding its flags and its run. The module is
+    imported only when the command is chosen (or the whole parser is built, for docs/flags.md): a cold
+    ``phalanx train`` does not import compare's, estimate's or topology's code to lay out flags it never reads."""
+
+    help: str  #: shown by ``phalanx --help`` and as the command's description
+    module: str  #: imported when the command is chosen
+    add_flags: str = "add_flags"  #: name in ``module`` of ``(parser) -> None``: the command's flags
+    run: str = "run"  #: name in ``module`` of ``(args) -> exit status``
+
+    def load(self) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
+        module = importlib.import_module(self.module)
+        return getattr(module, self.add_flags), getattr(module, self.run)
 
 
-def commands() -> dict[str, Command]:
-    from .train import evaluate as evaluation
-    from .compare import cli as compare_cli
-    from .estimate import cli as estimate_cli
-    from .topology import cli as topology_cli
-
-    return {
-        "train": (add_train_flags, cmd_train, "train a model"),
-        "compare": (compare_cli.add_compare_flags, compare_cli.run,
-                    "which strategy reaches a target accuracy first, with and without stragglers"),
-        "topology": (topology_cli.add_flags, topology_cli.run, "show which devices reach each other directly"),
-        "estimate": (estimate_cli.add_flags, estimate_cli.run,
-                     "predict step time and scaling per strategy and worker count, before renting the machines"),
-        "evaluate": (evaluation.add_flags_to, evaluation.run,
-                     "print every metric of a checkpoint on its test set (or validation part), in one process"),
-    }
+#: Every command, in the order ``--help`` and docs/flags.md list them.
+COMMANDS = {
+    "train": Command("train a model", __name__, "add_train_flags", "cmd_train"),
+    "compare": Command("which strategy reaches a target accuracy first, with and without stragglers",
+                       "phalanx.compare.cli", "add_compare_flags"),
+    "topology": Command("show which devices reach each other directly", "phalanx.topology.cli"),
+    "estimate": Command("predict step time and scaling per strategy and worker count, before renting the machines",
+                        "phalanx.estimate.cli"),
+    "evaluate": Command("print every metric of a checkpoint on its test set (or validation part), in one process",
+                        "phalanx.train.evaluate", "add_flags_to"),
+}
 
 
 def _versions() -> str:
@@ -147,15 +156,26 @@ def _versions() -> str:
     return f"phalanx {__version__} (torch {torch_version}, Python {sys.version.split()[0]})"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
+    """The command line's parser: every command's flags, or, given ``only``, that command's alone (the
+    others listed by name and help, which is all ``phalanx --help`` shows of them)."""
     parser = Parser(prog="phalanx", description="Train one PyTorch model on many devices.")
     parser.add_argument("--version", action="version", version=_versions())
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (add_flags_, run, help_) in commands().items():
-        p = sub.add_parser(name, help=help_, description=help_)
-        add_flags_(p)
-        p.set_defaults(run=run, command_parser=p)
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.help, description=command.help)
+        if only is None or name == only:
+            add_flags_, run = command.load()
+            add_flags_(p)
+            p.set_defaults(run=run, command_parser=p)
     return parser
+
+
+def chosen_command(argv: Sequence[str]) -> Optional[str]:
+    """The command ``argv`` names: its first word that is not a flag (the top level takes only ``--help`` and
+    ``--version``, neither with a value, so argparse reads the same word as the command); None if it names none."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
 
 
 def _one_line_warnings(message, category, filename, lineno, file=None, line=None) -> None:
@@ -164,13 +184,13 @@ def _one_line_warnings(message, category, filename, lineno, file=None, line=None
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     startup.begin()
-    _start_worker_server(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _start_worker_server(argv)
     from .launcher import leave
 
     warnings.showwarning = _one_line_warnings
     log.show_on_streams()  # the library's notes and warnings, as this command always printed them
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser(only=chosen_command(argv)).parse_args(argv)
     try:
         if getattr(args, "config", None) is not None:  # the file's values, where no flag was typed
             config_file.apply(args.config, args.command_parser, args)

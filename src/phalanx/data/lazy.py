@@ -33,14 +33,16 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..errors import PhalanxError
 from ..launcher.forkserver import GUARD
+from ..launcher.startup import PAUSE_MODULE, resume_collector
 from . import batch as batches
 from .columns import check_targets
 
 #: What the loader workers' fork server imports before it forks them (see the module docstring), besides
 #: the module defining the Dataset: each worker would otherwise import them again, seconds per worker.
 #: First the module that makes the server and its workers ignore SIGTERM (a stop sent to the whole process
-#: group is the rank's to handle: see ``phalanx/launcher/forkserver_signals.py``).
-LOADER_PRELOAD = [GUARD, "__main__", "torch", __name__]
+#: group is the rank's to handle: see ``phalanx/launcher/forkserver_signals.py``); then the collector turned off
+#: for the imports (``phalanx/launcher/startup.py`` says why; each worker turns it on again).
+LOADER_PRELOAD = [GUARD, PAUSE_MODULE, "__main__", "torch", __name__]
 
 
 def as_tensor(value: Any, name: str) -> torch.Tensor:
@@ -239,7 +241,9 @@ def collate(items: list) -> Any:
 
 
 def loader_worker(reader: int, worker_id: int = 0) -> None:
-    """A DataLoader worker's start: it ignores SIGTERM and SIGHUP and leaves once its rank is gone (both below)."""
+    """A DataLoader worker's start: the collector on again (its fork server imported without it), SIGTERM and
+    SIGHUP ignored, and it leaves once its rank is gone (both below)."""
+    resume_collector()
     ignore_stop_signals(worker_id)
     leave_with(reader, worker_id)
 

@@ -26,12 +26,14 @@ from multiprocessing import forkserver, resource_tracker
 
 from ..comm import shaped_link
 from ..errors import PhalanxError
+from .startup import PAUSE_MODULE
 
 #: Imported by the fork server before it forks anyone: first what keeps the server alive through a
-#: SIGTERM sent to the whole process group (``forkserver_signals.py``), then what every worker needs.
+#: SIGTERM sent to the whole process group (``forkserver_signals.py``), then the collector turned off for
+#: the imports (``forkserver_gc.py``), then what every worker needs.
 GUARD = "phalanx.launcher.forkserver_signals"
-PRELOAD = [GUARD, "torch", "torch._dynamo", "torch.distributed", "phalanx.launcher", "phalanx.train.loop",
-           "phalanx.strategies"]
+PRELOAD = [GUARD, PAUSE_MODULE, "torch", "torch._dynamo", "torch.distributed", "phalanx.launcher",
+           "phalanx.train.loop", "phalanx.strategies"]
 
 _used = False  #: whether a worker was started from the server (else it is stopped at exit: see start_early)
 

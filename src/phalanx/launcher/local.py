@@ -40,6 +40,7 @@ from . import loopback
 from .forkserver import start_method
 from .watch import Progress, Watcher, is_gone, launcher_view, say_gone, say_raised, store_client
 from .survivors import let_survivors_save
+from .startup import resume_collector
 from .context import DEFAULT_TIMEOUT_S, init_worker, local_world_size, shutdown, threads_per_worker
 from .env import joined
 from .joined import collect_before_exit, run_joined
@@ -88,6 +89,7 @@ def _spawned_worker(
     parents: Optional["_Parents"] = None,
     shown: bool = False,
 ) -> None:
+    resume_collector()  # forked from the server, which imported with the collector off (startup.py)
     record_until_ready(local_rank)  # a stop signal from here on ends it once its handlers are in (stop_signals.py)
     home = results.own(local_rank)
     if parents is not None:

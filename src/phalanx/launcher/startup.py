@@ -7,10 +7,22 @@ joined and then each phase of its own preparation. The summary and the metrics f
 marks (``startup_seconds``: seconds since the command began, per phase, in order); under
 ``--profile-startup`` rank 0 prints them as one line. Wall-clock times (``time.time()``), since
 the marks are taken in different processes.
+
+The workers' fork server imports without the cyclic garbage collector. Importing torch, torch._dynamo (which
+any ``torch.optim`` optimizer imports) and phalanx makes some 300,000 objects that live as long as the
+process, and the collector, set off by those allocations, walks them again and again: about a tenth of the
+server's import time on the 2-core machine (figures in benchmarks/README.md, "Start-up"), on the path to the
+first step. So the server turns the collector off before it imports (``forkserver_gc.py``) and each process
+forked from it freezes what it inherited and turns the collector on, first thing (:func:`resume_collector`):
+the recipe of Python's documentation for a process that forks without exec (``gc.freeze``). Frozen objects
+are never walked again, so a worker's collections neither spend time on them nor write to the pages it
+shares with the server. What goes uncollected is the imports' few cyclic leftovers (some 9,000 objects), once.
 """
 
 from __future__ import annotations
 
+import gc
+import sys
 import time
 from typing import Optional
 
@@ -66,4 +78,17 @@ class Marks:
         return f"start-up {total:.2f} s to the first step: " + ", ".join(parts)
 
 
-__all__ = ["Marks", "PHASES", "begin", "take"]
+#: imported by the workers' fork server before anything else it imports: turns the collector off there
+PAUSE_MODULE = "phalanx.launcher.forkserver_gc"
+
+
+def resume_collector() -> None:
+    """First thing in a process forked from a fork server that imported with the collector off: what it
+    imported is frozen, and the collector runs for what this process makes. Nothing elsewhere (a spawned
+    worker, a program that turned the collector off itself)."""
+    if PAUSE_MODULE in sys.modules and not gc.isenabled():
+        gc.freeze()
+        gc.enable()
+
+
+__all__ = ["Marks", "PAUSE_MODULE", "PHASES", "begin", "resume_collector", "take"]
