@@ -36,7 +36,7 @@ from . import simulated_report as report
 from . import runner
 from .outcome import report_folder, writable
 from .report import target_words
-from .results import RunResult, figures
+from .results import Figures, RunResult, figures
 from .setup import default_strategies as real_defaults
 from .setup import setup_from
 from .simulated_problem import Problem, build_problem
@@ -255,10 +255,11 @@ DEFAULT_WORKERS = (8, 64, 256)
 class SimulatedComparison:
     """What ``phalanx.compare(..., simulate=True)`` returns; ``save(dir)`` writes what ``--out`` writes."""
 
-    setup: object  #: compare's Setup, marked simulated
+    setup: runner.Setup  #: marked simulated
     problem: Problem
-    runs: dict  #: worker count -> every simulated run (compare's RunResult)
-    table: dict  #: worker count -> scenario -> one ranked row per strategy (the worker counts that finished)
+    runs: dict[int, list[RunResult]]  #: worker count -> every simulated run
+    #: worker count -> scenario -> one ranked row per strategy (the worker counts that finished)
+    table: dict[int, dict[str, list[Figures]]]
     command: Optional[str] = None
     incomplete: Optional[dict] = None  #: stopped by a signal: by which, during which run
 
