@@ -15,7 +15,7 @@ from helpers import phalanx_cmd, run_cli, run_main
 from phalanx import SSP, Backup, LocalSGD, PhalanxError, TrainConfig
 from phalanx.compare.options import CompareOptions
 from phalanx.compare.setup import setup_from
-from phalanx.compare.results import RunResult, figures
+from phalanx.compare.results import RunResult, figures, from_events
 from phalanx.compare.runner import schedule
 from phalanx.compare.tokens import parse_scenarios, parse_strategies
 
@@ -81,6 +81,17 @@ def test_a_strategy_that_missed_the_target_in_most_repeats_has_no_median_time():
     assert figures([run(True, 2.0), run(False), run(True, 4.0)], 50).median_seconds == 4.0
     missed = figures([run(True, 2.0), run(False), run(False, best=0.93)], 50)
     assert math.isinf(missed.median_seconds) and missed.reached == 1 and missed.best_accuracy == 0.93
+
+
+def test_an_evaluation_without_the_targets_metric_has_not_reached_it():
+    """The first evaluation reports accuracy only: it is not compared with a loss target, and not a reach."""
+    events = [{"event": "eval", "step": 5, "train_seconds": 1.0, "eval_seconds": 0.1, "metrics": {"accuracy": 0.5}},
+              {"event": "eval", "step": 10, "train_seconds": 2.0, "eval_seconds": 0.1, "metrics": {"loss": 0.4}},
+              {"event": "summary", "steps": 10, "train_seconds": 2.0, "eval_seconds": 0.2, "examples_per_sec": 50.0,
+               "metrics": {"loss": 0.4}}]
+    r = from_events(events, strategy="sync", scenario="none", repeat=0, seed=0, target="loss<=0.5", batch_size=8,
+                    global_batch=16, wall_seconds=3.0, metrics="m")
+    assert (r.steps_to_target, r.seconds_to_target, r.best, r.best_accuracy) == (10, 2.0, 0.4, None)
 
 
 @pytest.mark.parametrize("flags, message", [

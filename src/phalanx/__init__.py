@@ -30,10 +30,14 @@ _CALLABLE = ("compare", "estimate")
 __all__ = sorted([*_WHERE, *_CALLABLE])
 
 if TYPE_CHECKING:  # the same names for type checkers and editors ("X as X": re-exported); at run time __getattr__
-    # imports each when first used
+    # imports each when first used. compare and estimate are the functions their callable packages run, so a type
+    # checker checks phalanx.compare(...)'s keywords and knows its result; `from phalanx.compare import X` still
+    # reads the package.
+    from .compare.api import compare as compare
     from .data import ArrayDataset as ArrayDataset
     from .devices import resolve_devices as resolve_devices
     from .errors import PhalanxError as PhalanxError, TrainingDiverged as TrainingDiverged, WorkerFailed as WorkerFailed
+    from .estimate.api import estimate as estimate
     from .launcher import WorkerContext as WorkerContext, launch as launch
     from .parallel import ParallelModule as ParallelModule, make_parallel as make_parallel
     from .strategies import (FSDP as FSDP, SSP as SSP, STRATEGIES as STRATEGIES, Backup as Backup, DiLoCo as DiLoCo,

@@ -72,6 +72,7 @@ class ShardWriter:
         (the loop's small state) and seals it. Returns the checkpoint's path (once :meth:`wait` returned,
         under --async-checkpoint)."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
         self.wait()
         final = checkpoint_path(directory, step, sharded=True)
@@ -83,7 +84,7 @@ class ShardWriter:
             except OSError as e:
                 raise storage_error(e, final, previous) from None
         dist.barrier()  # every rank writes into the directory rank 0 made, empty
-        if not self.asynchronous:
+        if self.thread is None:  # (not --async-checkpoint)
             try:
                 dcp.save(shards, storage_writer=writer(tmp))
             except _errors() as e:
@@ -92,8 +93,9 @@ class ShardWriter:
             return final
         if self.group is None:
             self.group = dist.new_group(backend="gloo")
-        upload = dcp.async_save(shards, storage_writer=writer(tmp), process_group=self.group)
-        upload = getattr(upload, "upload_completion", upload)  # (a response object where staging is async too)
+        saving = dcp.async_save(shards, storage_writer=writer(tmp), process_group=self.group)
+        # (a response object where staging is async too)
+        upload = saving.upload_completion if isinstance(saving, AsyncSaveResponse) else saving
         self.pending = self.thread.submit(self._finish, upload, tmp, final, state, keep, previous)
         return final
 
@@ -142,7 +144,7 @@ def writer(tmp: Path) -> Any:
     return Writer(str(tmp))
 
 
-def _errors() -> tuple[type, ...]:
+def _errors() -> tuple[type[BaseException], ...]:
     """What a failed DCP save raises: its CheckpointException is a BaseException (not an Exception)."""
     from torch.distributed.checkpoint.api import CheckpointException
 

@@ -104,11 +104,12 @@ def storage_error(e: BaseException, target: Path, previous: Optional[Path]) -> B
 def os_error(e: BaseException) -> Optional[OSError]:
     """The OSError behind ``e``: torch's zip writer reports a full disk as a RuntimeError ("unexpected
     pos ...") raised while handling the OSError."""
+    link: Optional[BaseException] = e
     seen = 0
-    while e is not None and seen < 10:
-        if isinstance(e, OSError):
-            return e
-        e, seen = (e.__cause__ or e.__context__), seen + 1
+    while link is not None and seen < 10:
+        if isinstance(link, OSError):
+            return link
+        link, seen = (link.__cause__ or link.__context__), seen + 1
     return None
 
 

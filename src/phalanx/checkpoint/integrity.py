@@ -28,7 +28,7 @@ def payload_digest(state: dict[str, Any]) -> str:
         if isinstance(obj, torch.Tensor):
             t = obj.detach().cpu().contiguous()
             digest.update(f"{where}:{t.dtype}:{tuple(t.shape)};".encode())
-            digest.update(t.reshape(-1).view(torch.uint8).numpy())
+            digest.update(t.reshape(-1).view(torch.uint8).numpy().data)  # (.data: its bytes, not copied)
         elif isinstance(obj, dict):
             for key in sorted(obj, key=str):
                 walk(obj[key], f"{where}/{key}")

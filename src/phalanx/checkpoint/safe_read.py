@@ -20,6 +20,7 @@ import it where a checkpoint is read, not at start-up.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -99,21 +100,22 @@ class SafeReader(FileSystemReader):
         super().__init__(path)
         self.metadata = read_metadata(path)
 
-    def reset(self, checkpoint_id: str | Path | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         super().reset(checkpoint_id)
         if checkpoint_id:  # (another checkpoint: its own index, read as safely)
-            self.metadata = read_metadata(checkpoint_id)
+            self.metadata = read_metadata(Path(checkpoint_id))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:  # a rank-local index: phalanx never writes one
             raise FileNotFoundError(f"{self.path}: no rank-local metadata")
-        if getattr(self.metadata, "storage_meta", None) is None:  # (what torch's read_metadata does after loading)
-            self.metadata.storage_meta = StorageMeta()
-        self.metadata.storage_meta.load_id = self.load_id
+        meta = getattr(self.metadata, "storage_meta", None)
+        if meta is None:  # (what torch's read_metadata does after loading)
+            meta = self.metadata.storage_meta = StorageMeta()
+        meta.load_id = self.load_id
         return self.metadata
 
 
-class _SafeBytes:
+class _SafeBytes(DefaultLoadPlanner):
     """A load planner's ``load_bytes`` with ``weights_only=True`` (torch's default planner has False)."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
@@ -130,7 +132,7 @@ class _SafeBytes:
             self.state_dict[fqn] = obj
 
 
-class SafePlanner(_SafeBytes, DefaultLoadPlanner):
+class SafePlanner(_SafeBytes):
     """DCP's default load planner (fills the state dict it is given), non-tensor entries read weights-only."""
 
 

@@ -17,10 +17,16 @@ command takes (``batch_size``, ``lr``, ``devices``, ``seed``, ``tensorboard``, `
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, TypeVar, Union
 
 from ..errors import PhalanxError
 from ..options import declared, parsed_as_flag
+
+if TYPE_CHECKING:
+    from .outcome import Comparison
+    from .simulated import SimulatedComparison
+
+T = TypeVar("T")
 
 #: TrainConfig fields a comparison sets per run, and what to give instead
 PER_RUN_INSTEAD = {"steps": "max_steps=", "stop_at": "target=", "stop_at_accuracy": "target=",
@@ -28,12 +34,14 @@ PER_RUN_INSTEAD = {"steps": "max_steps=", "stop_at": "target=", "stop_at_accurac
                    "link": "scenarios= (link:RATE)"}
 
 
-def compare(*, model: Any = None, train_data: Any = None, test_data: Any = None, loss_fn: Optional[Callable] = None,
-            optimizer: Optional[Callable] = None, metrics: Any = None,
+def compare(*, model: Any = None, train_data: Any = None, test_data: Any = None,
+            loss_fn: Optional[Callable[..., Any]] = None, optimizer: Optional[Callable[..., Any]] = None,
+            metrics: Any = None,
             strategies: Union[str, Iterable[str], None] = None, scenarios: Union[str, Iterable[str], None] = None,
             target: Union[str, float, None] = None, repeats: Optional[int] = None, workers: Optional[int] = None,
             max_steps: Optional[int] = None, eval_every: Optional[int] = None, simulate: bool = False,
-            simulate_workers: Union[str, Iterable[int], None] = None, **settings: Any):
+            simulate_workers: Union[str, Iterable[int], None] = None,
+            **settings: Any) -> Union[Comparison, SimulatedComparison]:
     """Which strategy reaches the target first on this problem; prints what ``phalanx compare`` prints and
     returns a :class:`~phalanx.compare.outcome.Comparison` (``simulate=True``: a
     :class:`~phalanx.compare.simulated.SimulatedComparison`) with ``tables``, ``answer``, ``runs``,
@@ -60,10 +68,11 @@ def compare(*, model: Any = None, train_data: Any = None, test_data: Any = None,
     sim = {k: parsed_as_flag(SimulateOptions, k, v) for k, v in settings.items() if k in sim_names}
     train = {k: v for k, v in settings.items() if k not in sim_names}
     _refuse_unknown(train, set(shared_fields()))
-    options = CompareOptions(**{k: v for k, v in (("strategies", _listed(strategies, "strategies")),
-                                                  ("scenarios", _listed(scenarios, "scenarios")), ("target", target),
-                                                  ("repeats", repeats), ("max_steps", max_steps),
-                                                  ("eval_every", eval_every)) if v is not None})
+    default = CompareOptions()  # an unset keyword takes the flag's default
+    options = CompareOptions(strategies=None if strategies is None else _listed(strategies, "strategies"),
+                             scenarios=default.scenarios if scenarios is None else _listed(scenarios, "scenarios"),
+                             target=_or(target, default.target), repeats=_or(repeats, default.repeats),
+                             max_steps=max_steps, eval_every=eval_every)
     simulation = SimulateOptions(simulate=bool(simulate), **sim)
     counts = None
     if simulate:
@@ -86,9 +95,13 @@ def compare(*, model: Any = None, train_data: Any = None, test_data: Any = None,
     return run(options, config, None, simulation, counts, objects)
 
 
-def _listed(value: Any, name: str) -> Optional[str]:
+def _or(value: Optional[T], default: T) -> T:
+    return default if value is None else value
+
+
+def _listed(value: Union[str, Iterable[object]], name: str) -> str:
     """``"sync,ps"`` or ``["sync", "ps"]`` (``(8, 64)``) as the flag's comma-separated text."""
-    if value is None or isinstance(value, str):
+    if isinstance(value, str):
         return value
     try:
         return ",".join(str(v) for v in value)

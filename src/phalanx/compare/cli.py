@@ -41,9 +41,9 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
                                    "this machine lacks)"), SimulateOptions)
     shared = set(shared_fields()) - {"workers"}
     for title, names in SECTIONS.items():
-        names = [n for n in names if n in shared]
-        if names:
-            add_flags(p.add_argument_group(f"the problem, the same for every run: {title}"), TrainConfig, names)
+        offered = [n for n in names if n in shared]
+        if offered:
+            add_flags(p.add_argument_group(f"the problem, the same for every run: {title}"), TrainConfig, offered)
 
 
 def run(args: argparse.Namespace) -> int:

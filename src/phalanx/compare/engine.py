@@ -10,7 +10,7 @@ import math
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from ..errors import Stopped
 from ..launcher.stop_signals import taken_between_steps
@@ -21,6 +21,10 @@ from .outcome import Comparison, report_folder
 from .results import RunResult
 from .runner import Interrupted, Run, check, run_all, schedule
 from .setup import setup_from
+
+if TYPE_CHECKING:
+    from ..simulate.options import SimulateOptions
+    from .simulated import SimulatedComparison
 
 
 def _progress(total: int):
@@ -50,8 +54,9 @@ def _progress(total: int):
     return update
 
 
-def compare(options: CompareOptions, train: TrainConfig, command: Optional[str] = None, simulation=None,
-            workers: Optional[tuple[int, ...]] = None, objects: Optional[dict[str, Any]] = None):
+def compare(options: CompareOptions, train: TrainConfig, command: Optional[str] = None,
+            simulation: Optional[SimulateOptions] = None, workers: Optional[tuple[int, ...]] = None,
+            objects: Optional[dict[str, Any]] = None) -> Union[Comparison, SimulatedComparison]:
     """Run the comparison; print the tables and the answer; with ``options.out``, write the report
     and plots there. Returns the :class:`~phalanx.compare.outcome.Comparison`.
 

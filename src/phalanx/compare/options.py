@@ -66,7 +66,7 @@ def _checked(strategies: str) -> str:
     return strategies
 
 
-def _target(text):
+def _target(text: Union[str, float]) -> Union[str, float]:
     """The --target as given, once it parses (the metric it names is checked with the problem's metrics)."""
     parse_target(text, "--target")
     return text

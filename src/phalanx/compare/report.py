@@ -68,7 +68,10 @@ def _missed(r: RunResult) -> str:
         else "not reached"
 
 
-def seconds(value: float) -> str:
+def seconds(value: Optional[float]) -> str:
+    """``1.23 s``; ``-`` where not known (a run that did not reach the target)."""
+    if value is None:
+        return "-"
     return f"{value:.2f} s" if value < 10 else f"{value:.1f} s"
 
 
@@ -157,8 +160,8 @@ def scenario_sentence(setup: Setup, scenario: Scenario, rows: list[Figures]) -> 
     missed = [f for f in rows if not f.any_reached and f.behind is None]
     stopped = [f.strategy for f in rows if f.behind is not None]
     if winner is None:
-        known = [f for f in rows if f.best_value is not None]
-        top = (max if setup.target.higher else min)(known, key=lambda f: f.best_value) if known else rows[0]
+        known = [(f.best_value, f) for f in rows if f.best_value is not None]
+        top = (max if setup.target.higher else min)(known, key=lambda p: p[0])[1] if known else rows[0]
         return (f"{name}, no strategy reached {short(setup.target)} in {setup.max_steps} steps in most runs (the best "
                 f"{setup.target.metric} was {best(top, 3).split()[-1]}, by {top.strategy}).")
     text = f"{name}, **{winner.strategy}** reached {short(setup.target)} first, in {seconds(winner.median_seconds)}"
@@ -166,9 +169,10 @@ def scenario_sentence(setup: Setup, scenario: Scenario, rows: list[Figures]) -> 
         text += f", {1 / winner.ratio:.2f}x as fast as {base.strategy} ({seconds(base.median_seconds)})"
         text += _why(winner, base)
     elif base is winner:
-        others = sorted((f for f in rows if f is not winner and f.ratio is not None), key=lambda f: f.ratio)
+        others = sorted(((f.ratio, f) for f in rows if f is not winner and f.ratio is not None), key=lambda p: p[0])
         if others:
-            text += f"; the next, {others[0].strategy}, took {others[0].ratio:.2f}x as long" + _why(others[0], winner)
+            ratio, nxt = others[0]
+            text += f"; the next, {nxt.strategy}, took {ratio:.2f}x as long" + _why(nxt, winner)
     if missed:
         text += "; " + ", ".join(f"{f.strategy} never reached it (best {best(f, 3)})" for f in missed)
     if stopped:
@@ -208,11 +212,12 @@ def machine() -> dict[str, Any]:
 
     from .. import __version__
 
+    cores: Optional[int]
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count()
-    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+    info: dict[str, Any] = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_cores": cores, "python": sys.version.split()[0], "torch": torch.__version__,
             "phalanx": __version__, "cuda": torch.version.cuda,
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,

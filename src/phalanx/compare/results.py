@@ -45,8 +45,8 @@ class RunResult:
     steps_to_target: Optional[int]
     seconds_to_target: Optional[float]  #: training time (evaluation and start-up excluded)
     examples_to_target: Optional[int]
-    best_accuracy: float
-    final_accuracy: float
+    best_accuracy: Optional[float]  #: None where the run reported no accuracy (a task with another metric)
+    final_accuracy: Optional[float]
     steps: int
     train_seconds: float
     eval_seconds: float
@@ -56,7 +56,7 @@ class RunResult:
     staleness: Optional[dict[str, Any]]  #: mean, p95, max, histogram (strategies that have one)
     dropped: Optional[dict[str, Any]]  #: total, of (gradients pushed), by_worker (the parameter-server family)
     calibrated_compute_s: dict[str, float]  #: rank -> seconds (where a straggler scenario calibrated)
-    curve: list[dict[str, float]]  #: every evaluation: step, seconds (training time), the target's metric
+    curve: list[dict[str, Optional[float]]]  #: every evaluation: step, seconds (training time), the target's metric
     metrics: str  #: the metrics file it was read from
     link_bytes: Optional[int] = None  #: link:RATE: what crossed the shaped loopback (its kernel counters)
     link_bytes_per_step: Optional[float] = None
@@ -94,8 +94,8 @@ def from_events(events: list[dict[str, Any]], *, strategy: str, scenario: str, r
     evals = [e for e in events if e["event"] == "eval"]
     summary = next((e for e in reversed(events) if e["event"] == "summary"), None) or _diverged(events, evals)
     straggle = next((e for e in events if e["event"] == "straggle"), {})
-    link = next((e for e in reversed(events) if e["event"] == "link"), {})
-    first = next((e for e in evals if target.reached({target.metric: value_of(e, target.metric)})), None)
+    link: dict[str, Any] = next((e for e in reversed(events) if e["event"] == "link"), {})
+    first = next((e for e in evals if _reached(target, value_of(e, target.metric))), None)
     seen = [v for v in (value_of(e, target.metric) for e in evals) if v is not None]
     final = value_of(summary, target.metric)
     best = (max if target.higher else min)(seen, default=final)
@@ -121,6 +121,11 @@ def from_events(events: list[dict[str, Any]], *, strategy: str, scenario: str, r
         wire_bytes_per_step=per_step,
         wire_bytes_to_target=per_step * first["step"] if first is not None and per_step is not None else None,
     )
+
+
+def _reached(target: Target, value: Optional[float]) -> bool:
+    """An evaluation that did not report the target's metric has not reached it."""
+    return value is not None and target.reached({target.metric: value})
 
 
 def _diverged(events: list[dict[str, Any]], evals: list[dict[str, Any]]) -> dict[str, Any]:
@@ -208,7 +213,7 @@ def figures(runs: list[RunResult], max_steps: int) -> Figures:
     infinitely slow, so the median is finite only if at least half of them reached it. A repeat the race
     stopped counts so too: its time is above the bound it was stopped at, which the figures keep."""
     reached = [r for r in runs if r.reached]
-    times = sorted(r.seconds_to_target for r in reached)
+    times = sorted(r.seconds_to_target for r in reached if r.seconds_to_target is not None)
     padded = times + [math.inf] * (len(runs) - len(reached))
     staleness = [r.staleness["mean"] for r in runs if r.staleness]
     dropped = [r.dropped for r in runs if r.dropped]
@@ -219,8 +224,8 @@ def figures(runs: list[RunResult], max_steps: int) -> Figures:
     return Figures(
         strategy=runs[0].strategy, scenario=runs[0].scenario, runs=len(runs), reached=len(reached),
         seconds=times, median_seconds=median, behind=min(stopped) if stopped and math.isinf(median) else None,
-        median_steps=statistics.median(r.steps_to_target for r in reached) if reached else None,
-        median_examples=statistics.median(r.examples_to_target for r in reached) if reached else None,
+        median_steps=_median([r.steps_to_target for r in reached]),
+        median_examples=_median([r.examples_to_target for r in reached]),
         examples_per_sec=statistics.median(r.examples_per_sec for r in runs),
         best_accuracy=max((r.best_accuracy for r in runs if r.best_accuracy is not None), default=None),
         max_steps=max_steps, metric=runs[0].metric,
@@ -231,6 +236,11 @@ def figures(runs: list[RunResult], max_steps: int) -> Figures:
         bytes_per_step=statistics.median(per_step) if per_step else None,
         bytes_to_target=statistics.median(to_target) if to_target else None,
     )
+
+
+def _median(values: list[Optional[int]]) -> Optional[float]:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def _best(values: list[Optional[float]], higher: bool) -> Optional[float]:

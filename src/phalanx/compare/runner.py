@@ -26,7 +26,7 @@ import dataclasses
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from ..errors import PhalanxError, Stopped, TrainingDiverged
 from ..launcher.stop_signals import stop_if_asked
@@ -146,10 +146,17 @@ def run_one(setup: Setup, checked: Checked, run: Run, out: Path) -> RunResult:
                        metrics=str(run.directory / "metrics.jsonl"), diverged=diverged)
 
 
+class Labelled(Protocol):
+    """A run as :class:`Interrupted` names it: a real :class:`Run`, or a simulated one."""
+
+    @property
+    def label(self) -> str: ...
+
+
 class Interrupted(Exception):
     """SIGINT or SIGTERM during run ``index`` (0-based) of ``total``: ``finished`` holds the runs before it."""
 
-    def __init__(self, finished: list[RunResult], index: int, total: int, run: Run, signame: str):
+    def __init__(self, finished: list[RunResult], index: int, total: int, run: Labelled, signame: str):
         super().__init__(f"{signame} during run {index + 1}/{total}")
         self.finished, self.index, self.total, self.run, self.signame = finished, index, total, run, signame
 

@@ -38,7 +38,7 @@ def setup_from(options: CompareOptions, train: TrainConfig, objects: Optional[di
     stopping = dataclasses.replace(train, stop_at=str(target), stop_at_accuracy=None, eval_every=1)
     task = user_task(stopping, target_flag="--target", **(objects or {}))
     train = named_optimizer(train, task)
-    max_steps = options.max_steps or 2 * train.resolved(task.model_name).steps
+    max_steps = options.max_steps or 2 * train.resolved(task.model_name).total_steps
     eval_every = options.eval_every or max(1, round(max_steps / 20))
     if eval_every > max_steps:
         raise PhalanxError(f"--eval-every {eval_every} is more than --max-steps {max_steps}: no evaluation would "

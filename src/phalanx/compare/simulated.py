@@ -30,24 +30,24 @@ from ..errors import PhalanxError, Stopped
 from ..launcher.stop_signals import stop_if_asked, taken_between_steps
 from ..simulate.registry import RULES, simulated_rule
 from ..simulate.world import World, stacked_copies, takes_the_model
-from ..strategies import Job
+from ..strategies import STRATEGIES, Job
 from ..train import TrainConfig
 from . import simulated_report as report
 from . import runner
 from .outcome import report_folder, writable
 from .report import target_words
-from .results import RunResult, figures
+from .results import Figures, RunResult, figures
 from .setup import default_strategies as real_defaults
 from .setup import setup_from
 from .simulated_problem import Problem, build_problem
-from .tokens import parse_strategy
+from .tokens import Scenario, StrategyToken, parse_strategy
 
 
 @dataclasses.dataclass(frozen=True)
 class SimRun:
     workers: int
-    strategy: object  #: compare's StrategyToken
-    scenario: object  #: compare's Scenario
+    strategy: StrategyToken
+    scenario: Scenario
     repeat: int
     seed: int
 
@@ -74,7 +74,7 @@ def check(setup, workers: tuple[int, ...]) -> None:
         if scenario.link is not None:
             raise PhalanxError(f"--scenarios {scenario.token} is a real shaped link and --simulate runs no process: "
                                "give the simulated link with --link-bandwidth and --link-latency (e.g. 50Mb/s, 100us)")
-    simulated = ", ".join(sorted({cls.name for cls in RULES}))
+    simulated = ", ".join(sorted(name for name, cls in STRATEGIES.items() if cls in RULES))
     factory = setup.task.make_optimizer
     for strategy in setup.strategies:
         rule = simulated_rule(strategy.options)
@@ -142,7 +142,9 @@ def run_one(problem: Problem, setup, run: SimRun, fastest: float = math.inf, rac
     target = setup.target
     world = World(problem, options, run.workers, run.scenario.slowness, run.seed, setup.max_steps,
                   setup.eval_every, target, deadline(fastest, setup.repeats) if race else math.inf)
-    simulated_rule(options).run(options, world)
+    rule = simulated_rule(options)
+    assert rule is not None, "check() refused a strategy without a simulated rule"
+    rule.run(options, world)
     out = world.finish()
     first = next((p for p, values in zip(out.curve, out.values) if target.reached(values)), None)
     examples = None
@@ -161,12 +163,12 @@ def run_one(problem: Problem, setup, run: SimRun, fastest: float = math.inf, rac
     seen = [v[target.metric] for v in out.values if not math.isnan(v.get(target.metric, math.nan))]
     return RunResult(
         strategy=run.strategy.token, scenario=run.scenario.token, repeat=run.repeat, seed=run.seed,
-        reached=first is not None, diverged=out.diverged, steps_to_target=first["step"] if first else None,
+        reached=first is not None, diverged=out.diverged, steps_to_target=int(first["step"]) if first else None,
         seconds_to_target=first["seconds"] if first else None, examples_to_target=examples,
         best_accuracy=max(accuracies, default=None), final_accuracy=accuracies[-1] if accuracies else None,
         steps=out.steps, train_seconds=out.seconds, eval_seconds=0.0, wall_seconds=out.wall_seconds,
         startup_seconds=0.0, examples_per_sec=out.examples / max(out.seconds, 1e-12), staleness=staleness,
-        dropped=dropped, calibrated_compute_s={}, curve=out.curve,
+        dropped=dropped, calibrated_compute_s={}, curve=[dict(p) for p in out.curve],
         metrics=f"simulated at {run.workers} workers (peak {out.peak_versions} parameter versions held)",
         metric=target.metric, higher=target.higher, best=(max if target.higher else min)(seen, default=None),
         final=out.values[-1].get(target.metric) if out.values else None,
@@ -253,10 +255,11 @@ DEFAULT_WORKERS = (8, 64, 256)
 class SimulatedComparison:
     """What ``phalanx.compare(..., simulate=True)`` returns; ``save(dir)`` writes what ``--out`` writes."""
 
-    setup: object  #: compare's Setup, marked simulated
+    setup: runner.Setup  #: marked simulated
     problem: Problem
-    runs: dict  #: worker count -> every simulated run (compare's RunResult)
-    table: dict  #: worker count -> scenario -> one ranked row per strategy (the worker counts that finished)
+    runs: dict[int, list[RunResult]]  #: worker count -> every simulated run
+    #: worker count -> scenario -> one ranked row per strategy (the worker counts that finished)
+    table: dict[int, dict[str, list[Figures]]]
     command: Optional[str] = None
     incomplete: Optional[dict] = None  #: stopped by a signal: by which, during which run
 

@@ -46,9 +46,9 @@ def build_problem(train: TrainConfig, workers: tuple[int, ...], per_node: Option
     problem = Problem(cfg, task, None, None, None)  # type: ignore[arg-type]
     data = problem.data(cfg.seed)
     model = problem.model(cfg.seed)  # on the CPU: the checks and the facts look at it as train's do
-    facts = data_facts(cfg, data)
-    check_model(model, facts, task.loss_fn, task.metrics, task.step)  # as train checks it: one line, not a traceback
-    facts = model_facts(model, facts.example, cfg.batch_size, step=task.step)
+    shapes = data_facts(cfg, data)
+    check_model(model, shapes, task.loss_fn, task.metrics, task.step)  # as train checks it: one line, not a traceback
+    facts = model_facts(model, shapes.example, cfg.batch_size, step=task.step)
     device = resolve_devices(cfg.devices, cfg.strict_devices)[0]
     per_node = per_node or (torch.cuda.device_count() if device.type == "cuda" else 2)
     notes = []

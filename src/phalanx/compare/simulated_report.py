@@ -143,7 +143,7 @@ def write(out: Path, setup, problem, results: dict[int, list], by_workers, comma
                   f"{done}; the runs that finished after them are in their worker count's report.", ""]
     sentences = crossover(setup, by_workers) if by_workers else []
     picture = scaling_plot(setup, by_workers, out) if by_workers else None
-    if by_workers:
+    if picture is not None:  # (there is one exactly when some worker count finished)
         lines += [" ".join(sentences), "",
                   f"Every figure is simulated: {setup.task.model_name} on {setup.task.data_name}, target "
                   f"{report.target_words(setup.target)}, medians of {setup.repeats} "

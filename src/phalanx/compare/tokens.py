@@ -120,12 +120,12 @@ def parse_scenario(item: str) -> Scenario:
     if len(parts) != 3 or parts[0] not in ("slow", "pauses"):
         raise wrong
     try:
-        first, factor = (int(parts[1]) if parts[0] == "slow" else float(parts[1])), float(parts[2])
+        rank, probability = (int(parts[1]), 0.0) if parts[0] == "slow" else (None, float(parts[1]))
+        factor = float(parts[2])
     except ValueError:
         raise wrong from None
     try:
-        slowness = Slowness("slow", factor, rank=first) if parts[0] == "slow" else \
-            Slowness("pauses", factor, probability=first)
+        slowness = Slowness(parts[0], factor, rank=rank, probability=probability)
     except PhalanxError as e:
         raise PhalanxError(f"--scenarios: {e}") from None
     return Scenario(":".join(parts), slowness)

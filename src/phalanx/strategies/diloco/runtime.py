@@ -170,7 +170,7 @@ class DiLoCoRuntime(Runtime):
         gathered (a collective), so a resume is exact at any step, not only at sync steps. The other ranks
         return None."""
         mine = to_cpu(super().state_dict())
-        workers: list = [None] * self.ctx.world_size if self.ctx.is_main else None
+        workers: Optional[list[Any]] = [None] * self.ctx.world_size if self.ctx.is_main else None
         if self.ctx.distributed:
             dist.gather_object(mine, workers, dst=0)
         else:
@@ -216,7 +216,7 @@ class DiLoCoRuntime(Runtime):
         outer = saved.get("outer_optimizer") if saved else None
         if saved is not None and "workers" in saved:  # a file: every rank's state gathered into it
             own = saved["workers"][self.ctx.rank] if len(saved["workers"]) == self.ctx.world_size else None
-        elif saved is not None:  # a sharded one: the outer optimizer by parameter name
+        elif outer is not None:  # a sharded one: the outer optimizer by parameter name
             outer = replica_state.by_index(outer, [name for name, _ in self.module.named_parameters()])
         super().load_state_dict(own or whole)  # the local model and inner optimizer
         self.notes += [note] if note else []
@@ -232,8 +232,8 @@ class DiLoCoRuntime(Runtime):
         self.steps = int(state.get("step", 0))
         # Which fragments owe a round: as saved with the local models (none where every rank starts from
         # the global model: another strategy's checkpoint, another world size).
-        mine = own is not None and saved is not None
-        self.unsynced = {f for f in saved.get("unsynced", ()) if f < len(self.fragments)} if mine else set()
+        owed = saved.get("unsynced", ()) if own is not None and saved is not None else ()
+        self.unsynced = {f for f in owed if f < len(self.fragments)}
 
     def report(self, final: bool = False) -> Report:
         per_sync = self.bytes_sent // self.syncs if self.syncs else 0
