@@ -138,6 +138,7 @@ class PaddedItems(DictItems):
         return {"input_ids": ids, "labels": labels}
 
 
+@pytest.mark.slow
 def test_a_lazily_read_dataset_of_dicts_collates_by_default_or_by_its_own_collate_fn():
     from phalanx.data.lazy import LazyExamples
 
@@ -282,6 +283,7 @@ def test_a_metric_whose_second_parameter_is_batch_gets_the_batch():
     assert totals.values(sums.tolist())["feats_sum"] == pytest.approx(float(b["feats"].sum()) / 6)
 
 
+@pytest.mark.slow
 @needs_transformers
 def test_a_causal_lms_metrics_compare_each_position_with_the_next_token():
     from transformers import GPT2Config, GPT2LMHeadModel

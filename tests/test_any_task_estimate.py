@@ -120,6 +120,7 @@ def test_simulated_workers_on_their_own_parameters_are_computed_in_turn_where_vm
                              threads=2)._helpers()) == 1
 
 
+@pytest.mark.slow
 def test_simulated_sync_takes_a_users_mean_loss_on_the_whole_batch_and_a_sum_shard_by_shard(monkeypatch):
     """Simulated sync computes the W shards as one batch where the user's loss on it is their mean (the GPT's:
     a mean over equal counts of tokens); a step whose loss sums, or a batch with ignored targets, is computed
@@ -166,6 +167,7 @@ def test_compare_simulate_of_the_gpt_example_runs_and_reports(tmp_path):
     assert "perplexity" in text
 
 
+@pytest.mark.slow
 def test_a_factory_taking_the_model_is_refused_for_stacked_copies_before_any_run():
     out = run_cli("compare", "--simulate", *GPT, "--optimizer", "gpt:optimizer", "--strategies", "sync,local-sgd",
                   "--workers", "2", "--max-steps", "2", "--step-time", "10ms", *GIVEN_LINK, "--scenarios", "none",

@@ -147,6 +147,7 @@ def test_staleness_and_dropped_gradients_reach_tensorboard_as_recorded(tmp_path)
     assert got["validation/mse"] == [(4, 0.25)] and got["validation/loss"] == [(4, 0.5)]
 
 
+@pytest.mark.slow
 def test_without_the_tensorboard_package_one_line_names_the_extra_and_nothing_starts(tmp_path, monkeypatch, capsys):
     import importlib.util
 
@@ -179,6 +180,7 @@ def test_bad_api_input_is_one_phalanx_error_before_any_run(kwargs, message, caps
     assert "phalanx compare:" not in capsys.readouterr().out  # refused before the header: nothing ran
 
 
+@pytest.mark.slow
 def test_estimate_on_a_model_object_measures_that_model(project):
     _, mymodel = project
     train, test = mymodel.load()

@@ -191,6 +191,7 @@ def test_an_import_only_a_type_checker_runs_is_no_cycle_but_still_a_layer_edge()
     assert running < everything
 
 
+@pytest.mark.slow
 def test_every_import_goes_down_the_layers_docs_architecture_writes():
     layers = written_layers((ROOT / "docs" / "architecture.md").read_text())
     assert violations(layers, imports()) == []

@@ -63,6 +63,7 @@ def _with(model):
     return {"model": model, "train_data": (digits.train.x, digits.train.y), "test_data": (digits.test.x, digits.test.y)}
 
 
+@pytest.mark.slow
 def test_ssp_with_staleness_zero_equals_sync(tmp_path):
     sync = _params(tmp_path, "sync", "sync")
     ssp0 = _params(tmp_path, "ssp0", SSP(staleness=0))
@@ -111,6 +112,7 @@ def test_local_sgd_averaging_every_step_equals_sync_with_plain_sgd(tmp_path):
         torch.testing.assert_close(sync[k], local[k], atol=1e-5, rtol=1e-5, msg=k)
 
 
+@pytest.mark.slow
 def test_ssp_bound_holds_with_a_straggler_and_every_gradient_is_applied_once(tmp_path):
     out = run_in_process("train", "--strategy", "ssp", "--staleness", "1", "--straggler", "1:3", "--steps", "80",
                          "--log-every", "40", cwd=tmp_path)
@@ -125,6 +127,7 @@ def test_ssp_bound_holds_with_a_straggler_and_every_gradient_is_applied_once(tmp
         in out.stdout
 
 
+@pytest.mark.slow
 def test_ps_staleness_is_unbounded_and_consistent(tmp_path):
     out = run_in_process("train", "--strategy", "ps", "--straggler", "1:3", "--steps", "60", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -153,11 +156,13 @@ def _join_after_the_end(ctx):
     return report
 
 
+@pytest.mark.slow
 def test_a_worker_that_joins_after_the_end_computes_nothing_and_leaves():
     report = run_workers(_join_after_the_end, 3)  # a push nobody receives would block until the 60 s timeout
     assert report["gradients_pushed"] == {"1": 0, "2": 0} and report["gradients_applied_total"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", [["ps"], ["backup", "--backup-workers", "0"]], ids=["ps", "backup0"])
 def test_ps_survives_a_killed_worker(tmp_path, strategy):
     """backup:0 is the hard case: the survivor's round waits for the dead worker's gradient."""
@@ -172,6 +177,7 @@ def test_ps_survives_a_killed_worker(tmp_path, strategy):
     assert _summary(only_run(tmp_path))["lost_workers"][0]["worker"] == 2
 
 
+@pytest.mark.slow
 def test_sync_fails_fast_naming_the_killed_rank_then_resumes(tmp_path):
     code, out, err = run_and_signal(
         ["train", "--steps", "4000", "--log-every", "20", "--checkpoint-every", "20"], tmp_path, "step 60,",
@@ -204,6 +210,7 @@ def test_hogwild_refuses_cuda():
         Hogwild().layout(Job((torch.device("cuda", 0), torch.device("cuda", 1))))
 
 
+@pytest.mark.slow
 def test_a_dead_server_ends_the_job_and_the_last_checkpoint_loads(tmp_path):
     code, out, err = run_and_signal(
         ["train", "--strategy", "ps", "--steps", "4000", "--log-every", "20", "--checkpoint-every", "20"], tmp_path,
@@ -214,6 +221,7 @@ def test_a_dead_server_ends_the_job_and_the_last_checkpoint_loads(tmp_path):
     assert state["step"] >= 40 and state["meta"]["strategy"] == "ps"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", [["ps"], ["ssp", "--staleness", "1"]], ids=["ps", "ssp"])
 def test_ps_divergence_stops_at_once_naming_its_step_and_a_checkpoint_that_exists(tmp_path, strategy):
     """lr 1e6: step 1 is finite and checkpointed, a later loss is NaN. The server stops at the first NaN
@@ -237,6 +245,7 @@ def _digits_with_nan_inputs():
     return {"train_data": (x, digits.train.y), "test_data": (digits.test.x, digits.test.y)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ps", "sync"])
 def test_nan_in_the_inputs_is_named_as_the_inputs_not_the_learning_rate(tmp_path, strategy):
     cfg = TrainConfig(strategy=strategy, workers=2, devices="cpu", steps=30, batch_size=8, log_every=30,
@@ -262,6 +271,7 @@ class RaisesOnRank1(torch.nn.Module):
         return self.body(x)
 
 
+@pytest.mark.slow
 def test_a_ps_worker_that_raises_ends_the_job_with_its_traceback(tmp_path):
     """A killed worker is a lost machine (the job goes on: test_ps_survives_a_killed_worker); one that
     raises is a bug, and hiding it behind 'continuing with 1 workers' and exit 0 would lose it."""
@@ -296,6 +306,7 @@ class Net(nn.Module):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", [["ps"], ["backup", "--backup-workers", "1"]], ids=["ps", "backup"])
 def test_a_bug_in_every_ps_worker_ends_the_job_with_one_traceback_not_lost_workers(strategy, tmp_path):
     """Before: "worker 1 lost at step 3; continuing with 1 workers", "worker 2 lost ...", then "the parameter

@@ -25,6 +25,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_kill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "first saved"

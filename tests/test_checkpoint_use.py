@@ -105,6 +105,7 @@ def test_a_missing_corrupt_or_foreign_checkpoint_is_one_line_exit_2(trained, cap
     assert len(out.err.strip().splitlines()) == 1 and message in out.err, out.err
 
 
+@pytest.mark.slow
 def test_evaluate_names_a_newer_checkpoint_it_skipped_as_corrupt(trained, tmp_path):
     import shutil
 

@@ -19,6 +19,7 @@ from phalanx.cli import build_parser, config_from_args
 from phalanx.checkpoint import list_checkpoints
 
 
+@pytest.mark.slow
 def test_default_train_reaches_the_accuracy_and_reports(tmp_path):
     out = run_cli("train", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -39,6 +40,7 @@ def test_default_train_reaches_the_accuracy_and_reports(tmp_path):
     assert events[-1]["event"] == "summary" and events[-1]["test_accuracy"] == pytest.approx(accuracy, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_a_run_from_a_config_file_with_flags_over_it_is_saved_and_repeats(tmp_path):
     (tmp_path / "m").mkdir()  # a metrics directory must exist (a typo in it is refused, not created)
     (tmp_path / "run.toml").write_text('[model_and_data]\nmodel = "mlp"\n[optimisation]\nsteps = 60\n'
@@ -73,6 +75,7 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, message", BAD_INPUTS, ids=[f[1][:24] for f in BAD_INPUTS])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, flags, message, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -84,6 +87,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, flags, message, capsys, monk
     assert not (tmp_path / "runs").exists()  # no partial files left behind
 
 
+@pytest.mark.slow
 def test_unwritable_checkpoint_directory(tmp_path):
     """Through the installed command: its exit status and stderr, not only main()'s."""
     (tmp_path / "afile").write_text("not a directory")
@@ -105,6 +109,7 @@ def _snapshot(directory):
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_on_resume(trained, tmp_path, capsys, monkeypatch):
     bad = tmp_path / "step-00000010.pt"
     bad.write_bytes(b"\x00garbage" * 100)
@@ -131,6 +136,7 @@ def test_mismatched_checkpoint_on_resume(trained, flags, message, capsys, monkey
     assert _snapshot(only_run(trained)) == before
 
 
+@pytest.mark.slow
 def test_resume_from_directory_continues(trained, tmp_path):
     import shutil
 
@@ -141,6 +147,7 @@ def test_resume_from_directory_continues(trained, tmp_path):
     assert [p.name for p in list_checkpoints(only_run(tmp_path))][-1] == "step-00000030.pt"
 
 
+@pytest.mark.slow
 def test_torchrun_starts_the_workers(tmp_path):
     """Several machines are joined the way torchrun does it: here two processes on one machine."""
     out = subprocess.run(
@@ -152,6 +159,7 @@ def test_torchrun_starts_the_workers(tmp_path):
     assert "world size 2" in out.stdout and out.stdout.count("step 20, loss") == 1
 
 
+@pytest.mark.slow
 def test_progress_bar_on_a_terminal_plain_lines_otherwise(tmp_path):
     """On a terminal (a pseudo-terminal here) rank 0 draws a bar; piped output has none."""
     import fcntl

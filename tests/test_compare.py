@@ -110,6 +110,7 @@ def test_an_evaluation_without_the_targets_metric_has_not_reached_it():
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--max-steps", "-5"], "--max-steps must be at least 1"),
 ])
+@pytest.mark.slow
 def test_bad_input_is_one_line_before_any_run(flags, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, out = run_main(["compare", *flags, "--out", "report"], capsys)

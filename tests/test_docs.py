@@ -60,6 +60,7 @@ def test_the_flags_reference_names_every_flag_of_every_command():
                     assert f"`{flag}" in page, f"{flag} of phalanx {name} is missing from docs/flags.md"
 
 
+@pytest.mark.slow
 def test_the_generator_runs_as_a_module():
     out = subprocess.run([sys.executable, "-m", "phalanx.options_doc"], capture_output=True, text=True, check=True)
     assert out.stdout == options_doc.render()
@@ -116,6 +117,7 @@ def _citations(page: Path):
                 yield number, cited_file, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
 def test_every_test_a_page_cites_exists(page):
     tests = _tests_by_file()

@@ -44,6 +44,7 @@ def _steps(metrics) -> list[dict]:
 
 # ---- another worker count ----
 
+@pytest.mark.slow
 def test_three_workers_keeping_the_global_batch_end_where_two_uninterrupted_workers_end(straight, tmp_path):
     out = run_in_process("train", "--steps", "40", "--workers", "3", "--keep-global-batch", "--resume",
                          str(straight / "step-00000020.pt"), "--checkpoint-dir", "resumed", *QUIET, cwd=tmp_path)
@@ -68,6 +69,7 @@ def test_a_global_batch_that_does_not_split_is_refused_with_the_arithmetic(strai
 
 # ---- flags on resume ----
 
+@pytest.mark.slow
 def test_flags_given_at_resume_win_and_the_global_batch_follows_the_workers(straight, tmp_path):
     """Per-worker batch 48 kept on 3 workers: global batch 144; --lr and --lr-base-batch replace the checkpoint's."""
     out = run_in_process("train", "--steps", "24", "--workers", "3", "--batch-size", "48", "--lr", "0.01",
@@ -85,6 +87,7 @@ def test_flags_given_at_resume_win_and_the_global_batch_follows_the_workers(stra
     assert state["data_position"] == {"epoch": 1, "examples_in_epoch": 6 * 96 + 4 * 144}  # 14 steps of 96 an epoch
 
 
+@pytest.mark.slow
 def test_another_optimizer_starts_fresh_with_one_line(straight, tmp_path):
     out = run_in_process("train", "--steps", "24", "--optimizer", "adam", "--lr", "0.001", "--batch-size", "48",
                          "--resume", str(straight / "step-00000020.pt"), "--checkpoint-dir", "resumed", *QUIET,

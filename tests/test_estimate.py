@@ -525,6 +525,7 @@ def _real_ddp_buckets(ctx):
     return [int(b) for b in data["rebuilt_bucket_sizes"].split(",")]
 
 
+@pytest.mark.slow
 def test_bucket_model_equals_ddps_own_rebuilt_buckets():
     real = run_workers(_real_ddp_buckets, 2)
     model = torch.nn.Sequential(torch.nn.Linear(300, 1000), torch.nn.ReLU(), torch.nn.Linear(1000, 200),
@@ -645,6 +646,7 @@ def test_a_pipeline_estimate_of_the_cifar10_network(tmp_path, monkeypatch):
     (["--no-measure-link"], "--no-measure-link on CPU workers leaves the link between them unknown"),
     (["--strategy", "ps", "--workers", "1"], "ps on 1 worker: --strategy ps needs at least 2 workers"),
 ])
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     try:
@@ -658,6 +660,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path, monke
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], out.err
 
 
+@pytest.mark.slow
 def test_bad_input_through_the_installed_command(tmp_path):
     out = run_cli("estimate", "--link-latency", "10", cwd=tmp_path)
     assert out.returncode == 2 and out.stdout == ""

@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 from helpers import REPO, python_script
 
 
@@ -9,6 +11,7 @@ def _w(stdout: str) -> list[float]:
     return [float(v) for v in re.search(r"w = \[(.*)\]", stdout).group(1).split(", ")]
 
 
+@pytest.mark.slow
 def test_quadratic_fit_on_two_towers_finds_the_curve_and_matches_one_tower(tmp_path):
     two = python_script(REPO / "examples" / "quadratic_fit.py", cwd=tmp_path)
     assert two.returncode == 0, two.stderr
@@ -20,6 +23,7 @@ def test_quadratic_fit_on_two_towers_finds_the_curve_and_matches_one_tower(tmp_p
     assert max(abs(a - b) for a, b in zip(w, _w(one.stdout))) < 0.01  # the split changes nothing
 
 
+@pytest.mark.slow
 def test_cifar10_towers_trains_and_logs_throughput(tmp_path):
     out = python_script(REPO / "examples" / "cifar10_towers.py", "--steps", "10", "--log-every", "5", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -28,6 +32,7 @@ def test_cifar10_towers_trains_and_logs_throughput(tmp_path):
     assert "test accuracy" in out.stdout
 
 
+@pytest.mark.slow
 def test_cifar10_towers_names_missing_files(tmp_path):
     out = python_script(REPO / "examples" / "cifar10_towers.py", "--data-dir", str(tmp_path), cwd=tmp_path)
     assert out.returncode == 2

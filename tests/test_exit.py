@@ -117,6 +117,7 @@ def _stopped_with_checkpoint(code, err, cwd, signame, after):
     return step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["sync", "fsdp"])
 def test_ctrl_c_to_the_process_group_stops_at_one_step_and_saves_it(strategy, tmp_path):
     # --progress bar with output not on a terminal: no leaked-semaphore warning either.
@@ -124,6 +125,7 @@ def test_ctrl_c_to_the_process_group_stops_at_one_step_and_saves_it(strategy, tm
     _stopped_with_checkpoint(code, err, tmp_path, "SIGINT", 240)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["sync", "ps", "pipeline"])
 def test_sigterm_to_the_process_group_stops_at_one_step_and_saves_it(strategy, tmp_path):
     # The group holds the fork server too: it died of the SIGTERM, every worker then read as exited 255,
@@ -159,6 +161,7 @@ def load():
 """
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_process_group_with_loader_workers_stops_at_one_step_and_saves_it(tmp_path):
     # The ranks' DataLoader workers are in the group too: torch's worker dies of a SIGTERM its parent did not
     # send, and their fork server died of it, so the ranks' next batch failed ("DataLoader worker exited
@@ -169,6 +172,7 @@ def test_sigterm_to_the_process_group_with_loader_workers_stops_at_one_step_and_
     _stopped_with_checkpoint(code, err, tmp_path, "SIGTERM", 240)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, signal_", [("sync", signal.SIGTERM), ("pipeline", signal.SIGINT)])
 def test_a_signal_to_one_worker_stops_the_whole_job_at_one_step(strategy, signal_, tmp_path):
     code, out, err = run_and_signal(["train", "--strategy", strategy, *LONG], tmp_path, "step 240,", signal_, rank=1)
@@ -198,6 +202,7 @@ class Net(nn.Module):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signal_", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_to_one_worker_before_its_first_step_stops_the_job_blaming_no_one(signal_, tmp_path):
     # Before: exit 1, "error: worker 0 failed:" and rank 0's gloo traceback (its collective lost the peer that
@@ -216,6 +221,7 @@ def test_a_signal_to_one_worker_before_its_first_step_stops_the_job_blaming_no_o
     assert not list(tmp_path.glob("**/step-*.pt")) and not spawned_children(os.getpid())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, rank, signal_, method", [
     ("sync", 1, signal.SIGTERM, "forkserver"), ("fsdp", 1, signal.SIGINT, "forkserver"),
     ("sync", 0, signal.SIGHUP, "forkserver"), ("sync", 1, signal.SIGINT, "spawn")],
@@ -236,6 +242,7 @@ def test_a_signal_to_a_worker_the_moment_it_appears_stops_the_job_in_one_line(st
     assert not list(tmp_path.glob("**/step-*")) and "step " not in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("to_the_group", [True, False], ids=["to-the-group", "to-the-parent"])
 def test_sighup_stops_at_one_step_and_saves_it_exit_129(to_the_group, tmp_path):
     # A terminal closed or an ssh session dropped: SIGHUP to the group killed every process at once (nothing
@@ -262,6 +269,7 @@ ls -A /dev/shm
 """
 
 
+@pytest.mark.slow
 def test_a_job_killed_as_a_whole_leaves_nothing_in_dev_shm(tmp_path):
     # The launcher's report queue held two named semaphores (sem.loky-*) for the job's whole life; only the
     # parent's exit unlinked them.

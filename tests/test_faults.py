@@ -29,6 +29,7 @@ def _same_parameters(a, b):
 
 # ---- hangs ----
 
+@pytest.mark.slow
 def test_a_stopped_sync_worker_is_named_with_its_step_and_the_others_with_their_collective(tmp_path):
     code, out, err = run_and_signal(["train", *LONG, "--hang-timeout", "5"], tmp_path, "step 40,", signal.SIGSTOP,
                                     rank=1)
@@ -43,6 +44,7 @@ def test_a_stopped_sync_worker_is_named_with_its_step_and_the_others_with_their_
     assert "Traceback" not in err and not spawned_children(os.getpid())
 
 
+@pytest.mark.slow
 def test_a_stopped_ps_worker_is_dropped_and_the_others_finish_the_run(tmp_path):
     code, out, err = run_and_signal(["train", "--strategy", "ps", "--workers", "3", "--steps", "600",
                                      "--log-every", "20", "--hang-timeout", "6", "--checkpoint-dir", "ck"],
@@ -73,6 +75,7 @@ class SleepsOnRank1(nn.Module):
         return self.net(x)
 
 
+@pytest.mark.slow
 def test_a_rank_busy_inside_a_step_is_named_with_its_stack(tmp_path):
     from phalanx.data import load_digits
 
@@ -110,6 +113,7 @@ def uninterrupted(tmp_path_factory):
     return load_checkpoint(only_run(root) / "step-00000060.pt")
 
 
+@pytest.mark.slow
 def test_sigterm_stops_every_worker_at_one_step_and_its_checkpoint_resumes_to_the_same_result(uninterrupted, tmp_path):
     code, out, err = run_and_signal(["train", "--steps", "60", "--checkpoint-every", "1000", "--log-every", "10"],
                                     tmp_path, "step 20,", signal.SIGTERM)
@@ -125,6 +129,7 @@ def test_sigterm_stops_every_worker_at_one_step_and_its_checkpoint_resumes_to_th
     _same_parameters(uninterrupted["model"], load_checkpoint(only_run(tmp_path) / "step-00000060.pt")["model"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ps", "pipeline"])
 def test_sigint_stops_other_strategies_at_a_step_with_exit_130(strategy, tmp_path):
     code, out, err = run_and_signal(["train", "--strategy", strategy, *LONG], tmp_path, "step 40,", signal.SIGINT)
@@ -136,6 +141,7 @@ def test_sigint_stops_other_strategies_at_a_step_with_exit_130(strategy, tmp_pat
     assert "Traceback" not in err and "terminate called" not in err
 
 
+@pytest.mark.slow
 def test_a_second_signal_stops_at_once_and_leaves_nothing_torn(tmp_path):
     proc = subprocess.Popen(phalanx_cmd() + ["train", *LONG, "--checkpoint-every", "20"], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
@@ -155,6 +161,7 @@ def test_a_second_signal_stops_at_once_and_leaves_nothing_torn(tmp_path):
 
 # ---- self-healing ----
 
+@pytest.mark.slow
 def test_a_killed_sync_worker_is_replaced_and_the_run_ends_as_if_nothing_happened(uninterrupted, tmp_path):
     # No periodic checkpoint before the death: the survivor saves the step it finished, and the restart resumes there.
     code, out, err = run_and_signal(["train", "--steps", "60", "--checkpoint-every", "1000", "--log-every", "10",

@@ -37,6 +37,7 @@ def test_every_strategy_option_has_a_sample_value_here():
     assert set(SAMPLE) == set(strategy_fields())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, name", FOREIGN, ids=[f"{s}-{n}" for s, n in FOREIGN])
 def test_a_flag_the_strategy_does_not_take_is_refused_naming_who_takes_it(strategy, name, capsys, tmp_path,
                                                                            monkeypatch):
@@ -50,6 +51,7 @@ def test_a_flag_the_strategy_does_not_take_is_refused_naming_who_takes_it(strate
     assert out.err.count("\n") == 1 and not os.listdir(tmp_path)
 
 
+@pytest.mark.slow
 def test_help_shows_every_default_and_version_names_the_versions():
     parser = build_parser()
     train = parser._subparsers._group_actions[0].choices["train"]
@@ -109,6 +111,7 @@ PARENT_CHECKS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, message", PARENT_CHECKS, ids=[" ".join(f) for f, _ in PARENT_CHECKS])
 def test_bad_input_is_refused_in_the_parent_with_one_line_and_nothing_written(flags, message, capsys, tmp_path,
                                                                             monkeypatch):
@@ -212,6 +215,7 @@ phalanx.Trainer(config, model=nn.Linear(4, 2), train_data=(torch.randn(64, 4), t
 """
 
 
+@pytest.mark.slow
 def test_a_script_without_the_main_guard_gets_that_advice_and_spawns_nothing(tmp_path):
     (tmp_path / "train.py").write_text(SCRIPT)
     out = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)

@@ -196,6 +196,7 @@ def test_fsdp_on_two_workers_equals_one_process_on_the_whole_batch(two, label):
     assert_same(two[label], want(label), f"2 workers, {label}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label", ["sgd", "sgd float32", "adam"])
 def test_fsdp_on_three_workers_with_uneven_shards_equals_one_process(three, label):
     assert_same(three[label], want(label), f"3 workers, {label}")  # 10 classes: rows split 4, 3, 3

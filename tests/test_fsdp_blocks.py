@@ -163,6 +163,7 @@ def load():
 '''
 
 
+@pytest.mark.slow
 def test_state_built_from_a_sharded_parameter_is_one_line_naming_the_cause_and_the_fix(tmp_path):
     (tmp_path / "rnn.py").write_text(RNN_MODULE)
     args = ("train", "--model", "rnn:RNNModel", "--data", "rnn:load", "--strategy", "fsdp", "--steps", "2",

@@ -36,6 +36,7 @@ def _count(tmp_path, strategy, steps):
     return run_workers(_collectives_in_a_run, 2, Trainer(cfg).plan())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, per_step", [(Sync(bucket_mb=0.2), "buckets"), (Hogwild(), 0)],
                          ids=["sync", "hogwild"])
 def test_ordinary_steps_run_no_collective_but_the_strategys_own(tmp_path, strategy, per_step):
@@ -85,6 +86,7 @@ def test_bf16_trains_the_default_model_and_keeps_fp32_weights(tmp_path):
     assert all(t.dtype == torch.float32 for t in state["model"].values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers, compiled_as", [(2, "4 blocks, each"), (1, "the whole model")],
                          ids=["ddp-by-block", "one-worker-whole"])
 def test_compiled_training_equals_eager(tmp_path, workers, compiled_as):

@@ -18,6 +18,7 @@ def _sum_of_ranks(ctx):
             "threads": torch.get_num_threads(), "backend": ctx.backend}
 
 
+@pytest.mark.slow
 def test_two_workers_form_a_gloo_group():
     out = run_workers(_sum_of_ranks, 2)
     assert out["world"] == 2 and out["sum"] == 3.0 and out["ranks"] == [0, 1]
@@ -39,6 +40,7 @@ def _raise_on_rank_1(ctx):
     return "unreachable"
 
 
+@pytest.mark.slow
 def test_a_worker_that_raises_brings_the_job_down_naming_the_rank():
     with pytest.raises(WorkerFailed) as info:  # not a hang: the helper's collective timeout is 60 s
         run_workers(_raise_on_rank_1, 2)
@@ -65,6 +67,7 @@ def _user_error_on_rank_1(ctx):
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_bad_input_found_in_a_worker_stays_a_one_line_error():
     with pytest.raises(PhalanxError, match="^checkpoint does not fit; use the same --model$") as info:
         run_workers(_user_error_on_rank_1, 2)

@@ -17,6 +17,7 @@ def cpus(n: int) -> tuple:
     return (CPU,) * n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [Sync(), LocalSGD(), DiLoCo(), Hogwild(), FSDP()], ids=lambda o: o.name)
 @pytest.mark.parametrize("workers", [1, 2, 3, 4])
 def test_data_parallel_layouts_one_worker_per_device_each_its_own_shard(options, workers):

@@ -91,6 +91,7 @@ def _timed_all_reduce(ctx, numel, repeats):
     return time.perf_counter() - began, _lo_bytes() - before
 
 
+@pytest.mark.slow
 def test_all_reduce_on_a_shaped_link_runs_at_the_links_rate(shaping_allowed):
     """Two ranks all-reduce 2 MiB three times. Whatever gloo's algorithm, each rank must send the other
     at least half of the buffer in each of two phases (reduce-scatter, all-gather): 2 x (W-1)/W x size
@@ -141,6 +142,7 @@ def test_train_refuses_a_link_it_cannot_run_in_one_line(tmp_path, monkeypatch, c
                               "Operation not permitted)"),
     ("-net_admin", "could not be set up (ip: RTNETLINK answers: Operation not permitted)"),
 ], ids=["no-namespace", "no-traffic-control"])
+@pytest.mark.slow
 def test_where_links_are_not_allowed_nothing_starts(tmp_path, shaping_allowed, dropped, says):
     """The capabilities really dropped (as root, setpriv's bounding set; as another user, none to drop)."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:

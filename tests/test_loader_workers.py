@@ -96,6 +96,7 @@ def test_a_resume_with_loader_workers_equals_the_uninterrupted_run(runs, tmp_pat
         assert torch.equal(_params(resumed)[name], tensor), name
 
 
+@pytest.mark.slow
 def test_a_rank_reads_its_own_shard_in_order_from_any_position(tmp_path):
     root = _write(tmp_path, n=40)
     assert _same_batches(root)  # here: loader workers from phalanx's fork server (a one-process run's)
@@ -159,6 +160,7 @@ def mid_run():
 '''
 
 
+@pytest.mark.slow
 def test_a_dataset_that_raises_is_one_line_exit_2_before_or_during_the_run(tmp_path):
     (tmp_path / "flaky.py").write_text(UNREADABLE)
     common = ["train", "--model", "mlp", "--loader-workers", "2", "--steps", "30", "--batch-size", "16",
@@ -216,6 +218,7 @@ class Odd(torch.utils.data.Dataset):
         return torch.zeros(64), i % 10
 
 
+@pytest.mark.slow
 def test_a_batch_that_fails_in_a_loader_worker_is_the_one_line_alone():
     """An item None, or items that do not collate, in a loader worker reached the rank wrapped as ``Caught
     PhalanxError in DataLoader worker process 0`` and the worker's traceback (14-17 lines)."""

@@ -163,6 +163,7 @@ def meta_runs():
     return run_workers(train_gpt, 1, options), run_workers(train_gpt, 2, options)
 
 
+@pytest.mark.slow
 def test_two_ranks_shards_are_slices_of_the_one_process_materialisation_and_train_as_it_does(meta_runs):
     one, two = meta_runs
     assert any("built on the meta device; materialised block by block" in line for line in two["notes"])
@@ -174,6 +175,7 @@ def test_two_ranks_shards_are_slices_of_the_one_process_materialisation_and_trai
         torch.testing.assert_close(two["end"][name], want, rtol=1e-9, atol=1e-12, msg=name)
 
 
+@pytest.mark.slow
 def test_on_two_ranks_a_sequential_built_on_meta_starts_as_the_eagerly_built_model():
     torch.manual_seed(3)
     eager = mlp().state_dict()
@@ -202,6 +204,7 @@ def whole_tensors_alive(ctx) -> tuple:
     return len(made), sum(ref() is not None for ref in made), runtime.module is not None
 
 
+@pytest.mark.slow
 def test_no_whole_tensor_outlives_its_unit_once_sharded():
     made, alive, _ = run_workers(whole_tensors_alive, 2)
     assert made == len(on_meta(gpt.GPT, gpt.GPTConfig(**GPT)).state_dict()) - 1  # (lm_head's is wte's)
@@ -226,6 +229,7 @@ GPT_FLAGS = ("--model", "gpt:make", "--data", "gpt:load", "--training-step", "gp
              "gpt:optimizer", "--clip-grad-norm", "1.0", "--batch-size", "4", "--devices", "cpu", "--eval-every", "0")
 
 
+@pytest.mark.slow
 def test_cli_trains_the_gpt_example_built_on_meta_with_its_own_init(tmp_path):
     # With --activation-checkpointing too: its measuring forward ran on the meta model and failed ("Tensor on
     # device meta is not on the expected device cpu"); it now says it measured nothing, and why.

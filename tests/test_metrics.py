@@ -58,6 +58,7 @@ def _evaluate_on_ranks(ctx, classify: bool):
     return gather(ctx, {"ranks": values, "whole": whole})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("classify", [True, False], ids=["classifier", "regression"])
 def test_a_metric_over_two_ranks_equals_the_single_process_metric_on_the_whole_test_set(classify):
     out = run_workers(_evaluate_on_ranks, 2, classify)
@@ -134,6 +135,7 @@ class Linear(nn.Module):
         return self.fc(x)
 
 
+@pytest.mark.slow
 def test_float_targets_train_a_regression_with_mse_and_report_loss_and_mse_not_accuracy(tmp_path):
     x, y = regression_set()
     baseline = float(((y[300:] - y[:300].mean()) ** 2).mean())
@@ -145,6 +147,7 @@ def test_float_targets_train_a_regression_with_mse_and_report_loss_and_mse_not_a
     assert metrics["mse"] < 0.1 * baseline
 
 
+@pytest.mark.slow
 def test_a_loss_target_stops_the_run_and_a_user_metric_is_reported(tmp_path):
     x, y = regression_set()
     summary = Trainer(_config(tmp_path, steps=400, stop_at="loss<=0.5"), model=Linear(),
@@ -157,6 +160,7 @@ def test_a_loss_target_stops_the_run_and_a_user_metric_is_reported(tmp_path):
     assert evaluated.count(summary["steps"]) == 1  # the evaluation that reached it is the final one, not repeated
 
 
+@pytest.mark.slow
 def test_a_user_metric_with_a_direction_is_a_target_and_a_wrong_way_is_refused(tmp_path):
     x, y = regression_set()
     y = (y > 0).long()

@@ -113,6 +113,7 @@ def clipped():
     return run_workers(clipped_runs, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["sync", "fsdp", "pipeline"])
 def test_clipping_under_each_strategy_is_the_single_process_clip_of_the_whole_gradient(clipped, strategy):
     want, norms = reference()

@@ -81,6 +81,7 @@ def _calls(rounds: int, meetings: int) -> tuple[int, int]:
     return 2 * half + WARMUP + meetings * MEETING_AFTER, 2 * half
 
 
+@pytest.mark.slow
 def test_the_models_ddp_step_and_its_parameters_all_reduce_are_measured_on_two_workers():
     every = run_workers(_every_rank, 2, 0)
     assert all(r["ddp_excess"] >= 0 and r["allreduce_params"] > 0 and r["round_trip_tiny"] is None for r in every)
@@ -101,6 +102,7 @@ def test_the_models_ddp_step_and_its_parameters_all_reduce_are_measured_on_two_w
     assert [getattr(alone, k) for k in FIGURES] == [0.0] * len(FIGURES)
 
 
+@pytest.mark.slow
 def test_a_ps_round_trip_is_measured_through_the_real_server_while_another_worker_computes():
     server, pusher, computing = run_workers(_every_rank, 3, 1)  # rank 0 beside the two workers: the server
     assert pusher["round_trip_tiny"] > 0 and server["round_trip_tiny"] is computing["round_trip_tiny"] is None

@@ -21,6 +21,7 @@ def brute_force(costs, stages):
     return best
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(40))
 def test_partition_is_optimal_against_brute_force(seed):
     rng = random.Random(seed)

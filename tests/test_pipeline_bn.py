@@ -117,6 +117,7 @@ def _two_stage_worker(ctx: WorkerContext) -> dict:
             for config in CONFIGS}
 
 
+@pytest.mark.slow
 def test_batchnorm_in_a_stage_equals_the_unsplit_model_on_the_same_micro_batches_parameters_and_buffers():
     results = run_workers(_two_stage_worker, 2)
     for (schedule, chunks, balance), got in results.items():

@@ -56,6 +56,7 @@ def stored_in(checkpoint) -> dict[str, set[str]]:
     return files
 
 
+@pytest.mark.slow
 def test_each_stage_writes_its_own_part_and_no_file_holds_the_whole_model(runs):
     root = runs["root"] / "straight"
     saved = list_checkpoints(root)
@@ -79,6 +80,7 @@ def test_each_stage_writes_its_own_part_and_no_file_holds_the_whole_model(runs):
     assert state["param_groups"][0]["params"] == list(range(len(model))) == sorted(state["state"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,workers", [(Pipeline(chunks=2, balance=(3, 1)), 2),
                                               (Pipeline(chunks=3, stages=3), 3), ("sync", 2), ("fsdp", 2)],
                          ids=["pipeline-3,1", "pipeline-3-stages", "sync", "fsdp"])
@@ -96,6 +98,7 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_ends(runs, tmp_path, str
     assert latest_checkpoint(tmp_path / "half").name == f"step-00000008{kind}"
 
 
+@pytest.mark.slow
 def test_async_checkpoint_ends_with_the_same_parameters_and_its_saves_verify(runs, tmp_path):
     background = _train(tmp_path, "async", async_checkpoint=True)
     for key, value in runs["straight"]["state"]["model"].items():
@@ -130,6 +133,7 @@ def _gpt_run(root, name: str, steps: int, **overrides) -> dict:
     return tensors(load_checkpoint(latest_checkpoint(root / name)))
 
 
+@pytest.mark.slow
 def test_the_traced_gpt_with_tied_weights_saves_them_once_and_resumes_exactly(tmp_path):
     import shutil
 
@@ -150,6 +154,7 @@ def test_the_traced_gpt_with_tied_weights_saves_them_once_and_resumes_exactly(tm
     assert len(straight["optimizer"]["param_groups"]) == 2  # the model's own groups (decayed, not)
 
 
+@pytest.mark.slow
 def test_replicas_write_one_copy_between_them(tmp_path):
     """1 stage x 2 replicas: both ranks hold every tensor alike; DCP writes each once (one rank's copy)."""
     state = _train(tmp_path, "replicas", strategy=Pipeline(chunks=2, stages=1), steps=2, checkpoint_every=2)["state"]

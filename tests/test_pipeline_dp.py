@@ -90,6 +90,7 @@ def mesh() -> dict:
     return run_workers(_mesh_worker, WORKERS)
 
 
+@pytest.mark.slow
 def test_two_stages_times_two_replicas_equal_the_unsplit_model_on_the_whole_batch(mesh):
     want = reference()
     assert BATCH % (REPLICAS * 4) == 0

@@ -122,6 +122,7 @@ def three_stages() -> dict:
     return run_workers(_three_stage_worker, 3)
 
 
+@pytest.mark.slow
 def test_three_stages_equal_the_unsplit_model(three_stages):
     want = reference()
     for config, got in three_stages.items():
@@ -161,6 +162,7 @@ def _checkpoint_worker(ctx: WorkerContext) -> dict:
     return {"first": first, "resumed": resumed, "eval": gather(ctx, strategy.evaluate(odd)), "odd": odd}
 
 
+@pytest.mark.slow
 def test_checkpoint_is_the_unsplit_model_resumes_under_another_partition_and_evaluates_alike():
     want2, want = reference(steps=2), reference()
     out = run_workers(_checkpoint_worker, 2)

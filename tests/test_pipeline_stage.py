@@ -104,6 +104,7 @@ def _worker(ctx: WorkerContext) -> dict:
             for schedule in ("gpipe", "1f1b")}
 
 
+@pytest.mark.slow
 def test_a_block_meta_tensors_cannot_run_and_batches_of_two_shapes_train_as_the_unsplit_model():
     results = run_workers(_worker, 2)
     want = reference()

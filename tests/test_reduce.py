@@ -56,6 +56,7 @@ def four_workers():
     return run_workers(_compare, 4)
 
 
+@pytest.mark.slow
 def test_hierarchical_equals_a_flat_all_reduce(four_workers):
     for rank_result in four_workers:
         for a, b in zip(rank_result["flat"][0], rank_result["hier"][0]):
@@ -92,6 +93,7 @@ def _bytes(ctx):
     return gather(ctx, sizes)
 
 
+@pytest.mark.slow
 def test_compression_halves_the_bytes_sent():
     """The bytes on the wire (wire.py's pricing of gloo's algorithms) of one 4,000-byte bucket, islands of 2."""
     per_rank = run_workers(_bytes, 4)
@@ -117,6 +119,7 @@ def _degenerate_bytes(ctx):
     return out
 
 
+@pytest.mark.slow
 def test_degenerate_islands_are_one_flat_all_reduce():
     out = run_workers(_degenerate_bytes, 4)
     # one ring all-reduce each: 2 (N - 1) / N x 4,000 bytes sent by every rank
@@ -161,6 +164,7 @@ def _flat_counts(ctx):
     return out
 
 
+@pytest.mark.slow
 def test_a_flat_reduction_runs_ddps_own_reducer_and_counts_what_the_hook_counted():
     out = run_workers(_flat_counts, 2)
     gradient = 4 * (32 * 32 + 32 + 32 * 3 + 3)  # the shared layer once, the frozen one not at all
@@ -203,6 +207,7 @@ def test_island_validation_and_auto_choice():
         choose_reduction("ring", None)
 
 
+@pytest.mark.slow
 def test_training_with_hierarchical_bf16_through_the_cli(tmp_path):
     from helpers import run_cli, run_in_process
 

@@ -67,6 +67,7 @@ def trained(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_bare_resume_skips_a_corrupt_newest_checkpoint_naming_it(trained, tmp_path):
     import shutil
 
@@ -82,6 +83,7 @@ def test_bare_resume_skips_a_corrupt_newest_checkpoint_naming_it(trained, tmp_pa
     assert "resuming at step 20" in out.stdout.splitlines()[0]
 
 
+@pytest.mark.slow
 def test_metrics_after_a_resume_carry_a_marker_and_repeat_no_step(trained, tmp_path):
     """The run went on to step 30 after its checkpoint at 20; resumed from 20, step 30 is not written twice."""
     import shutil
@@ -99,6 +101,7 @@ def test_metrics_after_a_resume_carry_a_marker_and_repeat_no_step(trained, tmp_p
     assert [e["event"] for e in events].count("summary") == 1  # the first run's summary (step 30) is gone too
 
 
+@pytest.mark.slow
 def test_a_kill_that_cut_the_metrics_line_and_the_run_record_leaves_an_explicit_resume_clean(trained, tmp_path):
     """A metrics line cut by a kill stayed in the file after --resume, and a cut .phalanx-run.json refused even
     an explicit --resume FILE of a checkpoint that verifies."""
@@ -123,6 +126,7 @@ def test_a_kill_that_cut_the_metrics_line_and_the_run_record_leaves_an_explicit_
     assert json.loads((root / ".phalanx-run.json").read_text())["run_id"] == load_checkpoint(root)["run_id"]
 
 
+@pytest.mark.slow
 def test_a_second_job_on_the_same_checkpoint_directory_is_refused_naming_the_first(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     with DirectoryLock(tmp_path / "checkpoints"):
@@ -141,6 +145,7 @@ def small_tmpfs(tmp_path):
         yield mount
 
 
+@pytest.mark.slow
 def test_disk_full_during_a_save_is_one_line_and_the_previous_checkpoint_stays(small_tmpfs, tmp_path):
     out = run_cli("train", "--steps", "30", "--checkpoint-every", "10", "--keep-checkpoints", "1",
                   "--checkpoint-dir", str(small_tmpfs), cwd=tmp_path)
@@ -171,6 +176,7 @@ def _hogwild_files() -> set:
         else set()
 
 
+@pytest.mark.slow
 def test_hogwild_leaves_no_shared_memory_when_a_worker_is_killed(tmp_path):
     before = _hogwild_files()
     code, out, err = run_and_signal(["train", "--strategy", "hogwild", "--steps", "4000", "--log-every", "20"],

@@ -176,6 +176,7 @@ def _loopback(address):
     return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
 
 
+@pytest.mark.slow
 def test_a_one_machine_job_listens_on_loopback_only():
     sockets = run_workers(_sockets_of_the_job, 2, os.getpid())
     assert len(sockets[os.getpid()]) >= 1 and all(sockets.values()), sockets  # the store; each rank's group

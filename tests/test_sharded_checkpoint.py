@@ -66,6 +66,7 @@ def runs(tmp_path_factory):
     return {"root": root, "straight": _train(root, "straight"), "half": _train(root, "half", steps=4)}
 
 
+@pytest.mark.slow
 def test_each_rank_writes_its_own_shard_and_no_file_holds_the_whole_model(runs):
     root = runs["root"] / "straight"
     saved = list_checkpoints(root)
@@ -84,12 +85,14 @@ def test_each_rank_writes_its_own_shard_and_no_file_holds_the_whole_model(runs):
     assert small["run_id"] == read_run(root).run_id  # the run the directory belongs to
 
 
+@pytest.mark.slow
 def test_retention_removes_whole_directories(tmp_path):
     _train(tmp_path, "kept", steps=6, checkpoint_every=2, keep_checkpoints=2)
     assert [p.name for p in list_checkpoints(tmp_path / "kept")] == ["step-00000004.dcp", "step-00000006.dcp"]
     assert not (tmp_path / "kept" / "step-00000002.dcp").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,workers", [("fsdp", 2), ("fsdp", 3), ("sync", 2)])
 def test_a_resumed_run_ends_where_the_uninterrupted_one_ends(runs, tmp_path, strategy, workers):
     import shutil
@@ -201,6 +204,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_a_kill_while_the_shards_are_written_leaves_the_previous_checkpoint_loadable(tmp_path):
     script = tmp_path / "writer.py"
     script.write_text(WRITER)
@@ -224,6 +228,7 @@ def test_a_kill_while_the_shards_are_written_leaves_the_previous_checkpoint_load
     assert not list(root.glob(".*.tmp")) and list_checkpoints(root)
 
 
+@pytest.mark.slow
 def test_async_checkpoint_ends_with_the_same_parameters_and_every_save_verifies(runs, tmp_path):
     background = _train(tmp_path, "async", async_checkpoint=True, checkpoint_every=2, keep_checkpoints=3)
     # Exactly the same run: a save in the background changes nothing in the steps.

@@ -63,6 +63,7 @@ def test_simulated_sync_ends_with_the_parameters_of_one_process_on_the_global_ba
     assert torch.allclose(world.final, real, atol=1e-5, rtol=0), (world.final - real).abs().max()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options, workers, steps", [(Sync(), 3, 10), (DiLoCo(sync_every=8), 2, 16)],
                          ids=["sync-3-workers", "diloco-2-workers"])
 def test_the_simulation_ends_with_the_parameters_of_a_real_multi_process_run(options, workers, steps, tmp_path):
@@ -193,6 +194,7 @@ def test_bad_simulation_input_is_one_line_before_anything_runs(flags, message, c
     assert not os.listdir(tmp_path)
 
 
+@pytest.mark.slow
 def test_compare_simulate_end_to_end(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, out = run_main(["compare", "--simulate", "--workers", "4,8", "--strategies", "sync,ps", "--scenarios",
@@ -217,6 +219,7 @@ def test_compare_simulate_end_to_end(capsys, tmp_path, monkeypatch):
     assert per_count.startswith("# phalanx compare --simulate") and "Every figure is simulated" in per_count
 
 
+@pytest.mark.slow
 def test_a_stopped_simulation_reports_the_worker_counts_and_runs_that_finished(capsys, tmp_path, monkeypatch):
     """SIGINT or SIGTERM (here: the Stopped its handler raises, in the last run) ends the simulation with the
     report of what finished: the worker count done in full at the top, the runs of the next in its own report,
@@ -251,6 +254,7 @@ def test_a_stopped_simulation_reports_the_worker_counts_and_runs_that_finished(c
     assert part["incomplete"]["runs_finished"] == 1 and [r["strategy"] for r in part["runs"]] == ["sync"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signal_name, at_run, finished", [("SIGTERM", 1, 0), ("SIGINT", 2, 1), ("SIGHUP", 3, 2)])
 def test_a_real_signal_stops_the_simulation_at_any_run_with_what_finished(signal_name, at_run, finished, capsys,
                                                                            tmp_path, monkeypatch):
@@ -405,6 +409,7 @@ def test_a_loss_target_stops_the_simulation_where_the_real_evaluation_reaches_it
     assert run.best_accuracy is None  # a regression reports no accuracy
 
 
+@pytest.mark.slow
 def test_the_race_stops_the_slower_strategies_and_finds_the_same_winner_in_the_same_time():
     from phalanx.compare import report
     from phalanx.compare.options import CompareOptions

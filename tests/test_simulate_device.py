@@ -54,6 +54,7 @@ def lm_step(model, batch):
     return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
+@pytest.mark.slow
 def test_naming_the_cpu_is_todays_simulation_number_for_number():
     """Where there is no GPU, ``auto`` is the CPU; naming it (``torch.device("cpu")``) runs the same code on it."""
     for options in RULES:

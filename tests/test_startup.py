@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from helpers import run_cli, run_in_process, run_main, run_workers
@@ -21,6 +22,7 @@ def _environment_and_output(ctx, name):
     return os.environ.get(name)
 
 
+@pytest.mark.slow
 def test_a_worker_has_the_parents_environment_and_output_of_now_not_the_servers(capfd, monkeypatch):
     run_workers(_environment_and_output, 2, "PHALANX_TEST_LATE")  # the server is running after this
     monkeypatch.setenv("PHALANX_TEST_LATE", "set after the fork server started")
@@ -71,6 +73,7 @@ def test_a_forked_worker_collects_garbage_and_leaves_what_the_server_imported_fr
     assert enabled and frozen > 100_000  # torch's objects, imported by the server with the collector off
 
 
+@pytest.mark.slow
 def test_forked_and_spawned_workers_train_to_the_same_parameters_and_the_start_up_is_profiled(tmp_path):
     flags = ["train", "--steps", "6", "--model", "mlp", "--log-every", "3", "--profile-startup"]
     forked = run_cli(*flags, "--checkpoint-dir", "forked", cwd=tmp_path)

@@ -135,6 +135,7 @@ def _slowed_run(ctx, name):
                         "steps": straggle.step})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, world", [("sync", 2), ("ps", 3)])
 def test_the_delay_is_the_calibrated_compute_whatever_the_strategy(name, world):
     ranks = run_workers(_slowed_run, world, name)
@@ -146,6 +147,7 @@ def test_the_delay_is_the_calibrated_compute_whatever_the_strategy(name, world):
     assert all(not r["delays"] for i, r in enumerate(ranks) if i != 1)
 
 
+@pytest.mark.slow
 def test_the_wait_for_a_straggler_at_an_evaluation_is_training_time(tmp_path):
     # Local SGD meets once, at the end; rank 1 sleeps 20 x its compute after every step. Rank 0 is ahead of it
     # by all of those sleeps when they evaluate together at steps 10, 20 and 30: that wait is lag training built

@@ -144,6 +144,7 @@ def in_project(project, monkeypatch):
     return project
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, message", BAD, ids=[f[1] for f, _ in BAD])
 def test_a_bad_import_path_is_one_line_and_nothing_starts(in_project, flags, message, capsys):
     # (in this process: the refusal comes before any worker; the installed command's refusal of a

@@ -112,6 +112,7 @@ def test_pure_tensor_parallel_on_two_ranks_equals_one_process(reference):
     assert_same(got["model"], reference, small().state_dict())
 
 
+@pytest.mark.slow
 def test_two_d_fsdp_by_tensor_parallel_on_four_ranks_equals_one_process_on_the_whole_batch(reference):
     got = run_workers(train, 4, FSDP(tensor_parallel=2), 2)
     assert got["notes"][0].startswith("fsdp plan: 2 blocks") and "mesh (2 shard x 2 tp)" in got["notes"][1]
@@ -151,6 +152,7 @@ def rank0s(ctx, state):
     return box[0]
 
 
+@pytest.mark.slow
 def test_tensor_parallel_on_a_model_built_on_meta_equals_its_one_process_materialisation_and_resumes():
     meta = dict(init_device="meta", init_weights=gpt.init_weights)
     one = run_workers(built_on_meta, 1, FSDP(**meta))
@@ -167,6 +169,7 @@ GPT_FLAGS = ("--model", "gpt:make", "--data", "gpt:load", "--training-step", "gp
              "--eval-every", "0")
 
 
+@pytest.mark.slow
 def test_cli_tensor_parallel_prints_its_plan_and_ends_where_one_sync_worker_ends(tmp_path):
     tp = run_cli("train", *GPT_FLAGS, "--strategy", "fsdp", "--tensor-parallel", "2", "--workers", "2",
                  "--checkpoint-dir", str(tmp_path / "tp"), cwd=REPO / "examples")

@@ -91,6 +91,7 @@ def test_cpu_description_is_true():
     assert cpu.numa_nodes == nodes
 
 
+@pytest.mark.slow
 def test_cli_on_this_machine(tmp_path):
     out = run_cli("topology", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -102,6 +103,7 @@ def test_cli_on_this_machine(tmp_path):
         assert "GPUs: none" in out.stdout
 
 
+@pytest.mark.slow
 def test_cli_from_a_saved_file(tmp_path):
     path = LOCAL / "h100-1gpu-ansi.txt"
     out = run_cli("topology", "--from-file", str(path), cwd=tmp_path)

@@ -38,12 +38,14 @@ def test_sync_two_workers_equals_one_process_with_twice_the_batch(tmp_path):
     assert moved > 1e-3
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_the_full_batch(tmp_path):
     whole = _train(tmp_path, "whole", workers=2, batch_size=8, steps=4)
     accumulated = _train(tmp_path, "acc", workers=2, batch_size=8, steps=4, accumulate=4)
     _assert_same_params(whole["state"]["model"], accumulated["state"]["model"], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(tmp_path):
     straight = _train(tmp_path, "straight", steps=20, checkpoint_every=10, lr_schedule="exponential",
                       lr_decay_every=5, optimizer="sgd")
@@ -57,6 +59,7 @@ def test_resume_continues_exactly(tmp_path):
         torch.testing.assert_close(a["momentum_buffer"], b["momentum_buffer"], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_checkpoints_keep_the_newest_k_and_hold_everything(tmp_path):
     out = _train(tmp_path, "k", workers=2, steps=10, checkpoint_every=2, keep_checkpoints=3)
     names = [p.name for p in list_checkpoints(tmp_path / "k")]
@@ -70,6 +73,7 @@ def test_checkpoints_keep_the_newest_k_and_hold_everything(tmp_path):
     assert '"event": "summary"' in lines[-1]
 
 
+@pytest.mark.slow
 def test_divergence_stops_and_names_the_last_good_checkpoint(tmp_path):
     with pytest.raises(TrainingDiverged,
                        match=r"model diverged with loss = (nan|inf) at step \d+; last good checkpoint"):
@@ -100,6 +104,7 @@ def _perturbed_setup(ctx):
     runtime_for(Sync(), ctx, model, lambda p: torch.optim.SGD(p, lr=0.1))
 
 
+@pytest.mark.slow
 def test_replicas_that_start_different_are_a_loud_error():
     with pytest.raises(PhalanxError, match="replicas differ at start .* build the model identically"):
         run_workers(_perturbed_setup, 2)

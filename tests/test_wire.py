@@ -113,6 +113,7 @@ MSS = 1500 - 20 - 32  #: the most payload a segment TCP sends again carries (the
 
 
 
+@pytest.mark.slow
 def test_each_collective_matches_the_loopbacks_own_count(shaping_allowed):
     """Three ranks: the sum of what every rank's meter says it sent against the payload the loopback
     carried (a fast link: 10 Gbit/s): its bytes less a TCP/IP header per packet it counted. How many
