@@ -17,6 +17,7 @@ the first ``--warmup`` steps are left out of the timing (phalanx: its metrics fi
     python3 benchmarks/loop_overhead.py                        # 5 rounds of 3,000 steps
     python3 benchmarks/loop_overhead.py --rounds 3 --steps 1000 --save
     python3 benchmarks/loop_overhead.py --clip-grad-norm 1.0 --save   # both loops clip every step
+    python3 benchmarks/loop_overhead.py --in-worker --rounds 15        # + the hand-written loop in a worker process
 
 With ``--clip-grad-norm`` the hand-written loop calls ``torch.nn.utils.clip_grad_norm_`` before each step and
 phalanx runs with ``--clip-grad-norm``: the ratio then says what phalanx's clipping (the norm kept on the
