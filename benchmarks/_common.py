@@ -72,3 +72,16 @@ def print_medians(runs: dict[str, list[float]], width: int, unit: str = "") -> d
         lo, hi = spread(values)
         print(f"  {name:<{width}} {med[name]:8.1f}{unit}  ({lo:.1f}-{hi:.1f})")
     return med
+
+
+def bootstrap_median(values: list[float], resamples: int = 4000, level: float = 0.95, seed: int = 0
+                     ) -> tuple[float, float]:
+    """A percentile bootstrap interval of the median of ``values`` (paired ratios: one per round): the
+    ``level`` interval of the medians of ``resamples`` draws with replacement (seeded: a result file says the
+    same every time it is read again)."""
+    import random
+
+    draw = random.Random(seed)
+    medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(resamples))
+    cut = int(resamples * (1 - level) / 2)
+    return medians[cut], medians[-cut - 1]

@@ -17,6 +17,7 @@ the first ``--warmup`` steps are left out of the timing (phalanx: its metrics fi
     python3 benchmarks/loop_overhead.py                        # 5 rounds of 3,000 steps
     python3 benchmarks/loop_overhead.py --rounds 3 --steps 1000 --save
     python3 benchmarks/loop_overhead.py --clip-grad-norm 1.0 --save   # both loops clip every step
+    python3 benchmarks/loop_overhead.py --in-worker --rounds 15        # + the hand-written loop in a worker process
 
 With ``--clip-grad-norm`` the hand-written loop calls ``torch.nn.utils.clip_grad_norm_`` before each step and
 phalanx runs with ``--clip-grad-norm``: the ratio then says what phalanx's clipping (the norm kept on the
@@ -26,6 +27,7 @@ device, read at log steps only) costs beyond torch's own call.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -37,9 +39,10 @@ import torch.nn.functional as F
 
 from phalanx import TrainConfig, Trainer
 from phalanx.data import load_data
+from phalanx.launcher import launch
 from phalanx.task.models import build_model
 
-from _common import parser, print_medians, save_result
+from _common import bootstrap_median, parser, print_medians, save_result
 
 #: the optimizer both loops run: the one phalanx resolves for the mlp (its recipe), so the loops do the same work
 RECIPE = TrainConfig(model="mlp", data="digits").resolved()
@@ -69,6 +72,17 @@ def hand_written(steps: int, warmup: int, batch: int, clip: Optional[float] = No
     return batch * steps / (time.perf_counter() - start)
 
 
+def _in_worker(ctx, steps: int, warmup: int, batch: int, clip: Optional[float]) -> float:
+    return hand_written(steps, warmup, batch, clip)
+
+
+def hand_in_worker(steps: int, warmup: int, batch: int, clip: Optional[float] = None) -> float:
+    """The same hand-written loop, run where phalanx runs its own: in a worker process that ``launch`` forks (one
+    thread), so that what the process costs (the fork server's child, the parent watching it) is told apart from
+    what the loop costs."""
+    return launch(_in_worker, [torch.device("cpu")], (steps, warmup, batch, clip), threads=1)
+
+
 def phalanx_loop(steps: int, warmup: int, batch: int, clip: Optional[float] = None) -> float:
     """examples/s of ``Trainer`` with one worker, from its metrics file's step intervals after the warm-up."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,11 +102,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3000, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--in-worker", action="store_true",
+                   help="also run the hand-written loop in a phalanx worker process (what the process costs)")
     p.add_argument("--clip-grad-norm", type=float, default=None, help="both loops clip the gradient norm to this")
     args = p.parse_args()
     torch.set_num_threads(1)
 
     variants = {"hand-written": hand_written, "phalanx": phalanx_loop}
+    if args.in_worker:
+        variants["hand (worker)"] = hand_in_worker
     runs: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(args.rounds):
         for name, run in variants.items():
@@ -105,11 +123,25 @@ def main() -> None:
     med = print_medians(runs, 12, " examples/sec")
     ratio = med["phalanx"] / med["hand-written"]
     paired = [p / h for p, h in zip(runs["phalanx"], runs["hand-written"])]
+    interval = bootstrap_median(paired)
     per_step_us = (args.batch / med["phalanx"] - args.batch / med["hand-written"]) * 1e6
     print(f"  ratio phalanx/hand-written: {ratio:.3f} (paired per round {statistics.median(paired):.3f}, "
-          f"{min(paired):.3f}-{max(paired):.3f}); phalanx adds {per_step_us:.0f} us a step (goal: ratio >= 0.97)")
+          f"95% bootstrap {interval[0]:.3f}-{interval[1]:.3f}, rounds {min(paired):.3f}-{max(paired):.3f}); "
+          f"phalanx adds {per_step_us:.0f} us a step (goal: ratio >= 0.97)")
+    extra = {}
+    if args.in_worker:  # the loop's own cost, the process's told apart
+        in_worker = [p / h for p, h in zip(runs["phalanx"], runs["hand (worker)"])]
+        process = [w / h for w, h in zip(runs["hand (worker)"], runs["hand-written"])]
+        extra = {"paired_ratios_over_hand_in_worker": in_worker, "paired_ratios_hand_worker_over_hand": process,
+                 "bootstrap_95_over_hand_in_worker": bootstrap_median(in_worker)}
+        lo_, hi_ = extra["bootstrap_95_over_hand_in_worker"]
+        print(f"  ratio phalanx/hand-written in a worker: paired {statistics.median(in_worker):.3f} "
+              f"(95% bootstrap {lo_:.3f}-{hi_:.3f}); the worker process alone: hand in a worker/hand "
+              f"{statistics.median(process):.3f}")
+    print(f"  load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     save_result("loop_overhead" + ("-clip" if args.clip_grad_norm is not None else ""), args, examples_per_sec=runs,
-                median=med, ratio_phalanx_over_hand=ratio, paired_ratios=paired, added_us_per_step=per_step_us)
+                median=med, ratio_phalanx_over_hand=ratio, paired_ratios=paired, bootstrap_95_paired=interval,
+                added_us_per_step=per_step_us, **extra)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from .task.models import model_blocks_by_default
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_NO_AUTOCAST = contextlib.nullcontext()  #: fp32's, made once (a null context is reusable): a step makes none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Precision:
     def autocast(self) -> contextlib.AbstractContextManager:
         """Around a forward pass and its loss (never around backward)."""
         if self.name == "fp32":
-            return contextlib.nullcontext()
+            return _NO_AUTOCAST
         return torch.autocast(self.device_type, dtype=_DTYPES[self.name])
 
     def sharded_policy(self) -> Optional[Any]:

@@ -177,6 +177,7 @@ class Straggle:
     def __init__(self, slowness: Optional[Slowness], rank: int, worker: Optional[int], compute: list,
                  seed: int, sleep: Callable[[float], None] = time.sleep):
         self.slowness, self.rank, self.worker, self.seed = slowness, rank, worker, seed
+        self.active = slowness is not None  #: whether a step may sleep at all (the loop calls after_step only then)
         self.compute = compute
         self.sleep = sleep
         self.step = 0  #: this rank's own steps so far

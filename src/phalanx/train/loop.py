@@ -228,7 +228,8 @@ class WorkerRun:
                 raise
             raise known from None
         self.marks.mark("first_step")  # (the first call counts; on a GPU: when the step was queued)
-        self.straggle.after_step()
+        if self.straggle.active:
+            self.straggle.after_step()
         self.lr.advance()
         following = self.runtime.next_step(self.step)
         return None if following is None else (following, loss)
