@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -45,6 +45,9 @@ from .resume import check_fits, resume_config
 from .saving import Checkpointer, restore, run_meta
 from .stop import StopAgreement
 from ..scenarios.straggle import Straggle
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
 from .summary import Outcome, Summary
 
 
@@ -72,8 +75,8 @@ class WorkerRun:
         state = ckpt.load_checkpoint(plan.resume_path, verify=False) if plan.resume_path else None
         self.resumed = resume_config(plan.config, state, plan.layout.shards) if state else None
         cfg = self.cfg = self.resumed.config if self.resumed else plan.config
-        self.data = plan.data or load_data(cfg.data, cfg.data_dir, tuple(cfg.synthetic_shape), cfg.synthetic_size,
-                                           cfg.seed)
+        self.steps = cfg.total_steps  # the run's last step (read every step)
+        self.data = plan.data or self._load_data(cfg)
         self.marks.mark("data")
         self.global_batch = cfg.batch_size * plan.layout.shards
         self.feed = Feed(self.data, cfg.batch_size, self.me, plan.layout, cfg.seed, self.global_batch)
@@ -81,10 +84,10 @@ class WorkerRun:
         model = self._model(state, example)
         self.marks.mark("model")
         # Before the runtime: calibrating shares every rank's compute time (a collective).
-        self.straggle = Straggle.start(cfg.straggler, ctx, self.me.shard, model, example, plan.task.step,
+        self.straggle = Straggle.start(cfg.slowness, ctx, self.me.shard, model, example, plan.task.step,
                                        cfg.accumulate, cfg.seed)
         self.marks.mark("calibration")
-        self.runtime = cfg.strategy.runtime(self._build(model, example))
+        self.runtime = cfg.options.runtime(self._build(model, example))
         self.marks.mark("strategy")
         self.step = self._restore(state)
         self.lr = LearningRate(self.runtime, plan.task, cfg, self.step, state)
@@ -92,6 +95,12 @@ class WorkerRun:
         self._observe(state)
 
     # ---- building: the model, then the strategy's runtime around it ----
+    @staticmethod
+    def _load_data(cfg: TrainConfig) -> Any:
+        """A built-in data set by name (a user's arrives in the plan)."""
+        assert cfg.synthetic_shape is not None and cfg.synthetic_size is not None, "resolved() fills their defaults"
+        return load_data(cfg.data, cfg.data_dir, tuple(cfg.synthetic_shape), cfg.synthetic_size, cfg.seed)
+
     def _model(self, state: Optional[dict[str, Any]], example: Any) -> nn.Module:
         """The plain model on this rank's device, equal on every rank: the user's, with --init-from's weights,
         --activation-checkpointing and --compile applied in place, before any strategy wraps it (torchtitan's
@@ -106,19 +115,20 @@ class WorkerRun:
         self.init_line = self._init_from(model) if cfg.init_from and not state else None
         self.recomputed = self._checkpoint_activations(model, example) if cfg.activation_checkpointing else None
         # (recomputed blocks are compiled one by one, as torchtitan does: each holds its own checkpoint)
-        whole = cfg.strategy.compiles_whole(self.ctx.world_size) and self.recomputed is None
+        whole = cfg.options.compiles_whole(self.ctx.world_size) and self.recomputed is None
         self.compiled = compile_model(model, whole) if cfg.compile else None
         return model
 
     def _build_model(self) -> nn.Module:
         torch.manual_seed(self.cfg.seed)  # the same initial weights on every worker
-        with meta_init.building(self.cfg.strategy.builds_on_meta()):
+        with meta_init.building(self.cfg.options.builds_on_meta()):
             return self.plan.task.make_model(self.data.input_shape, self.data.num_classes)
 
     def _init_from(self, model: nn.Module) -> str:
         """Fine-tuning (--init-from): the checkpoint's weights, loaded into the plain model on every rank (so the
         replicas start equal) before a strategy wraps it; its optimizer, step and data position are not taken."""
         # (the plan verified it and checked that it fits; a sharded checkpoint's shards are read whole here)
+        assert self.cfg.init_from is not None, "called for --init-from only"
         state = ckpt.tensors(ckpt.load_checkpoint(self.cfg.init_from, "--init-from", verify=False), optimizer=False)
         model.load_state_dict(state["model"])
         return (f"starting from the weights of {state['path']} (step {state['step']}), with a fresh optimizer and "
@@ -127,7 +137,7 @@ class WorkerRun:
     def _checkpoint_activations(self, model: nn.Module, example: Any) -> Recomputed:
         """--activation-checkpointing on the strategy's blocks; rank 0 measures what it saves on its first
         micro-batch (two forwards, nothing changed: see recompute.py)."""
-        units = self.cfg.strategy.units(model)
+        units = self.cfg.options.units(model)
         if any(p.is_meta for p in model.parameters()):  # (--init-device meta: nothing to run a forward on yet)
             return checkpoint_blocks(model, units, None, unmeasured="the model is built on the meta device")
         if not self.ctx.is_main or example is None:
@@ -143,7 +153,7 @@ class WorkerRun:
     def _build(self, model: nn.Module, example: Any) -> Build:
         """What the strategy's runtime is built from."""
         cfg, task = self.cfg, self.plan.task
-        return Build(self.ctx, self.plan.layout, model, self._make_optimizer, task.loss_fn, cfg.steps, cfg.accumulate,
+        return Build(self.ctx, self.plan.layout, model, self._make_optimizer, task.loss_fn, cfg.total_steps, cfg.accumulate,
                      example, cfg.hang_timeout_s, Precision(cfg.precision, self.ctx.device.type), cfg.clip_grad_norm,
                      task.step)
 
@@ -158,6 +168,7 @@ class WorkerRun:
         its position), or 0."""
         if not state:
             return 0
+        assert self.resumed is not None, "a checkpoint's state is a resumed run's"
         step, position = restore(self.runtime, state, self.resumed.fresh_optimizer, self.ctx.rank,
                                  len(self.data.train))
         self.feed.resume(step, position)
@@ -170,7 +181,7 @@ class WorkerRun:
         # What evaluation adds up: every metric's (sum, count), over every rank (exact, see metrics.py).
         self.totals = Totals(plan.task.metrics, plan.task.loss_fn)
         self.target = cfg.target  # what stops the run early (None: nothing)
-        self.reporter = Reporter(ctx.is_main, cfg.progress, cfg.metrics, cfg.steps, self.step,
+        self.reporter = Reporter(ctx.is_main, cfg.progress, cfg.metrics, cfg.total_steps, self.step,
                                  resumed_from=plan.resume_path, run_id=plan.run_id, tensorboard=cfg.tensorboard)
         meta = run_meta(ctx, plan, cfg, self.data, self.global_batch, self.model_class)
         self.saver = Checkpointer(ctx, self.runtime, plan.layout, cfg, self.meter, plan.run_id, meta,
@@ -203,7 +214,7 @@ class WorkerRun:
         self.stop.begin(self.step)
         self.summary.count_wire(True)
         hit = None
-        while self.step < self.cfg.steps and hit is None and not self.stop.reached(self.step):
+        while self.step < self.steps and hit is None and not self.stop.reached(self.step):
             taken = self._step(inputs)
             if taken is None:  # an asynchronous worker told to stop
                 break
@@ -245,7 +256,7 @@ class WorkerRun:
         if logging:
             self._log(value)
         hit = None
-        if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.steps:
+        if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.steps:
             values = self._evaluate()
             hit = values if self.target is not None and self.target.reached(values) else None
         if saving:
@@ -352,14 +363,16 @@ class WorkerRun:
         holds the whole model, the survivors agree who they are through the store and the first of them saves
         what they hold at the step they finished, without that group (``launcher/survivors.py``), so a restart
         loses at most the step in flight. What goes wrong here is said in one line, and saves nothing."""
-        if not self.cfg.strategy.survivors_save or not self.ctx.distributed:
+        if not self.cfg.options.survivors_save or not self.ctx.distributed:
             return
         phase = self.ctx.progress.phase  # (where the peer was lost, for whoever names it next)
         self.ctx.progress.at(self.step, "saving what the survivors hold")
         found = None
         try:
             found = survivors(self.ctx.store, self.ctx.rank, self.ctx.world_size, self.step, self.cfg.timeout_s)
-            saved = self.runtime.survivor_state(self.step, found) if found is not None else None
+            if found is None:
+                return
+            saved = self.runtime.survivor_state(self.step, found)
             if saved is None:
                 return
             if saved.step > self.step:  # (its update went in before the collective failed: its rate moves on)

@@ -148,7 +148,7 @@ class SyncRuntime(Runtime):
     def survivor_state(self, step: int, survivors) -> SurvivorState:
         # Every rank holds the same model after every step, and a step's update follows its last collective
         # (DDP's all-reduce ends inside backward): this rank holds ``step``, the same as any other survivor.
-        return SurvivorState(step, Runtime.state_dict(self))  # (the base's: this rank's own, no collective)
+        return SurvivorState(step, Runtime.own_state(self))  # (the base's: this rank's own, no collective)
 
     def report(self, final: bool = False) -> Report:
         return Report({"reduction": getattr(self, "reduction", "none (one process)")})
