@@ -153,9 +153,9 @@ class WorkerRun:
     def _build(self, model: nn.Module, example: Any) -> Build:
         """What the strategy's runtime is built from."""
         cfg, task = self.cfg, self.plan.task
-        return Build(self.ctx, self.plan.layout, model, self._make_optimizer, task.loss_fn, cfg.total_steps, cfg.accumulate,
-                     example, cfg.hang_timeout_s, Precision(cfg.precision, self.ctx.device.type), cfg.clip_grad_norm,
-                     task.step)
+        return Build(self.ctx, self.plan.layout, model, self._make_optimizer, task.loss_fn, cfg.total_steps,
+                     cfg.accumulate, example, cfg.hang_timeout_s, Precision(cfg.precision, self.ctx.device.type),
+                     cfg.clip_grad_norm, task.step)
 
     def _make_optimizer(self, module: nn.Module) -> torch.optim.Optimizer:
         task = self.plan.task
