@@ -20,7 +20,7 @@ TINY = ["train", "--steps", "3", "--model", "mlp", "--progress", "none", "--chec
 LONG = ["--steps", "1500", "--log-every", "20", "--checkpoint-every", "100"]
 
 
-def _torchrun(cwd, *args, nproc=2, timeout=180):
+def _torchrun(cwd, *args, nproc=2, timeout=600):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
            "phalanx", *args]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
@@ -215,7 +215,7 @@ def test_a_signal_to_one_worker_before_its_first_step_stops_the_job_blaming_no_o
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.05)
     os.kill(spawned_children(proc.pid)[1], signal_)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=600)
     assert proc.returncode == 128 + signal_, err
     assert err == f"stopped by {signal_.name} before the first step; nothing was saved\n"
     assert not list(tmp_path.glob("**/step-*.pt")) and not spawned_children(os.getpid())

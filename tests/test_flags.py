@@ -218,7 +218,7 @@ phalanx.Trainer(config, model=nn.Linear(4, 2), train_data=(torch.randn(64, 4), t
 @pytest.mark.slow
 def test_a_script_without_the_main_guard_gets_that_advice_and_spawns_nothing(tmp_path):
     (tmp_path / "train.py").write_text(SCRIPT)
-    out = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode == 1
     assert out.stderr.strip().splitlines()[-1].endswith(
         "train.py line 7 starts training at the top level of the script: phalanx spawns worker processes that "

@@ -36,7 +36,7 @@ def _agent(cwd, port, host, log):
                             start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
-def _wait_for(predicate, survivor, log, timeout=180):
+def _wait_for(predicate, survivor, log, timeout=600):
     import time
 
     deadline = time.monotonic() + timeout
@@ -85,7 +85,7 @@ def _store(port):
     code = (f"import time, torch.distributed as d; s = d.TCPStore('127.0.0.1', {port}, is_master=True, "
             "wait_for_workers=False); time.sleep(10**9)")
     store = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600
     while True:  # (importing torch takes seconds here)
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
