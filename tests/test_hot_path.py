@@ -54,19 +54,19 @@ def test_the_loss_window_names_the_first_non_finite_step_and_empties():
     for step, loss in [(7, 1.0), (8, float("nan")), (9, float("inf"))]:
         window.add(step, torch.tensor(loss))
     assert not window.full and len(window) == 3
-    steps, losses = window.take(lambda values: values * 1.0)
+    steps, losses = window.drain(lambda values: values * 1.0)
     assert steps == [7, 8, 9] and first_non_finite(steps, losses)[0] == 8
     assert len(window) == 0 and first_non_finite([1], [0.5]) is None
     window.add(10, torch.tensor(2.0))
-    assert window.take(lambda values: values)[1] == [2.0]
+    assert window.drain(lambda values: values)[1] == [2.0]
     # losses as a step may leave them: bf16 (autocast), a 1-element vector beside a scalar; read as fp32 floats
     window.add(11, torch.tensor(1.5, dtype=torch.bfloat16))
     window.add(12, torch.tensor([0.25]))
-    assert window.take(lambda values: values) == ([11, 12], [1.5, 0.25])
+    assert window.drain(lambda values: values) == ([11, 12], [1.5, 0.25])
     for step in (13, 14):
         window.add(step, torch.tensor(0.5, dtype=torch.bfloat16))
     taken = []
-    assert window.take(lambda values: taken.append(values.dtype) or values)[1] == [0.5, 0.5]
+    assert window.drain(lambda values: taken.append(values.dtype) or values)[1] == [0.5, 0.5]
     assert taken == [torch.float32]
 
 
@@ -121,7 +121,7 @@ def test_ordinary_steps_never_synchronise_the_gpu(tmp_path):
     def run(ctx, plan):
         worker = WorkerRun(ctx, plan)
         calls = {"steps": 0}
-        train_step, look = worker.runtime.train_step, worker._look
+        train_step, look = worker.runtime.train_step, worker._check_losses
 
         def step(batch):
             calls["steps"] += 1
@@ -133,7 +133,7 @@ def test_ordinary_steps_never_synchronise_the_gpu(tmp_path):
             torch.cuda.set_sync_debug_mode("default")
             return look(window)
 
-        worker.runtime.train_step, worker._look = step, looked
+        worker.runtime.train_step, worker._check_losses = step, looked
         try:
             return worker.train(), calls["steps"]
         finally:

@@ -46,7 +46,7 @@ def begin() -> None:
     _began = time.time()
 
 
-def take() -> float:
+def run_began() -> float:
     """When this run began: the command's beginning for its first run, now for any later one."""
     global _began
     began, _began = (_began if _began is not None else time.time()), None
@@ -91,4 +91,4 @@ def resume_collector() -> None:
         gc.enable()
 
 
-__all__ = ["Marks", "PAUSE_MODULE", "PHASES", "begin", "resume_collector", "take"]
+__all__ = ["Marks", "PAUSE_MODULE", "PHASES", "begin", "resume_collector", "run_began"]

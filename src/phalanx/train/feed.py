@@ -20,10 +20,10 @@ class Feed:
     """This rank's share of every global step (none on a rank that reads no data, e.g. a parameter server),
     read ahead of the towers where that pays."""
 
-    def __init__(self, data: Any, batch_size: int, me: Any, layout: Any, seed: int, global_batch: int):
-        self.data, self.batch_size, self.me, self.layout, self.seed = data, batch_size, me, layout, seed
+    def __init__(self, data: Any, batch_size: int, role: Any, layout: Any, seed: int, global_batch: int):
+        self.data, self.batch_size, self.role, self.layout, self.seed = data, batch_size, role, layout, seed
         self.global_batch = global_batch
-        self.batches = None if me.shard is None else ShardedBatches(data.train, batch_size, me.shard,
+        self.batches = None if role.shard is None else ShardedBatches(data.train, batch_size, role.shard,
                                                                     layout.shards, seed)
         # Where the data stood at step start_step (a resume moves both).
         self.start_step, self.start_position = 0, Position(0, 0)
@@ -54,7 +54,7 @@ class Feed:
         if self.batches is None or step < 1:
             return None
         at = self.position(step - 1)
-        for shard in range(self.layout.shards) if self.layout.lockstep else (self.me.shard,):
+        for shard in range(self.layout.shards) if self.layout.lockstep else (self.role.shard,):
             reader = ShardedBatches(self.data.train, self.batch_size, shard, self.layout.shards, self.seed)
             what = nonfinite_values(reader.one(at))
             if what:

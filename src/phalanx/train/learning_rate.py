@@ -60,7 +60,7 @@ class LearningRate:
                 group["lr"] = lr
         return scheduler
 
-    def take(self) -> None:
+    def before_step(self) -> None:
         """Before a step: the rate it uses (read before the scheduler moves it on)."""
         self.used = self.group["lr"]
 

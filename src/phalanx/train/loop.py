@@ -66,7 +66,7 @@ class WorkerRun:
     learning rate, and what watches the steps; then :meth:`train`."""
 
     def __init__(self, ctx: WorkerContext, plan: Plan, meter: Optional[Meter] = None):
-        self.ctx, self.plan, self.me = ctx, plan, plan.layout.ranks[ctx.rank]
+        self.ctx, self.plan, self.role = ctx, plan, plan.layout.ranks[ctx.rank]
         self.marks = Marks(plan.began, plan=plan.planned)  # where the start-up's seconds go
         self.marks.mark("joined")
         self.meter = meter or Meter()  #: this rank's bytes on the wire in the training steps
@@ -79,12 +79,12 @@ class WorkerRun:
         self.data = plan.data or self._load_data(cfg)
         self.marks.mark("data")
         self.global_batch = cfg.batch_size * plan.layout.shards
-        self.feed = Feed(self.data, cfg.batch_size, self.me, plan.layout, cfg.seed, self.global_batch)
+        self.feed = Feed(self.data, cfg.batch_size, self.role, plan.layout, cfg.seed, self.global_batch)
         example = self.feed.example()
         model = self._model(state, example)
         self.marks.mark("model")
         # Before the runtime: calibrating shares every rank's compute time (a collective).
-        self.straggle = Straggle.start(cfg.slowness, ctx, self.me.shard, model, example, plan.task.step,
+        self.straggle = Straggle.start(cfg.slowness, ctx, self.role.shard, model, example, plan.task.step,
                                        cfg.accumulate, cfg.seed)
         self.marks.mark("calibration")
         self.runtime = cfg.options.runtime(self._build(model, example))
@@ -92,7 +92,7 @@ class WorkerRun:
         self.step = self._restore(state)
         self.lr = LearningRate(self.runtime, plan.task, cfg, self.step, state)
         self.straggle.begin(self.step)
-        self._observe(state)
+        self._start_watching(state)
 
     # ---- building: the model, then the strategy's runtime around it ----
     @staticmethod
@@ -174,7 +174,7 @@ class WorkerRun:
         self.feed.resume(step, position)
         return step
 
-    def _observe(self, state: Optional[dict[str, Any]]) -> None:
+    def _start_watching(self, state: Optional[dict[str, Any]]) -> None:
         """What watches the steps: evaluation, the target, what rank 0 reports, checkpoints, the stop agreement."""
         ctx, plan, cfg = self.ctx, self.plan, self.cfg
         self.eval_seconds = 0.0  # evaluation time, kept out of the training time
@@ -222,7 +222,7 @@ class WorkerRun:
             window.add(self.step, loss)
             hit = self._after_step(window)
         if len(window):  # every rank stops at the same step, holding the same steps
-            self._look(window)
+            self._check_losses(window)
         return hit
 
     def _step(self, inputs: Iterator) -> Optional[tuple[int, Any]]:
@@ -230,7 +230,7 @@ class WorkerRun:
         asynchronous worker was told to stop."""
         self.ctx.progress.at(self.step + 1, "the training step")
         batch = next(inputs)
-        self.lr.take()
+        self.lr.before_step()
         try:
             loss = self.runtime.train_step(batch)
         except RuntimeError as e:  # (free in the hot path: a try costs nothing until it catches)
@@ -252,7 +252,7 @@ class WorkerRun:
         logging = self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps
         saving = bool(self.cfg.checkpoint_every) and self.step % self.cfg.checkpoint_every == 0
         if logging or saving or window.full:
-            value = self._look(window)
+            value = self._check_losses(window)
         if logging:
             self._log(value)
         hit = None
@@ -281,7 +281,7 @@ class WorkerRun:
         # no weight: what it prints is this checkpoint's.)
         if changed or self.saver.saved_step != self.step:
             self._save()
-        self.saver.settle()  # (the run's last checkpoint is written before its summary names it)
+        self.saver.wait_for_save()  # (the run's last checkpoint is written before its summary names it)
         if stopped:  # a stop asked for speed: save, go
             values = None
         elif changed or hit is None:  # (a target reached by this step's evaluation of this model: not twice)
@@ -289,10 +289,10 @@ class WorkerRun:
         return self.summary.final(Outcome(self.step, self.step - first_step, elapsed, self.eval_seconds, values,
                                           hit is not None, stopped, self.saver.last, self.saver.blocked_s))
 
-    def _look(self, window: LossWindow) -> float:
+    def _check_losses(self, window: LossWindow) -> float:
         """The NaN guard over every step since the last look, on the losses every rank agrees on (so
         every rank stops at the same step); returns the newest agreed loss."""
-        steps, losses = window.take(self.runtime.global_losses)
+        steps, losses = window.drain(self.runtime.global_losses)
         bad = first_non_finite(steps, losses)
         if bad is not None:
             self._diverged(bad[1], bad[0])
@@ -300,11 +300,11 @@ class WorkerRun:
         return losses[-1]
 
     def _diverged(self, loss: float, step: int) -> None:
-        if self.me.expendable:
+        if self.role.expendable:
             # A rank the job can lose (a parameter server's worker) holds the server's parameters and
             # writes no checkpoint: the server sees every loss and stops the job at the first bad one.
             return
-        self.saver.settle()  # the checkpoint in flight, if any, is the last good one: finished before it is named
+        self.saver.wait_for_save()  # the checkpoint in flight, if any, is the last good one: written before named
         last = self.saver.last or "none (no checkpoint was written before this step)"
         inputs = self.runtime.nonfinite_inputs(step) or self.feed.nonfinite_inputs(step)
         self.reporter.record("diverged", step=step, loss=str(loss), **({"inputs": inputs} if inputs else {}))
@@ -338,7 +338,7 @@ class WorkerRun:
         self.ctx.progress.at(self.step, "evaluation")
         self.runtime.arrive_for_evaluation()  # (on the training clock: the wait for a straggler is training's)
         began = time.perf_counter()
-        part = self.me.evaluates
+        part = self.role.evaluates
         batches = eval_batches(self.data.test, 256, *part) if part is not None else iter(())
         with self.meter.aside():  # not a training step's traffic
             values = self.totals.values(self.runtime.evaluate(batches, self.totals))
@@ -386,11 +386,11 @@ class WorkerRun:
                                          self.feed.position(saved.step), survivors=who)
             lost = ", ".join(self.plan.layout.label(r) for r in found.lost) or "a peer"
             why = f" ({saved.note})" if saved.note else ""
-            print(f"{lost} lost; {self.me.label} saved step {saved.step}, the last step the survivors finished"
+            print(f"{lost} lost; {self.role.label} saved step {saved.step}, the last step the survivors finished"
                   f"{why}: {path}", flush=True)
             self.reporter.record("checkpoint", step=saved.step, path=path, survivors=who)
         except Exception as e:  # (the save's own errors: a full disk, a survivor lost too)
-            print(f"{self.me.label}: the survivors could not save ({str(e).splitlines()[0][:160]})", file=sys.stderr,
+            print(f"{self.role.label}: the survivors could not save ({str(e).splitlines()[0][:160]})", file=sys.stderr,
                   flush=True)
         finally:
             self.ctx.progress.at(self.step, phase)

@@ -39,7 +39,7 @@ class LossWindow:
     def __len__(self) -> int:
         return len(self.steps)
 
-    def take(self, agree: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[int], list[float]]:
+    def drain(self, agree: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[int], list[float]]:
         """Every held step and its loss as the ranks agree on it (``agree``: the runtime's
         ``global_losses``); the window is empty afterwards."""
         steps, values, self.steps, self.values = self.steps, self.values, [], []

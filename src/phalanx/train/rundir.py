@@ -218,7 +218,7 @@ def names_a_checkpoint(path: Optional[str]) -> bool:
 def cut_record(cfg: TrainConfig, resumed: Optional[str]) -> tuple[Path, ...]:
     """Where ``--resume`` named a checkpoint that verified (``resumed``) and the directory's run record is
     unreadable: one warning, and the record to remove (then rewritten from the checkpoints, in step order, by
-    :func:`take` once the directory is locked)."""
+    :func:`record_run` once the directory is locked)."""
     root = Path(cfg.run_dir)
     if resumed is None or not names_a_checkpoint(cfg.resume) or not (root / ckpt.RUN_NAME).exists():
         return ()
@@ -274,7 +274,7 @@ def check_metrics(cfg: TrainConfig, run_id: str, new: bool) -> tuple[Path, ...]:
 # --------------------------------------------------------------------------- once the directory is locked
 
 
-def take(directory: str, run_id: str, remove: tuple[Path, ...]) -> None:
+def record_run(directory: str, run_id: str, remove: tuple[Path, ...]) -> None:
     """Remove what --overwrite named, then write the record: this directory now holds run ``run_id``
     (a directory of an older phalanx is adopted with its checkpoints in step order)."""
     for path in remove:

@@ -85,7 +85,7 @@ class Checkpointer:
         return dict(step=step, path=path, checkpoint_blocked_s=round(blocked, 6),
                     **({"in_background": True} if self.cfg.async_checkpoint else {}))
 
-    def settle(self) -> None:
+    def wait_for_save(self) -> None:
         """Until the checkpoint in flight (--async-checkpoint) is written; its time counts as blocked."""
         if self.shard_writer is not None and self.shard_writer.pending is not None:
             began = time.perf_counter()

@@ -137,7 +137,7 @@ class Trainer:
                     round(time.time() - began, 4))
 
     def fit(self) -> Optional[TrainResult]:
-        began = startup.take()
+        began = startup.run_began()
         try:
             plan = self.plan(began)
         except rundir.RunComplete as done:  # a restarted attempt after the run's last checkpoint
@@ -153,7 +153,7 @@ class Trainer:
         try:
             if lock is not None:
                 lock.acquire()
-                rundir.take(cfg.run_dir, plan.run_id, plan.remove)  # only the checkpoint writer
+                rundir.record_run(cfg.run_dir, plan.run_id, plan.remove)  # only the checkpoint writer
                 # the run as a file: --config of it repeats the run (a resume writes what it resolved now)
                 config_file.write(Path(cfg.run_dir) / config_file.SAVED_NAME, cfg.to_toml())
             ckpt.remove_stale_temporaries(cfg.run_dir)
