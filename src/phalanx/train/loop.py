@@ -8,7 +8,7 @@ checkpoint, the summary. The runtime is the only thing that knows the strategy; 
 methods (see ``strategies/base.py``) the same way for all. Around the loop, each a class of its own: the
 stop agreement (``stop.py``), this rank's data (``feed.py``), the learning rate (``learning_rate.py``),
 checkpoints (``saving.py``), the header and the summary (``summary.py``). A peer lost in a collective (a
-worker killed) ends the run as before, after the survivors saved the step they finished
+worker killed) ends the run, after the survivors saved the step they finished
 (:meth:`WorkerRun._save_survivors`).
 """
 
@@ -334,7 +334,7 @@ class WorkerRun:
     def _evaluate(self, final: bool = False) -> dict[str, float]:
         """Every metric on the test set now, over every rank's part; its time is kept out of the training
         time (``train_seconds``: so far). The metrics file has them under ``metrics`` (and ``accuracy``
-        where it is one, as before)."""
+        where it is one, under its own key too)."""
         self.ctx.progress.at(self.step, "evaluation")
         self.runtime.arrive_for_evaluation()  # (on the training clock: the wait for a straggler is training's)
         began = time.perf_counter()
