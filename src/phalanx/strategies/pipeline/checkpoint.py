@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...checkpoint import ALIASES, model_aliases
+from ...data.batch import to_cpu
 from ..base import Build, Runtime, load_model_state
 from . import state as opt_state
 from .split import StageModule
@@ -58,7 +59,7 @@ class StageCheckpoints(Runtime):
         if parts is None:
             return None
         # Traced: the whole model's keys in its order, a parameter no stage uses as it started (nothing moved it).
-        model = {k: v.detach().cpu() for k, v in self.build.model.state_dict().items()} if self.traced else {}
+        model = dict(to_cpu(self.build.model.state_dict())) if self.traced else {}
         for weights, _ in parts:
             model.update(weights)
         return {"model": model, "optimizer": opt_state.merge([o for _, o in parts])}
