@@ -90,6 +90,28 @@ def test_torchrun_environment_is_joined(monkeypatch):
     assert launch(lambda ctx: (ctx.rank, ctx.world_size, ctx.backend), [torch.device("cpu")]) == (0, 1, None)
 
 
+@pytest.mark.parametrize("nodes, restarts, warned", [("2", "3", True), ("1", "3", False), ("2", "0", False)])
+def test_restarts_on_several_nodes_under_torchs_shared_store_are_warned_of(nodes, restarts, warned, monkeypatch):
+    """Where a restart would hang (several nodes, restarts allowed, torch's shared store), rank 0 says so and how
+    to avoid it; the attempt's store is still the one torchrun's agent serves."""
+    import warnings
+
+    from phalanx.launcher.env import Joined
+    from phalanx.launcher.joined import SHARED_STORE_RESTARTS, _attempt_store
+
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for k, v in {"TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_WORLD_SIZE": nodes, "TORCHELASTIC_MAX_RESTARTS":
+                 restarts, "TORCHELASTIC_RESTART_COUNT": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(server.port)}.items():
+        monkeypatch.setenv(k, v)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        store = _attempt_store(Joined("torchrun", 0, 2, 0, 1, "env://"), timeout_s=30)
+    assert [str(w.message) for w in said] == ([SHARED_STORE_RESTARTS] if warned else [])
+    store.set("key", "value")
+    assert server.get("phalanx/attempt_1/key") == b"value"
+
+
 @pytest.mark.parametrize("error, said", [
     # gloo's words as torch 2.13 raised them when a peer was SIGKILLed (DDP's reducer; a hook's callback)
     (RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "

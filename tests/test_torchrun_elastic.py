@@ -28,7 +28,7 @@ def _agent(cwd, port, host, log):
     # read_timeout: the rendezvous store's (60 s by default), which a loaded machine can exceed while
     # a joining agent starts; the job would then end inside torchrun, not inside phalanx.
     conf = f"is_host={int(host)},last_call_timeout=1,join_timeout=120,read_timeout=300"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
+    cmd = [sys.executable, "-m", "phalanx.torchrun", "--nnodes", "1:2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", conf, "--max-restarts",
            "3", "--monitor-interval", "0.5", "-m", "phalanx", "train", "--model", "mlp", "--steps", str(STEPS),
            "--checkpoint-every", "50", "--log-every", "25", "--progress", "lines"]
@@ -94,41 +94,77 @@ def _store(port):
         time.sleep(0.2)
 
 
-def _agent_of_job(cwd, port, log):
+#: The digits mlp at a pace the test can follow: alone after the second node was started, its steps crawl until
+#: that node has joined (a step of 50 ms, however long the joining takes); on two nodes, 20 ms a step.
+PACED = """
+import os
+import time
+
+import torch.distributed as dist
+from torch import nn
+
+
+class Net(nn.Sequential):
+    def __init__(self):
+        super().__init__(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+    def forward(self, x):
+        if dist.is_initialized() and dist.get_world_size() == 2:
+            open("grown", "w").close()
+            time.sleep(0.02)
+        elif os.path.exists("go") and not os.path.exists("grown"):
+            time.sleep(0.05)
+        return super().forward(x)
+"""
+
+
+def _agent_of_job(cwd, port, log, after=None, model="mlp"):
     """One agent as docs/multi-node.md's elastic section starts it: the store hosted apart (``is_host=0``), and a job id
     that every agent shares (``--rdzv-id``: a restarted attempt continues the run whichever agent claimed its
-    checkpoint directory; with torchrun's default id, ``none``, a run is its claiming agent's)."""
+    checkpoint directory; with torchrun's default id, ``none``, a run is its claiming agent's). ``after``: a file
+    whose appearance the agent waits for (its process, and so its place in the rendezvous's order, exists from now)."""
     conf = "is_host=0,last_call_timeout=1,join_timeout=120,read_timeout=300"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
+    cmd = [sys.executable, "-m", "phalanx.torchrun", "--nnodes", "1:2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
            "--rdzv-conf", conf, "--max-restarts", "3", "--monitor-interval", "0.5", "-m", "phalanx", "train",
-           "--model", "mlp", "--steps", str(STEPS), "--checkpoint-every", "50", "--log-every", "50", "--progress",
+           "--model", model, "--steps", str(STEPS), "--checkpoint-every", "50", "--log-every", "50", "--progress",
            "lines"]
+    if after is not None:
+        cmd = ["sh", "-c", f'until [ -e {after} ]; do sleep 0.1; done; exec "$@"', "sh", *cmd]
     return subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
 @pytest.mark.slow
-def test_with_the_store_in_a_process_of_its_own_the_job_survives_the_agent_that_would_host_it(tmp_path):
-    # An agent that hosts the store takes it along when it dies: the other agent exits 1 within seconds
-    # (RendezvousConnectionError), so docs/multi-node.md says which agent must live, or to host the store apart.
+def test_an_elastic_job_grows_by_a_node_that_joins_late_then_survives_the_agent_that_would_host_the_store(tmp_path):
+    # Growing: one agent trains alone, as rank 0 of the rendezvous, until the other joins; the joiner, older by
+    # its process id, is rank 0 of the next round. Under torch's shared store the first agent kept its own round's
+    # store address and its worker waited on a store no other rank used (5 minutes, then again at each restart):
+    # phalanx.torchrun gives each round a store of its own.
+    # Shrinking: an agent that hosts the store takes it along when it dies (the other exits 1 within seconds,
+    # RendezvousConnectionError), so docs/multi-node.md hosts the store apart; then any agent may die.
     port = _free_port()
     store = _store(port)
     logs = [open(tmp_path / f"agent{i}.log", "w+") for i in range(2)]
     text = lambda i: (tmp_path / f"agent{i}.log").read_text()  # noqa: E731
-    first = _agent_of_job(tmp_path, port, logs[0])
-    survivor = _agent_of_job(tmp_path, port, logs[1])
+    (tmp_path / "paced.py").write_text(PACED)
+    late = _agent_of_job(tmp_path, port, logs[0], after="go", model="paced:Net")
+    survivor = _agent_of_job(tmp_path, port, logs[1], model="paced:Net")
     try:
-        _wait_for(lambda: re.search(r"^step 100,", text(0) + text(1), re.M), survivor, lambda: text(1))
-        # The first agent started dies: the one the endpoint's host would otherwise make the store's host, and
-        # (started first) the likelier to hold rank 0, which claims the checkpoint directory.
-        for pid in [first.pid] + spawned_children(first.pid, "phalanx"):
+        _wait_for(lambda: re.search(r"^step 100,", text(1), re.M), survivor, lambda: text(1))
+        (tmp_path / "go").touch()
+        _wait_for(lambda: re.search(r"world size 2, .*resuming at step \d+", text(0) + text(1)), survivor,
+                  lambda: text(0) + text(1))
+        _wait_for(lambda: re.search(r"^step 250,", text(0) + text(1), re.M), survivor, lambda: text(0) + text(1))
+        # The late agent dies: rank 0 of the grown job, whose worker claimed nothing (the run is the job's).
+        for pid in [late.pid] + spawned_children(late.pid, "phalanx"):
             os.kill(pid, signal.SIGKILL)
-        first.wait()
-        _wait_for(lambda: re.search(r"world size 1, .*resuming at step \d+", text(1)), survivor, lambda: text(1))
+        late.wait()
+        _wait_for(lambda: re.search(r"world size 1, .*resuming at step \d+", text(1)), survivor,
+                  lambda: text(1))
         assert survivor.wait(timeout=300) == 0, text(1)[-3000:]
     finally:
-        for proc in (first, survivor, store):
+        for proc in (late, survivor, store):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     assert load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))["step"] == STEPS

@@ -12,10 +12,18 @@ did. That is torchrun's code; under plain ``torchrun`` phalanx cannot change it.
 is taken where torchrun lets it out, after its workers have ended, and the agent exits 143 for
 SIGTERM, 130 for SIGINT (128 + the signal, as ``phalanx train`` does), without a traceback. Any
 other ending (success, a failed worker's report) is torchrun's, unchanged.
+
+It also starts the agent with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless set): each round of the
+rendezvous then gets a store of its own, hosted by its rank 0. With torch's shared store, a restart of a
+job on several nodes hangs (until the store's timeout, then again at each restart): an agent that was rank 0
+of a round keeps that round's store address when a node joins and takes rank 0 (an elastic job whose
+first node rendezvoused alone), and each agent counts only its own restarts, so the workers of one
+attempt disagree on its number (``tests/test_torchrun_elastic.py``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -24,6 +32,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun
 
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         torchrun(list(argv) if argv is not None else None)
     except SignalException as e:  # (its workers were told and waited for: what they saved, they said)

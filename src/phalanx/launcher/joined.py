@@ -10,6 +10,7 @@ import gc
 import os
 import re
 import sys
+import warnings
 from datetime import timedelta
 from typing import Optional
 
@@ -34,6 +35,13 @@ def lost_peer(error: BaseException) -> Optional[str]:
     return gone.group(0) if gone else None
 
 
+#: Why a restart on several nodes can hang under torchrun's shared store (see phalanx.torchrun), and what avoids it.
+SHARED_STORE_RESTARTS = (
+    "torchrun --max-restarts on more than one node with torch's shared rendezvous store: a restart can hang (each "
+    "agent counts its own restarts; a node that was rank 0 keeps its old store address); start each agent with "
+    "python -m phalanx.torchrun, or set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+
+
 def _attempt_store(job: Joined, timeout_s: float) -> Optional[dist.Store]:
     """Under torchrun's agent store, a client of it keyed by the restart attempt (None: join by init_method).
 
@@ -44,6 +52,9 @@ def _attempt_store(job: Joined, timeout_s: float) -> Optional[dist.Store]:
     """
     if job.launcher != "torchrun" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or job.world_size < 2:
         return None
+    if job.rank == 0 and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 and \
+            int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        warnings.warn(SHARED_STORE_RESTARTS)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), job.world_size, is_master=False,
                            timeout=timedelta(seconds=timeout_s))

@@ -10,12 +10,14 @@ in every checkpoint (``run_id``), in the directory's record (``.phalanx-run.json
 - **--resume** continues the run of the checkpoint it names; the directory must hold that run, or
   no checkpoints at all.
 - **A restarted attempt** continues the current run only. phalanx's own ``--max-restarts`` knows
-  its run (the parent holds it). Under ``torchrun --max-restarts`` every attempt is a new process
-  with the same command line: attempt N > 0 (``TORCHELASTIC_RESTART_COUNT``) continues the run
-  the record says *this torchrun job* wrote (``TORCHELASTIC_RUN_ID``, or the agent process when
-  the id is torchrun's default ``none``), whatever its flags say, ``--overwrite`` included. An
-  earlier attempt that never claimed the directory left nothing to continue: the attempt is then
-  judged as a new run, so it can never take another run's checkpoints.
+  its run (the parent holds it). Under ``torchrun`` every attempt is a new process with the same
+  command line: an attempt continues the run the record says *this torchrun job* wrote
+  (``TORCHELASTIC_RUN_ID``, or the agent process when the id is torchrun's default ``none``),
+  whatever its flags say, ``--overwrite`` included. Not its attempt number: each agent counts only
+  its own failures (``TORCHELASTIC_RESTART_COUNT``), and a node joining an elastic job restarts every
+  worker without counting, so the ranks of one attempt may read different numbers. An earlier
+  attempt that never claimed the directory left nothing to continue: the attempt is then judged as
+  a new run, so it can never take another run's checkpoints.
 
 Only the process that writes checkpoints (launcher rank 0) refuses or removes anything; under
 torchrun the other ranks read the same directory and follow.
@@ -118,15 +120,6 @@ def _entries(runs: Path) -> list[Path]:
     return [p for p in runs.iterdir() if p.is_dir()] if runs.is_dir() else []
 
 
-def restart_attempt(env: Optional[Mapping[str, str]] = None) -> int:
-    """torchrun's attempt number (0: the first, or not under torchrun)."""
-    env = os.environ if env is None else env
-    try:
-        return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    except ValueError:
-        return 0
-
-
 def launcher_identity(env: Optional[Mapping[str, str]] = None) -> str:
     """The torchrun job this process belongs to, the same in each of its attempts ('' outside torchrun)."""
     env = os.environ if env is None else env
@@ -157,7 +150,7 @@ def claim(cfg: TrainConfig) -> Claim:
     root = Path(cfg.run_dir)
     record = _record(root, cfg)
     launcher = launcher_identity()
-    if restart_attempt() > 0 and launcher and record is not None and record.launcher == launcher:
+    if launcher and record is not None and record.launcher == launcher:
         resume = str(root) if ckpt.list_checkpoints(root) else cfg.resume
         return Claim(record.run_id, resume, restarted=True)
     if cfg.resume is not None:
