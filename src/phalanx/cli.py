@@ -214,14 +214,29 @@ def _start_worker_server(argv: list[str]) -> None:
     """A command that will start worker processes starts their fork server first, so that its import
     of torch runs while this process imports torch and plans (see :mod:`phalanx.launcher.forkserver`). Not
     under torchrun or srun (this process is a worker: nothing to start), nor for help or a simulated
-    comparison (no process runs)."""
+    comparison (no process runs), nor for a run in this one process (``train --workers 1`` without loader
+    workers: the server's import of torch, about as much CPU as this process's own, would be for nobody)."""
     from .launcher.forkserver import start_early
     from .launcher.env import joined
 
     wanted = os.environ.get("PHALANX_START_METHOD", "forkserver") == "forkserver"
     idle = {"-h", "--help", "--simulate"} & set(argv)
-    if wanted and argv[:1] in (["train"], ["compare"]) and not idle and joined() is None:
+    if wanted and argv[:1] in (["train"], ["compare"]) and not idle and not _one_process(argv) and joined() is None:
         start_early()
+
+
+def _one_process(argv: list[str]) -> bool:
+    """Whether ``train``'s flags ask for one worker and no loader workers (as typed: a --config file may ask for
+    more, and then the server starts when the workers do)."""
+    def value(flag: str) -> Optional[str]:
+        for i, word in enumerate(argv):
+            if word == flag and i + 1 < len(argv):
+                return argv[i + 1]
+            if word.startswith(flag + "="):
+                return word.split("=", 1)[1]
+        return None
+
+    return argv[:1] == ["train"] and value("--workers") == "1" and value("--loader-workers") in (None, "0")
 
 
 def _in_a_running_job() -> bool:
