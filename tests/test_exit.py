@@ -17,7 +17,9 @@ from phalanx.checkpoint import latest_checkpoint, load_checkpoint
 #: What a C++ abort at exit leaves on stderr (std::terminate, torchrun's report, a c10 error).
 CPP_TRACES = ("terminate called", "SIGABRT", "Exception raised from")
 TINY = ["train", "--steps", "3", "--model", "mlp", "--progress", "none", "--checkpoint-dir", "ck"]
-LONG = ["--steps", "1500", "--log-every", "20", "--checkpoint-every", "100"]
+#: A job stopped at step 240: the mlp (a stop does not depend on the model, and the cnn's 240 steps cost 4 s of CPU
+#: a test), far from its end however the machine is loaded; the default model under Ctrl-C, as a user meets it.
+LONG = ["--model", "mlp", "--steps", "20000", "--log-every", "20", "--checkpoint-every", "100"]
 
 
 def _torchrun(cwd, *args, nproc=2, timeout=600):
@@ -121,7 +123,7 @@ def _stopped_with_checkpoint(code, err, cwd, signame, after):
 @pytest.mark.parametrize("strategy", ["sync", "fsdp"])
 def test_ctrl_c_to_the_process_group_stops_at_one_step_and_saves_it(strategy, tmp_path):
     # --progress bar with output not on a terminal: no leaked-semaphore warning either.
-    code, out, err = _ctrl_c(tmp_path, ["train", "--strategy", strategy, *LONG, "--progress", "bar"], "step 240,")
+    code, out, err = _ctrl_c(tmp_path, ["train", "--strategy", strategy, *LONG[2:], "--progress", "bar"], "step 240,")
     _stopped_with_checkpoint(code, err, tmp_path, "SIGINT", 240)
 
 
@@ -167,9 +169,10 @@ def test_sigterm_to_the_process_group_with_loader_workers_stops_at_one_step_and_
     # send, and their fork server died of it, so the ranks' next batch failed ("DataLoader worker exited
     # unexpectedly") before they could stop and save.
     (tmp_path / "lazydigits.py").write_text(LAZY_DIGITS)
-    code, out, err = _ctrl_c(tmp_path, ["train", "--model", "mlp", "--data", "lazydigits:load", "--loader-workers",
-                                        "2", *LONG], "step 240,", signal_=signal.SIGTERM)
-    _stopped_with_checkpoint(code, err, tmp_path, "SIGTERM", 240)
+    # (at step 60, its third epoch: each epoch's loader workers read the digits again)
+    code, out, err = _ctrl_c(tmp_path, ["train", "--data", "lazydigits:load", "--loader-workers", "2", *LONG],
+                             "step 60,", signal_=signal.SIGTERM)
+    _stopped_with_checkpoint(code, err, tmp_path, "SIGTERM", 60)
 
 
 @pytest.mark.slow
@@ -274,7 +277,7 @@ def test_a_job_killed_as_a_whole_leaves_nothing_in_dev_shm(tmp_path):
     # The launcher's report queue held two named semaphores (sem.loky-*) for the job's whole life; only the
     # parent's exit unlinked them.
     done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", KILLED_JOB, "sh",
-                           *phalanx_cmd(), "train", "--model", "mlp", *LONG], cwd=tmp_path, capture_output=True,
+                           *phalanx_cmd(), "train", *LONG], cwd=tmp_path, capture_output=True,
                           text=True, stdin=subprocess.DEVNULL, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     if done.returncode == 77 or "unshare failed" in done.stderr:
         pytest.skip(f"no mount namespace of our own here ({done.stderr.strip()})")
