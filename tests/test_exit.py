@@ -245,6 +245,23 @@ def test_a_signal_to_a_worker_the_moment_it_appears_stops_the_job_in_one_line(st
     assert not list(tmp_path.glob("**/step-*")) and "step " not in done.stdout
 
 
+def test_a_worker_that_ended_at_once_on_sigint_has_the_others_asked_by_sigterm():
+    """A worker that ended on a stop signal before its first step is the job's stop, named by its signal; the others
+    are asked by SIGTERM: one started as a fresh interpreter (PHALANX_START_METHOD=spawn) may still be importing,
+    where a SIGINT is a KeyboardInterrupt with spawn_main's traceback on the job's stderr (seen once in a whole run
+    of the suite), and a SIGTERM an end without a word."""
+    from types import SimpleNamespace
+
+    from phalanx.launcher.stopping import Forward
+
+    other = subprocess.Popen(["sleep", "60"])
+    processes = [SimpleNamespace(pid=other.pid, is_alive=lambda: other.poll() is None), None]
+    forward = Forward(processes, {0}, lambda ps: None, lambda r: f"rank {r}")
+    forward.worker_stopped(1, 128 + signal.SIGINT)
+    assert other.wait(timeout=60) == -signal.SIGTERM
+    assert forward.stopped(steps_made=False).args[0] == "stopped by SIGINT before the first step; nothing was saved"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("to_the_group", [True, False], ids=["to-the-group", "to-the-parent"])
 def test_sighup_stops_at_one_step_and_saves_it_exit_129(to_the_group, tmp_path):

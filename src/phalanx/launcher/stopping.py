@@ -53,13 +53,16 @@ class Forward:
         self.ended_at_once = rank if self.ended_at_once is None else self.ended_at_once
         if self.first is None:
             self._echo_until = time.monotonic() + SAME_REQUEST_S
-            self._ask_everyone(STOP_CODES[code])
+            # (asked by SIGTERM whatever the signal: a worker started as a fresh interpreter may still be importing,
+            # where a SIGINT is a KeyboardInterrupt and its traceback, a SIGTERM an end without a word; no step can
+            # be saved together now, so the signal a worker stops by names nothing the user sees)
+            self._ask_everyone(STOP_CODES[code], signal.SIGTERM)
 
-    def _ask_everyone(self, name: str) -> None:
+    def _ask_everyone(self, name: str, sent: Optional[int] = None) -> None:
         self.first = name
         for rank in self.alive:
             if self.processes[rank].is_alive():
-                os.kill(self.processes[rank].pid, getattr(signal, name))
+                os.kill(self.processes[rank].pid, sent or getattr(signal, name))
 
     def explains_failure(self, steps_made: bool) -> bool:
         """Whether a worker's failure now is the stop's doing, not a fault: a stop was requested and either
