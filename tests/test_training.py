@@ -1,5 +1,6 @@
 """Whole training runs against single-process references (real spawned gloo workers)."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,31 @@ def test_divergence_stops_and_names_the_last_good_checkpoint(tmp_path):
     for path in list_checkpoints(tmp_path / "nan"):  # every checkpoint left behind is finite
         state = torch.load(path, weights_only=True)
         assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+@pytest.mark.slow
+def test_a_step_whose_batch_has_no_target_is_no_divergence(tmp_path):
+    """Labels of -100 (torch's and Hugging Face's ignore index) on a third of the examples, a batch of one per
+    worker: many steps have a shard with no target, whose loss is a mean over nothing (NaN) and whose gradient is
+    zero. They were taken for a divergence and the run was stopped ("model diverged with loss = nan"); the run
+    trains, says so once, records each such step, and what it saves is finite."""
+    import json
+
+    torch.manual_seed(0)
+    x = torch.randn(300, 4)
+    y = (x[:, 0] > 0).long()
+    y[torch.arange(0, 240, 3)] = -100
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    cfg = TrainConfig(steps=60, batch_size=1, workers=2, devices="cpu", lr=0.05, progress="none", log_every=10,
+                      checkpoint_dir=str(tmp_path / "ck"))
+    summary = Trainer(cfg, model=model, train_data=(x[:240], y[:240]), test_data=(x[240:], y[240:])).fit()
+    assert summary["steps"] == 60
+    events = [json.loads(line) for line in (tmp_path / "ck" / "metrics.jsonl").read_text().splitlines()]
+    skipped = [e["step"] for e in events if e["event"] == "no_targets"]
+    assert len(skipped) >= 5 and not [e for e in events if e["event"] == "diverged"]
+    assert all(math.isfinite(e["loss"]) for e in events if e["event"] == "step")
+    state = torch.load(list_checkpoints(tmp_path / "ck")[-1], weights_only=True)
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
 
 
 def test_user_model_and_data_through_the_api(tmp_path):

@@ -12,6 +12,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ..data import Prefetcher, ShardedBatches
+from ..data import batch as batches
 from ..data.loader import Position, advance, prefetch_depth
 from ..strategies import nonfinite_values
 
@@ -59,6 +60,20 @@ class Feed:
             what = nonfinite_values(reader.one(at))
             if what:
                 return f"{what} (data shard {shard})"
+        return None
+
+    def targetless(self, step: int) -> Optional[int]:
+        """The data shard whose batch of ``step`` has no target to learn from (every integer target ``-100``,
+        torch's and Hugging Face's ignore index), read again as :meth:`nonfinite_inputs` does; None: none.
+        Such a batch's loss is a mean over nothing, NaN, and its gradient zero: the model is unharmed."""
+        if self.batches is None or step < 1:
+            return None
+        at = self.position(step - 1)
+        for shard in range(self.layout.shards) if self.layout.lockstep else (self.role.shard,):
+            reader = ShardedBatches(self.data.train, self.batch_size, shard, self.layout.shards, self.seed)
+            y = batches.targets(reader.one(at))
+            if isinstance(y, torch.Tensor) and not y.is_floating_point() and y.numel() and not batches.counted(y):
+                return shard
         return None
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ worker killed) ends the run, after the survivors saved the step they finished
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Optional
@@ -37,7 +38,7 @@ from ..strategies import Build, meta_init
 from .. import checkpoint as ckpt
 from .feed import Feed
 from .learning_rate import LearningRate
-from .losses import LossWindow, first_non_finite
+from .losses import LossWindow
 from .plan import Plan
 from .step_errors import explained
 from .report import Reporter, step_line
@@ -181,6 +182,7 @@ class WorkerRun:
         # What evaluation adds up: every metric's (sum, count), over every rank (exact, see metrics.py).
         self.totals = Totals(plan.task.metrics, plan.task.loss_fn)
         self.target = cfg.target  # what stops the run early (None: nothing)
+        self.told_targetless = False  # a step whose batch had no target was said (once)
         self.reporter = Reporter(ctx.is_main, cfg.progress, cfg.metrics, cfg.total_steps, self.step,
                                  resumed_from=plan.resume_path, run_id=plan.run_id, tensorboard=cfg.tensorboard)
         meta = run_meta(ctx, plan, cfg, self.data, self.global_batch, self.model_class)
@@ -293,11 +295,26 @@ class WorkerRun:
         """The NaN guard over every step since the last look, on the losses every rank agrees on (so
         every rank stops at the same step); returns the newest agreed loss."""
         steps, losses = window.drain(self.runtime.global_losses)
-        bad = first_non_finite(steps, losses)
-        if bad is not None:
-            self._diverged(bad[1], bad[0])
-        self.reporter.show_loss(losses[-1])
-        return losses[-1]
+        for step, loss in zip(steps, losses):
+            if not math.isfinite(loss) and not self._nothing_to_learn(step, loss):
+                self._diverged(loss, step)
+        shown = next((v for v in reversed(losses) if math.isfinite(v)), losses[-1])
+        self.reporter.show_loss(shown)
+        return shown
+
+    def _nothing_to_learn(self, step: int, loss: float) -> bool:
+        """Whether a step's loss is NaN because a batch of it had no target (all ``-100``: a mean over nothing, whose
+        gradient is zero), not because the model diverged; said once, recorded at every such step."""
+        shard = self.feed.targetless(step)
+        if shard is None:
+            return False
+        self.reporter.record("no_targets", step=step, loss=str(loss), shard=shard)
+        if not self.told_targetless:
+            self.told_targetless = True
+            self.reporter.say(f"note: step {step}'s batch (data shard {shard}) has no target to learn from (every "
+                              f"label -100), so its loss is {loss} and its gradient zero; such steps train nothing "
+                              "and are left out of the losses shown")
+        return True
 
     def _diverged(self, loss: float, step: int) -> None:
         if self.role.expendable:

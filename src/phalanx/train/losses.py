@@ -11,8 +11,7 @@ checked, and the first non-finite one is named with its own step.
 
 from __future__ import annotations
 
-import math
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -48,8 +47,3 @@ class LossWindow:
         except RuntimeError:  # losses on other devices (a pipeline's last stage), or of other shapes
             losses = torch.stack([v.reshape(()).to(self.device, torch.float32) for v in values])
         return steps, agree(losses).tolist()
-
-
-def first_non_finite(steps: list[int], losses: list[float]) -> Optional[tuple[int, float]]:
-    """The first (step, loss) whose loss is not finite, if any."""
-    return next(((s, v) for s, v in zip(steps, losses) if not math.isfinite(v)), None)
