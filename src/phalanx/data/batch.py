@@ -163,6 +163,13 @@ def counted(targets: Any) -> int:
     return int((targets != IGNORE).sum())
 
 
+def targetless(batch: Any) -> bool:
+    """Whether the batch's targets are integers, every one ``-100`` (torch's and Hugging Face's ignore index): its
+    loss is a mean over nothing, NaN, and its gradient zero (a host read: for after a non-finite loss)."""
+    y = targets(batch)
+    return isinstance(y, torch.Tensor) and not y.is_floating_point() and y.numel() > 0 and counted(y) == 0
+
+
 def collate(items: list, name: str = "the data") -> Any:
     """Items (pairs, tuples, dicts, nested) as one batch tree: torch's ``default_collate``, and every leaf a
     tensor (a string left in an item is a data set not yet tokenized: one line saying so)."""

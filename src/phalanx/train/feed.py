@@ -71,8 +71,7 @@ class Feed:
         at = self.position(step - 1)
         for shard in range(self.layout.shards) if self.layout.lockstep else (self.role.shard,):
             reader = ShardedBatches(self.data.train, self.batch_size, shard, self.layout.shards, self.seed)
-            y = batches.targets(reader.one(at))
-            if isinstance(y, torch.Tensor) and not y.is_floating_point() and y.numel() and not batches.counted(y):
+            if batches.targetless(reader.one(at)):
                 return shard
         return None
 

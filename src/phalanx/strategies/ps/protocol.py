@@ -29,7 +29,9 @@ from torch import nn
 HELLO, PUSH, BYE = 0, 1, 2
 SERVER = 0
 HEADER = 4  #: float64 numbers in a worker's header: kind and up to three values
-INPUTS = ("", "NaN", "infinity")  #: what a PUSH's fourth number says about the worker's inputs
+#: A PUSH's inputs when its batch had no target (every label -100): its loss NaN, its gradient zero, nothing wrong.
+NO_TARGETS = "no targets"
+INPUTS = ("", "NaN", "infinity", NO_TARGETS)  #: what a PUSH's fourth number says about the worker's inputs
 
 
 @dataclasses.dataclass
@@ -40,7 +42,7 @@ class Message:
     kind: int
     version: int = 0  #: PUSH: the parameter version the gradient was computed on
     loss: float = 0.0  #: PUSH: the worker's loss on that batch
-    inputs: str = ""  #: PUSH with a non-finite loss: "NaN" or "infinity" when the worker's batch held them
+    inputs: str = ""  #: PUSH with a non-finite loss: "NaN"/"infinity" when the worker's batch held them; NO_TARGETS
     pushed: int = 0  #: BYE: gradients this worker pushed in all
     grad: Optional[torch.Tensor] = None
     buffers: Optional[torch.Tensor] = None  #: PUSH: the worker's buffers after its forward pass

@@ -51,7 +51,7 @@ from ...comm.staleness import StalenessStats
 from . import protocol
 from .aggregate import Rule
 from .gate import Gate
-from .protocol import BYE, HELLO, PUSH, Message, Reply, buffer_count, buffers_to_vector, vector_to_buffers
+from .protocol import BYE, HELLO, NO_TARGETS, PUSH, Message, Reply, buffer_count, buffers_to_vector, vector_to_buffers
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class Server:
 
     def _handle(self, message: Message) -> None:
         worker = message.worker
-        if message.kind == PUSH and not math.isfinite(message.loss):
+        if message.kind == PUSH and not math.isfinite(message.loss) and message.inputs != NO_TARGETS:
             # Stop here: applying it would spread NaN, and replying would let the workers compute on.
             self.diverged, self.diverged_step = message, self.global_step() + 1
             return
@@ -218,7 +218,8 @@ class Server:
     # ---- the aggregation rule at work ----
     def _take(self, message: Message) -> None:
         """Hold the gradient for its update, or drop it if the rule says it came too late."""
-        self.step_losses.append(message.loss)
+        if math.isfinite(message.loss):  # (a batch with no target: NaN, its gradient zero, left out of the loss)
+            self.step_losses.append(message.loss)
         if not self.rule.admits(message.version, self.updates):
             self.dropped[message.worker] += 1
             return

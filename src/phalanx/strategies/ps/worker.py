@@ -16,9 +16,10 @@ from typing import Any, Optional
 import torch
 from torch.nn.utils import vector_to_parameters
 
+from ...data.batch import targetless
 from ...task.metrics import Totals
 from ..base import COUNT_CORRECT, Build, Runtime, as_batch, nonfinite_values
-from .protocol import WorkerChannel, buffer_count, buffers_to_vector, vector_to_buffers
+from .protocol import NO_TARGETS, WorkerChannel, buffer_count, buffers_to_vector, vector_to_buffers
 
 
 class WorkerRuntime(Runtime):
@@ -44,7 +45,7 @@ class WorkerRuntime(Runtime):
         grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in self.params])
         value = float(loss)  # the push needs it on the host anyway
         # Only a non-finite loss makes us look at the batch, so the server can say the data is the cause.
-        inputs = nonfinite_values(batch) if not math.isfinite(value) else ""
+        inputs = "" if math.isfinite(value) else nonfinite_values(batch) or (NO_TARGETS if targetless(batch) else "")
         self.channel.push(self.version, value, grad, buffers_to_vector(self.model), inputs)
         self.pushes += 1
         self.model.zero_grad(set_to_none=True)
