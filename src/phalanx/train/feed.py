@@ -49,31 +49,28 @@ class Feed:
         return self.prefetcher
 
     def nonfinite_inputs(self, step: int) -> Optional[str]:
-        """Whether the batches of ``step`` held NaN or infinity, read again from the data: only once a loss
-        was found non-finite, so an ordinary step never pays for it. Ranks in step read every shard, so
-        they all name the same one without a collective; the others, their own."""
-        if self.batches is None or step < 1:
-            return None
-        at = self.position(step - 1)
-        for shard in range(self.layout.shards) if self.layout.lockstep else (self.role.shard,):
-            reader = ShardedBatches(self.data.train, self.batch_size, shard, self.layout.shards, self.seed)
-            what = nonfinite_values(reader.one(at))
+        """Whether the batches of ``step`` held NaN or infinity, read again from the data (see :meth:`_read_again`)."""
+        for shard, batch in self._read_again(step):
+            what = nonfinite_values(batch)
             if what:
                 return f"{what} (data shard {shard})"
         return None
 
     def targetless(self, step: int) -> Optional[int]:
         """The data shard whose batch of ``step`` has no target to learn from (every integer target ``-100``,
-        torch's and Hugging Face's ignore index), read again as :meth:`nonfinite_inputs` does; None: none.
-        Such a batch's loss is a mean over nothing, NaN, and its gradient zero: the model is unharmed."""
+        torch's and Hugging Face's ignore index), read again; None: none. Such a batch's loss is a mean over
+        nothing, NaN, and its gradient zero: the model is unharmed."""
+        return next((shard for shard, batch in self._read_again(step) if batches.targetless(batch)), None)
+
+    def _read_again(self, step: int) -> Iterator[tuple[int, Any]]:
+        """The batches of ``step``, (shard, batch), read again from the data: only once a loss was found
+        non-finite, so an ordinary step never pays for it. Ranks in step read every shard, so they all name
+        the same one without a collective; the others, their own."""
         if self.batches is None or step < 1:
-            return None
+            return
         at = self.position(step - 1)
         for shard in range(self.layout.shards) if self.layout.lockstep else (self.role.shard,):
-            reader = ShardedBatches(self.data.train, self.batch_size, shard, self.layout.shards, self.seed)
-            if batches.targetless(reader.one(at)):
-                return shard
-        return None
+            yield shard, ShardedBatches(self.data.train, self.batch_size, shard, self.layout.shards, self.seed).one(at)
 
     def close(self) -> None:
         if self.prefetcher is not None:
