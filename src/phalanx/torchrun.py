@@ -25,7 +25,14 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
+
+#: The signal that stopped the agent, kept to the interpreter's end. torch leaves the rendezvous open on a signal
+#: (the job's other nodes go on), and its handler is freed with this exception's frames: freed while its keep-alive
+#: timer beats, it is freed in the timer's thread, whose finalizer then joins itself ("Exception ignored ...
+#: cannot join current thread" below the stop's line). Kept, it is freed after ``atexit``, when that finalizer
+#: does nothing.
+_STOPS: List[BaseException] = []
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -36,6 +43,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         torchrun(list(argv) if argv is not None else None)
     except SignalException as e:  # (its workers were told and waited for: what they saved, they said)
+        _STOPS.append(e)
         return 128 + int(e.sigval)
     return 0
 
