@@ -12,7 +12,8 @@ pays beyond ``import torch``: constructing a ``torch.optim`` optimizer imports `
 ``phalanx train --steps 1 --progress none`` as it is (2 workers); the same with
 ``PHALANX_START_METHOD=spawn`` (each worker imports torch itself, as before the fork server).
 Medians, min-max, the ratios of the medians to ``import torch`` (issue 42's goal: train ≤ 1.5 ×
-import torch) and the median of each round's own ratio; the load average before and after.
+import torch) and the median of each round's own ratio; the load average before and after. As root, each
+command's CPU too (all its processes': the fork server's and the workers' included, through a cgroup).
 
 Part 2: ``phalanx compare`` (2 strategies × 2 scenarios × 2 repeats) warm and cold, interleaved:
 wall time, median start-up per run and the share of wall time spent training and evaluating, from
@@ -49,11 +50,28 @@ VARIANTS = {
 }
 
 
-def timed(cmd: list[str], env: dict, cwd: Path) -> float:
+#: A cgroup (v1 cpuacct, root only) that each timed command and every process it starts run in: their CPU,
+#: the fork server's and the workers' included (processes the command never waits for).
+CPU_GROUP = Path("/sys/fs/cgroup/cpuacct/phalanx-startup")
+
+
+def timed(cmd: list[str], env: dict, cwd: Path, cpu: Optional[list[float]] = None) -> float:
+    """The command's wall time; its CPU, everything it started included, appended to ``cpu`` where measurable."""
+    try:
+        CPU_GROUP.mkdir(exist_ok=True)
+        used = int((CPU_GROUP / "cpuacct.usage").read_text())
+    except OSError:
+        used = None
+    join = (lambda: (CPU_GROUP / "cgroup.procs").write_text(str(os.getpid()))) if used is not None else None
     start = time.perf_counter()
     subprocess.run(cmd, cwd=cwd, env={**os.environ, **env}, check=True, stdout=subprocess.DEVNULL,
-                   stdin=subprocess.DEVNULL)
-    return time.perf_counter() - start
+                   stdin=subprocess.DEVNULL, preexec_fn=join)
+    wall = time.perf_counter() - start
+    if used is not None and cpu is not None:
+        while (CPU_GROUP / "cgroup.procs").read_text().strip():  # (the fork server ends just after the command)
+            time.sleep(0.05)
+        cpu.append((int((CPU_GROUP / "cpuacct.usage").read_text()) - used) / 1e9)
+    return wall
 
 
 def cold_start(rounds: int, scratch: Path, before: Optional[Path] = None) -> dict:
@@ -63,12 +81,16 @@ def cold_start(rounds: int, scratch: Path, before: Optional[Path] = None) -> dic
     load_before = os.getloadavg()
     print(f"1. cold start, {rounds} interleaved rounds (seconds of wall time); load average {_load(load_before)}")
     runs: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
     for cmd, env in variants.values():  # once untimed: the digits cache and the file system's caches are warm
         timed(cmd, env, scratch)
     for _ in range(rounds):
         for name, (cmd, env) in variants.items():
-            runs[name].append(timed(cmd, env, scratch))
+            runs[name].append(timed(cmd, env, scratch, cpu[name]))
     med = print_medians(runs, 30, " s")
+    if all(cpu.values()):
+        print("  seconds of CPU, every process of the command's:")
+        print_medians(cpu, 30, " s")
     ratios = {name: med[name] / med["import torch"] for name in variants}
     # each round's own ratio: a change of load between rounds cancels out of it
     paired = {name: statistics.median(t / base for t, base in zip(runs[name], runs["import torch"]))
@@ -77,7 +99,7 @@ def cold_start(rounds: int, scratch: Path, before: Optional[Path] = None) -> dic
         print(f"  {name:<30} {ratios[name]:5.2f} x import torch (medians), {paired[name]:5.2f} x (paired)")
     load_after = os.getloadavg()
     print(f"  load average {_load(load_after)} at the end")
-    return {"seconds": runs, "medians": med, "ratios_to_import_torch": ratios,
+    return {"seconds": runs, "cpu_seconds": cpu, "medians": med, "ratios_to_import_torch": ratios,
             "paired_ratios_to_import_torch": paired, "load_average_before": load_before,
             "load_average_after": load_after}
 

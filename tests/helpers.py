@@ -161,12 +161,13 @@ def _children(pid: int) -> list[tuple[int, int, str]]:
 def spawned_children(pid: int, marker: str = "spawn_main") -> list[int]:
     """The worker processes a phalanx command started, oldest first (rank order).
 
-    phalanx's own workers are forks of its fork server (a child of the command: their parent), or,
-    on a shaped link, its own spawned children (``spawn_main``); ``marker`` ``"phalanx"``: the
-    workers of a torchrun agent."""
+    phalanx's own workers are forks of its fork server (a child of the command: their parent; a fork of
+    the command, or a new interpreter where a script's fit() started it), or, on a shaped link, its own
+    spawned children (``spawn_main``); ``marker`` ``"phalanx"``: the workers of a torchrun agent."""
     found = []
+    command = open(f"/proc/{pid}/cmdline").read()
     for start, child, cmdline in _children(pid):
-        if marker == "spawn_main" and "multiprocessing.forkserver" in cmdline:
+        if marker == "spawn_main" and (cmdline == command or "multiprocessing.forkserver" in cmdline):
             found += [(s, p) for s, p, _ in _children(child)]
         elif marker in cmdline:
             found.append((start, child))

@@ -6,13 +6,14 @@ Real processes: the fork server is multiprocessing's own, the workers real gloo 
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers import run_cli, run_in_process, run_main, run_workers
+from helpers import phalanx_cmd, run_in_process, run_main, run_workers
 from phalanx.checkpoint import load_checkpoint
 from phalanx.cli import COMMANDS
 
@@ -31,7 +32,7 @@ def test_a_worker_has_the_parents_environment_and_output_of_now_not_the_servers(
     assert out.count("rank 0 says hello") == 2 and out.count("rank 1 says hello") == 2, out
 
 
-def test_the_cli_imports_no_torch_before_it_starts_the_worker_server():
+def test_importing_the_cli_imports_no_torch():
     code = ("import sys; import phalanx, phalanx.cli, phalanx.launcher.forkserver, phalanx.launcher.env; "
             "print(sorted(m for m in ('torch', 'sklearn', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -56,9 +57,9 @@ def test_the_worker_server_starts_early_only_for_a_run_that_will_start_workers(a
     import phalanx.launcher.forkserver as forkserver
 
     started = []
-    monkeypatch.setattr(forkserver, "start_early", lambda: started.append(argv))
+    monkeypatch.setattr(forkserver, "start_early", lambda fork: started.append(argv))
     monkeypatch.delenv("PHALANX_START_METHOD", raising=False)
-    cli._start_worker_server(argv)
+    cli._start_worker_server(argv, fresh=True)
     assert bool(started) == starts
 
 
@@ -93,7 +94,11 @@ def test_a_forked_worker_collects_garbage_and_leaves_what_the_server_imported_fr
 @pytest.mark.slow
 def test_forked_and_spawned_workers_train_to_the_same_parameters_and_the_start_up_is_profiled(tmp_path):
     flags = ["train", "--steps", "6", "--model", "mlp", "--log-every", "3", "--profile-startup"]
-    forked = run_cli(*flags, "--checkpoint-dir", "forked", cwd=tmp_path)
+    # (each import's time on stderr, torch._C's once per interpreter that imports torch: the command's fork server
+    # is a fork of the command, so torch is imported once for both, where a new interpreter imported it again)
+    forked = subprocess.run(phalanx_cmd() + flags + ["--checkpoint-dir", "forked"], cwd=tmp_path, capture_output=True,
+                            text=True, env=dict(os.environ, PYTHONPROFILEIMPORTTIME="1"))
+    assert len(re.findall(r"^import time: .*\|\s+torch\._C$", forked.stderr, re.M)) == 1, forked.stderr[-3000:]
     spawned = subprocess.run([sys.executable, "-m", "phalanx", *flags, "--checkpoint-dir", "spawned"], cwd=tmp_path,
                              capture_output=True, text=True, env=dict(os.environ, PHALANX_START_METHOD="spawn"))
     assert forked.returncode == 0 and spawned.returncode == 0, forked.stderr + spawned.stderr

@@ -184,13 +184,14 @@ def _one_line_warnings(message, category, filename, lineno, file=None, line=None
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     startup.begin()
+    fresh = "torch" not in sys.modules  # (a new process: nothing ran torch in it yet)
     argv = sys.argv[1:] if argv is None else list(argv)
-    _start_worker_server(argv)
     from .launcher import leave
 
     warnings.showwarning = _one_line_warnings
     log.show_on_streams()  # the library's notes and warnings, as this command always printed them
     args = build_parser(only=chosen_command(argv)).parse_args(argv)
+    _start_worker_server(argv, fresh)
     try:
         if getattr(args, "config", None) is not None:  # the file's values, where no flag was typed
             config_file.apply(args.config, args.command_parser, args)
@@ -210,19 +211,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return leave(code)
 
 
-def _start_worker_server(argv: list[str]) -> None:
-    """A command that will start worker processes starts their fork server first, so that its import
-    of torch runs while this process imports torch and plans (see :mod:`phalanx.launcher.forkserver`). Not
+def _start_worker_server(argv: list[str], fresh: bool) -> None:
+    """A command that will start worker processes starts their fork server once its flags are read: a fork of this
+    process, if ``fresh`` (nothing ran torch here before the command), that imports the rest while this one plans
+    (see :mod:`phalanx.launcher.forkserver`). Not
     under torchrun or srun (this process is a worker: nothing to start), nor for help or a simulated
     comparison (no process runs), nor for a run in this one process (``train --workers 1`` without loader
-    workers: the server's import of torch, about as much CPU as this process's own, would be for nobody)."""
+    workers: its imports would be for nobody)."""
     from .launcher.forkserver import start_early
     from .launcher.env import joined
 
     wanted = os.environ.get("PHALANX_START_METHOD", "forkserver") == "forkserver"
     idle = {"-h", "--help", "--simulate"} & set(argv)
     if wanted and argv[:1] in (["train"], ["compare"]) and not idle and not _one_process(argv) and joined() is None:
-        start_early()
+        start_early(fork=fresh)
 
 
 def _one_process(argv: list[str]) -> bool:

@@ -3,26 +3,35 @@
 A spawned worker is a fresh interpreter that imports torch again (1.5 s on a 2-core machine) and
 torch._dynamo, which constructing any ``torch.optim`` optimizer imports (1.2 s more): seconds per
 worker, per run. Instead, multiprocessing's fork server imports them once (:data:`PRELOAD`) and
-every worker is a fork of it, ready in milliseconds. The server is started early, while the
-parent itself still imports torch and plans the job (:func:`start_early`, from the CLI), and it
-lives as long as the parent: every later job of the same process (a comparison's runs, a script's
-fits) starts its workers from it too.
+every worker is a fork of it, ready in milliseconds. The command line starts the server early
+(:func:`start_early`): as a fork of itself once it has imported torch and phalanx (:data:`SHARED`),
+before it has run anything else, so they are imported once for both (about 2 s of CPU a job on a
+2-core machine, and no wall time: the server imports the rest of :data:`PRELOAD` while the parent
+plans the job). A script's ``fit()`` (or the command's ``main()`` called where torch ran before)
+starts a new interpreter as the server instead: not a process to fork from. The server lives as
+long as the parent: every later job of the same process (a comparison's runs, a script's fits)
+starts its workers from it too.
 
-Safe to fork: the server only imports (no CUDA context, no torch threads, no process group).
+Safe to fork: the server only imports (no CUDA context, no torch threads, no process group), and the
+command line forks it before it runs any torch operation.
 Not used where the workers must be children of the launching thread itself: on a shaped link
 (``--link``), the thread's private network namespace is theirs only if it starts them.
 
-Imports no torch (the CLI calls :func:`start_early` before its own torch import).
+Imports no torch itself (:func:`start_early` does, for the command line, where nothing imported it yet).
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib
 import multiprocessing
 import os
 import signal
+import socket
 import threading
-from multiprocessing import forkserver, resource_tracker
+import traceback
+from typing import Any
+from multiprocessing import connection, forkserver, resource_tracker, util
 
 from ..comm import shaped_link
 from ..errors import PhalanxError
@@ -34,6 +43,10 @@ from .startup import PAUSE_MODULE
 GUARD = "phalanx.launcher.forkserver_signals"
 PRELOAD = [GUARD, PAUSE_MODULE, "torch", "torch._dynamo", "torch.distributed", "phalanx.launcher",
            "phalanx.train.loop", "phalanx.strategies"]
+
+#: What the command line imports in any case, imported before the server forks from it; the server imports
+#: the rest (torch._dynamo: only a worker constructs an optimizer) while the parent plans.
+SHARED = [name for name in PRELOAD if name not in (GUARD, PAUSE_MODULE, "torch._dynamo")]
 
 _used = False  #: whether a worker was started from the server (else it is stopped at exit: see start_early)
 
@@ -58,17 +71,70 @@ def start_method() -> str:
     return "forkserver"
 
 
-def start_early() -> None:
-    """Start the server now, so that its imports overlap the parent's; if no worker is ever started
-    from it (a single-process run, input refused), it is stopped at exit rather than left to finish
-    importing torch for nobody."""
+def start_early(fork: bool) -> None:
+    """Start the server now, from the command line: with ``fork`` (a process that has run nothing of torch's yet
+    and has no other thread), import :data:`SHARED` and fork the server from this process, so that the server's
+    other imports overlap the parent's planning; else as a new interpreter. If no worker is ever started from it
+    (a single-process run, input refused), it is stopped at exit rather than left importing for nobody."""
     multiprocessing.set_forkserver_preload(PRELOAD)
     try:
         start_resource_tracker()
-        forkserver.ensure_running()
+        if fork and threading.active_count() == 1:
+            _fork_server()
+        else:
+            forkserver.ensure_running()
     except OSError:
         return  # (no fork server here: workers will be started however start_method says)
     atexit.register(_stop_if_unused)
+
+
+def _fork_server() -> None:
+    """multiprocessing's fork server, forked from this process after it imported :data:`SHARED` rather than
+    started as a new interpreter that imports them again. Where multiprocessing's server takes an authentication key
+    (Python 3.14), the new interpreter."""
+    server: Any = forkserver._forkserver  # (its state, as its own ensure_running sets it)
+    if hasattr(server, "_forkserver_authkey"):
+        forkserver.ensure_running()
+        return
+    for name in SHARED:
+        importlib.import_module(name)
+
+    if server._forkserver_pid is not None:
+        return
+    # (not under the server's lock, which a fork would copy held into the server and every worker: a rank's
+    # loader fork server waited for it forever; the command line has no other thread)
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # (EOF on alive_r: every client is gone, and the server ends)
+        # (else what this process printed so far, still buffered, every worker would print again)
+        util._flush_std_streams()  # type: ignore[attr-defined]
+        pid = os.fork()
+        if pid == 0:
+            _serve(listener.fileno(), alive_r, alive_w)
+        os.close(alive_r)
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+
+
+def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
+    """In the forked server: multiprocessing's server loop, which imports :data:`PRELOAD` first (torch is
+    imported already; the guard and the collector's pause come first as in a new interpreter); it never returns
+    into the parent's code."""
+    status = 0
+    try:
+        os.close(alive_w)
+        forkserver.main(listener_fd, alive_r, PRELOAD)
+    except (SystemExit, KeyboardInterrupt):  # (its end: the parent is gone; or a Ctrl-C before its guard was in)
+        pass
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    os._exit(status)
 
 
 def start_resource_tracker() -> None:
@@ -96,4 +162,4 @@ def _stop_if_unused() -> None:
             pass
 
 
-__all__ = ["GUARD", "PRELOAD", "start_early", "start_method", "start_resource_tracker"]
+__all__ = ["GUARD", "PRELOAD", "SHARED", "start_early", "start_method", "start_resource_tracker"]
