@@ -191,7 +191,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warnings.showwarning = _one_line_warnings
     log.show_on_streams()  # the library's notes and warnings, as this command always printed them
     args = build_parser(only=chosen_command(argv)).parse_args(argv)
-    _start_worker_server(argv, fresh)
+    _start_worker_server(args, fresh)
     try:
         if getattr(args, "config", None) is not None:  # the file's values, where no flag was typed
             config_file.apply(args.config, args.command_parser, args)
@@ -211,34 +211,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return leave(code)
 
 
-def _start_worker_server(argv: list[str], fresh: bool) -> None:
+def _start_worker_server(args: argparse.Namespace, fresh: bool) -> None:
     """A command that will start worker processes starts their fork server once its flags are read: a fork of this
     process, if ``fresh`` (nothing ran torch here before the command), that imports the rest while this one plans
-    (see :mod:`phalanx.launcher.forkserver`). Not
-    under torchrun or srun (this process is a worker: nothing to start), nor for help or a simulated
-    comparison (no process runs), nor for a run in this one process (``train --workers 1`` without loader
-    workers: its imports would be for nobody)."""
+    (see :mod:`phalanx.launcher.forkserver`). Not under torchrun or srun (this process is a worker: nothing to
+    start), nor for a simulated comparison (no process runs), nor for a run in this one process (``train
+    --workers 1`` without loader workers, as typed: a --config file may ask for more, and then the server starts
+    when the workers do)."""
     from .launcher.forkserver import start_early
     from .launcher.env import joined
 
     wanted = os.environ.get("PHALANX_START_METHOD", "forkserver") == "forkserver"
-    idle = {"-h", "--help", "--simulate"} & set(argv)
-    if wanted and argv[:1] in (["train"], ["compare"]) and not idle and not _one_process(argv) and joined() is None:
+    runs = args.command == "train" or (args.command == "compare" and not args.simulate)
+    one_process = args.command == "train" and args.workers == 1 and not args.loader_workers
+    if wanted and runs and not one_process and joined() is None:
         start_early(fork=fresh)
-
-
-def _one_process(argv: list[str]) -> bool:
-    """Whether ``train``'s flags ask for one worker and no loader workers (as typed: a --config file may ask for
-    more, and then the server starts when the workers do)."""
-    def value(flag: str) -> Optional[str]:
-        for i, word in enumerate(argv):
-            if word == flag and i + 1 < len(argv):
-                return argv[i + 1]
-            if word.startswith(flag + "="):
-                return word.split("=", 1)[1]
-        return None
-
-    return argv[:1] == ["train"] and value("--workers") == "1" and value("--loader-workers") in (None, "0")
 
 
 def _in_a_running_job() -> bool:

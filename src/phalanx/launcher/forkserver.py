@@ -96,11 +96,10 @@ def _fork_server() -> None:
     if hasattr(server, "_forkserver_authkey"):
         forkserver.ensure_running()
         return
-    for name in SHARED:
-        importlib.import_module(name)
-
     if server._forkserver_pid is not None:
         return
+    for name in SHARED:
+        importlib.import_module(name)
     # (not under the server's lock, which a fork would copy held into the server and every worker: a rank's
     # loader fork server waited for it forever; the command line has no other thread)
     with socket.socket(socket.AF_UNIX) as listener:
