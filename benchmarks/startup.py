@@ -5,6 +5,7 @@ server, the default).
     python3 benchmarks/startup.py                 # 10 interleaved rounds, then the comparison once
     python3 benchmarks/startup.py --rounds 15 --compare-repeats 0 --save
     python3 benchmarks/startup.py --before /tmp/before   # also the package of /tmp/before/src (git archive)
+    python3 benchmarks/startup.py --link 50mbit          # also phalanx train on a shaped link (root)
 
 Part 1, interleaved per round (so that a change in the machine's load hits every variant alike):
 ``python3 -c "import torch"``; one SGD step written by hand in one process (what any training
@@ -74,10 +75,15 @@ def timed(cmd: list[str], env: dict, cwd: Path, cpu: Optional[list[float]] = Non
     return wall
 
 
-def cold_start(rounds: int, scratch: Path, before: Optional[Path] = None) -> dict:
+def cold_start(rounds: int, scratch: Path, before: Optional[Path] = None, link: Optional[str] = None) -> dict:
     variants = dict(VARIANTS)
+    trains = {"phalanx train": TRAIN}
+    if link is not None:
+        trains[f"phalanx train --link {link}"] = [*TRAIN, "--link", link]
+        variants[f"phalanx train --link {link}"] = (trains[f"phalanx train --link {link}"], {})
     if before is not None:  # the package from another checkout (PYTHONPATH comes before the installed one)
-        variants[f"phalanx train ({before.name})"] = (TRAIN, {"PYTHONPATH": str(before / "src")})
+        for name, cmd in trains.items():
+            variants[f"{name} ({before.name})"] = (cmd, {"PYTHONPATH": str(before / "src")})
     load_before = os.getloadavg()
     print(f"1. cold start, {rounds} interleaved rounds (seconds of wall time); load average {_load(load_before)}")
     runs: dict[str, list[float]] = {name: [] for name in variants}
@@ -87,16 +93,16 @@ def cold_start(rounds: int, scratch: Path, before: Optional[Path] = None) -> dic
     for _ in range(rounds):
         for name, (cmd, env) in variants.items():
             runs[name].append(timed(cmd, env, scratch, cpu[name]))
-    med = print_medians(runs, 30, " s")
+    med = print_medians(runs, 40, " s")
     if all(cpu.values()):
         print("  seconds of CPU, every process of the command's:")
-        print_medians(cpu, 30, " s")
+        print_medians(cpu, 40, " s")
     ratios = {name: med[name] / med["import torch"] for name in variants}
     # each round's own ratio: a change of load between rounds cancels out of it
     paired = {name: statistics.median(t / base for t, base in zip(runs[name], runs["import torch"]))
               for name in variants}
     for name in variants:
-        print(f"  {name:<30} {ratios[name]:5.2f} x import torch (medians), {paired[name]:5.2f} x (paired)")
+        print(f"  {name:<40} {ratios[name]:5.2f} x import torch (medians), {paired[name]:5.2f} x (paired)")
     load_after = os.getloadavg()
     print(f"  load average {_load(load_after)} at the end")
     return {"seconds": runs, "cpu_seconds": cpu, "medians": med, "ratios_to_import_torch": ratios,
@@ -134,12 +140,13 @@ def main() -> None:
     p.add_argument("--before", default=None,
                    help="also time phalanx train from this checkout's src/ (the code before a change), interleaved")
     p.add_argument("--compare-repeats", type=int, default=1, help="times each comparison runs in part 2 (0: skip)")
+    p.add_argument("--link", default=None, help="also time phalanx train on a shaped link of this rate (root)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        cold = cold_start(args.rounds, scratch, Path(args.before) if args.before else None)
+        cold = cold_start(args.rounds, scratch, Path(args.before) if args.before else None, args.link)
         compared = comparison(scratch, args.compare_repeats) if args.compare_repeats else None
-    save_result("startup", args, cold_start=cold, compare=compared)
+    save_result("startup-link" if args.link else "startup", args, cold_start=cold, compare=compared)
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def _lo_bytes() -> int:
 
 
 def _timed_all_reduce(ctx, numel, repeats):
-    """Rank 0's seconds for ``repeats`` all-reduces, and the bytes its loopback sent meanwhile."""
+    """Rank 0's seconds for ``repeats`` all-reduces, the bytes its loopback sent meanwhile, and its parent's pid."""
     x = torch.ones(numel)
     dist.all_reduce(x)  # warm-up: gloo's connections are made and its buffers sized
     dist.barrier()
@@ -88,7 +88,7 @@ def _timed_all_reduce(ctx, numel, repeats):
     # Rank 0's last all-reduce returns once its final send is queued, possibly still waiting in the
     # shaper: the barrier returns only once rank 1 has received it, so the counters include it.
     dist.barrier()
-    return time.perf_counter() - began, _lo_bytes() - before
+    return time.perf_counter() - began, _lo_bytes() - before, os.getppid()
 
 
 @pytest.mark.slow
@@ -96,12 +96,14 @@ def test_all_reduce_on_a_shaped_link_runs_at_the_links_rate(shaping_allowed):
     """Two ranks all-reduce 2 MiB three times. Whatever gloo's algorithm, each rank must send the other
     at least half of the buffer in each of two phases (reduce-scatter, all-gather): 2 x (W-1)/W x size
     per rank, 2 x size for W = 2 on the one shared link. The counters must show at least that, and
-    bytes / time must be the link's rate; the unshaped loopback, in the same test, is far faster."""
+    bytes / time must be the link's rate; the unshaped loopback, in the same test, is far faster. The workers are
+    forks of the fork server (not this process's children), started outside the namespace they joined."""
     rate = parse_rate(RATE)
     numel = SIZE_BYTES // 4
     with shaped(rate):
-        seconds, sent = run_workers(_timed_all_reduce, 2, numel, REPEATS)
-    unshaped_seconds, _ = run_workers(_timed_all_reduce, 2, numel, REPEATS)
+        seconds, sent, parent = run_workers(_timed_all_reduce, 2, numel, REPEATS)
+    unshaped_seconds, _, _ = run_workers(_timed_all_reduce, 2, numel, REPEATS)
+    assert parent != os.getpid()
     least = 2 * SIZE_BYTES * REPEATS
     assert sent >= least, f"{sent} bytes crossed the link, fewer than the all-reduces must send ({least})"
     achieved = sent * 8 / seconds

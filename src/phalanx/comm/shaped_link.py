@@ -5,9 +5,10 @@
 What happens: for the length of the job, the launching thread moves into a new network namespace
 (``unshare(CLONE_NEWNET)``), brings its loopback up with an MTU of 1,500 bytes and puts traffic
 control's token bucket filter on it (``tc qdisc add dev lo root tbf rate RATE ...``). The job's
-rendezvous store, its progress board and every worker it spawns are created from that thread, so
-they live in the namespace and talk over 127.0.0.1 there: every strategy's gloo traffic crosses
-the shaped link, and nothing is simulated. Afterwards the thread returns to its own namespace;
+rendezvous store and its progress board are created from that thread, and every worker, forked by the
+fork server outside the namespace, joins it before anything else (:func:`join`), so they all live in the
+namespace and talk over 127.0.0.1 there: every strategy's gloo traffic crosses the shaped link, and
+nothing is simulated. Afterwards the thread returns to its own namespace;
 the namespace disappears with the job's last socket. Files (checkpoints, metrics) are unaffected:
 a network namespace changes nothing on the filesystem.
 
@@ -160,9 +161,10 @@ def _shape(rate: LinkRate) -> None:
                                   "the simulation (compare --simulate) instead")
 
 
-def _leave(home: int) -> None:
-    if _libc().setns(home, CLONE_NEWNET) != 0:  # cannot happen for a namespace we came from; never ignore it
-        raise OSError(ctypes.get_errno(), "setns back to the original network namespace failed")
+def _setns(namespace: int, which: str) -> None:
+    """Move this thread into the network namespace ``namespace`` (a file descriptor); ``which`` names it."""
+    if _libc().setns(namespace, CLONE_NEWNET) != 0:  # (the job could enter it once: never expected, never ignored)
+        raise OSError(ctypes.get_errno(), f"setns into {which} failed")
 
 
 class Link:
@@ -223,24 +225,52 @@ def shaped(rate: Optional[LinkRate]) -> Iterator[Optional[Link]]:
     home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     try:
         _enter(rate)
-        _here.rate = rate
+        _here.home, _here.namespace = home, os.open("/proc/thread-self/ns/net", os.O_RDONLY)
         try:
             _shape(rate)
             yield Link(rate)
         finally:
-            _here.rate = None
-            _leave(home)
+            os.close(_here.namespace)
+            _here.home = _here.namespace = None
+            _setns(home, "the original network namespace")
     finally:
         os.close(home)
 
 
-_here = threading.local()  #: the rate this thread's namespace is shaped to, while inside :func:`shaped`
+#: while inside :func:`shaped`, the namespaces this thread came from (``home``) and is in (``namespace``), as
+#: file descriptors
+_here = threading.local()
 
 
-def inside() -> bool:
-    """Is this thread on a shaped link now? (Its workers must then be its own children: a process
-    started elsewhere, such as a fork server, would be on the machine's own loopback.)"""
-    return getattr(_here, "rate", None) is not None
+@contextlib.contextmanager
+def outside() -> Iterator[None]:
+    """This thread back in its own namespace for a moment, if it is on a shaped link: to start a process that
+    outlives the link's job (the workers' fork server)."""
+    namespace = getattr(_here, "namespace", None)
+    if namespace is None:
+        yield
+        return
+    _setns(_here.home, "the original network namespace")
+    try:
+        yield
+    finally:
+        _setns(namespace, "the shaped link's network namespace")
+
+
+def namespace() -> Optional[int]:
+    """The shaped link's namespace this thread is in now (a file descriptor, open while it lasts), or None. A
+    process started by this thread is in it; one started elsewhere, such as a worker forked by the fork server,
+    joins it with :func:`join`."""
+    return getattr(_here, "namespace", None)
+
+
+def join(namespace_fd: int) -> None:
+    """Move this process into a shaped link's namespace: a worker forked outside it, before it starts a thread or
+    opens a socket (setns moves the calling thread; the threads it starts later follow). Closes ``namespace_fd``."""
+    try:
+        _setns(namespace_fd, "the shaped link's network namespace")
+    finally:
+        os.close(namespace_fd)
 
 
 def probe(rate: LinkRate) -> None:
@@ -257,5 +287,5 @@ def size(n: float) -> str:
     return f"{n:.0f} B"
 
 
-__all__ = ["Link", "LinkRate", "LinkUnavailable", "check", "inside", "loopback_bytes", "loopback_counters",
-           "parse_rate", "probe", "shaped", "size"]
+__all__ = ["Link", "LinkRate", "LinkUnavailable", "check", "join", "loopback_bytes", "loopback_counters",
+           "namespace", "outside", "parse_rate", "probe", "shaped", "size"]

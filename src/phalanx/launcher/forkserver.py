@@ -13,9 +13,8 @@ long as the parent: every later job of the same process (a comparison's runs, a 
 starts its workers from it too.
 
 Safe to fork: the server only imports (no CUDA context, no torch threads, no process group), and the
-command line forks it before it runs any torch operation.
-Not used where the workers must be children of the launching thread itself: on a shaped link
-(``--link``), the thread's private network namespace is theirs only if it starts them.
+command line forks it before it runs any torch operation. On a shaped link (``--link``) the server is
+outside the link's network namespace: each worker joins it first (``comm/shaped_link.py``).
 
 Imports no torch itself (:func:`start_early` does, for the command line, where nothing imported it yet).
 """
@@ -57,16 +56,18 @@ METHODS = ("forkserver", "spawn")
 
 
 def start_method() -> str:
-    """``"forkserver"`` (started now if it is not yet), or ``"spawn"`` on a shaped link or when asked."""
+    """``"forkserver"`` (started now if it is not yet), or ``"spawn"`` when asked."""
     global _used
     asked = os.environ.get("PHALANX_START_METHOD", "forkserver")
     if asked not in METHODS:
         raise PhalanxError(f"PHALANX_START_METHOD={asked} is not a way to start workers: use one of "
                            f"{', '.join(METHODS)}, or unset it")
     start_resource_tracker()
-    if shaped_link.inside() or asked == "spawn":
+    if asked == "spawn":
         return "spawn"
     multiprocessing.set_forkserver_preload(PRELOAD)  # (read when the server starts)
+    with shaped_link.outside():  # (the server outlives a shaped link's job: not in its namespace)
+        forkserver.ensure_running()
     _used = True
     return "forkserver"
 

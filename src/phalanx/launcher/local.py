@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .. import errors
+from ..comm import shaped_link
 from ..errors import JobHung, PhalanxError, WorkerFailed
 from ..kinds import Kind
 from ..log import show_on_streams, shown_on_streams
@@ -142,19 +143,25 @@ class _Parents:
 
     A spawned worker inherits them; one forked by the fork server would have the server's, which are
     the parent's as they were when the server started (a later ``os.environ`` change, or pytest's
-    capture of fds 1 and 2, would not reach it). Pickled for the worker: the streams travel as
-    file descriptors (``reduction.DupFd``), as multiprocessing passes its own pipes.
+    capture of fds 1 and 2, would not reach it), and it would be outside a shaped link's network namespace
+    (``namespace``). Pickled for the worker: the streams and the namespace travel as file descriptors
+    (``reduction.DupFd``), as multiprocessing passes its own pipes.
     """
 
-    def __init__(self, env: Optional[dict] = None, streams: Optional[dict] = None):
+    def __init__(self, env: Optional[dict] = None, streams: Optional[dict] = None, namespace: Any = None):
         self.env = dict(os.environ) if env is None else env
         self.streams = streams or {}
+        self.namespace = namespace  # (the parent's file descriptor; in the worker, its copy to take)
 
     def __reduce__(self):
-        return _Parents, (self.env, {fd: reduction.DupFd(fd) for fd in (1, 2) if _is_open(fd)})
+        return _Parents, (self.env, {fd: reduction.DupFd(fd) for fd in (1, 2) if _is_open(fd)},
+                          None if self.namespace is None else reduction.DupFd(self.namespace))
 
     def adopt(self) -> None:
-        """In the worker, before anything else: the parent's environment and streams become ours."""
+        """In the worker, before anything else: the parent's environment and streams become ours, and on a shaped
+        link (``--link``) so does the parent's network namespace."""
+        if self.namespace is not None:
+            shaped_link.join(self.namespace.detach())
         os.environ.clear()
         os.environ.update(self.env)
         for target, stream in self.streams.items():
@@ -243,7 +250,8 @@ def launch(
     procs = mp.start_processes(
         _spawned_worker,
         args=(fn, args, list(devices), threads, addr, store.port, timeout_s, results, hang_timeout_s > 0,
-              _Parents(loopback.worker_environment()), shown_on_streams()),
+              _Parents(loopback.worker_environment(), namespace=shaped_link.namespace()),
+              shown_on_streams()),
         nprocs=len(devices),
         join=False,
         start_method=method,
