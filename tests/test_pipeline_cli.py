@@ -31,12 +31,13 @@ def accuracy(stdout: str) -> float:
 
 @pytest.mark.slow
 def test_stacked_lstm_through_the_cli_reaches_090_and_its_checkpoint_is_the_unsplit_model(tmp_path):
+    """With its recipe (adam, lr 0.01, 300 steps) and no other flag: also test_recipes.py's lstm-pipeline case."""
     out = run("-m", "phalanx", "train", "--strategy", "pipeline", "--model", "lstm", "--workers", "2",
-              "--chunks", "4", "--schedule", "1f1b", "--optimizer", "adam", "--lr", "0.01", "--steps", "300",
               "--log-every", "100", "--progress", "lines", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0].startswith("phalanx train: strategy pipeline (2 stages, 4 micro-batches, 1f1b), world size 2")
+    assert lines[0].startswith("phalanx train: strategy pipeline (2 stages, 4 micro-batches, gpipe), world size 2")
+    assert "recipe: adam, lr 0.01, 300 steps (lstm default; any flag overrides)" in lines
     assert "global batch 32 (every worker reads the whole batch)" in lines[0]
     assert lines[1].startswith("pipeline plan: 5 blocks in 2 stages, balanced by measured time")
     # (the partition follows measured times, which depend on the machine's load: one block or several)
