@@ -6,6 +6,7 @@ server, the default).
     python3 benchmarks/startup.py --rounds 15 --compare-repeats 0 --save
     python3 benchmarks/startup.py --before /tmp/before   # also the package of /tmp/before/src (git archive)
     python3 benchmarks/startup.py --link 50mbit          # also phalanx train on a shaped link (root)
+    python3 benchmarks/startup.py --loader-workers 2     # also phalanx train reading a Dataset with loader workers
 
 Part 1, interleaved per round (so that a change in the machine's load hits every variant alike):
 ``python3 -c "import torch"``; one SGD step written by hand in one process (what any training
@@ -75,12 +76,37 @@ def timed(cmd: list[str], env: dict, cwd: Path, cpu: Optional[list[float]] = Non
     return wall
 
 
-def cold_start(rounds: int, scratch: Path, before: Optional[Path] = None, link: Optional[str] = None) -> dict:
+#: A Dataset made item by item, for ``--loader-workers``: its module is written into the scratch folder.
+POINTS = """
+import torch
+
+
+class Points(torch.utils.data.Dataset):
+    def __len__(self):
+        return 256
+
+    def __getitem__(self, i):
+        x = torch.randn(64, generator=torch.Generator().manual_seed(i))
+        return x, int(x[:8].sum() > 0)
+
+
+def load():
+    return Points(), None
+"""
+
+
+def cold_start(rounds: int, scratch: Path, before: Optional[Path] = None, link: Optional[str] = None,
+               loader_workers: int = 0) -> dict:
     variants = dict(VARIANTS)
     trains = {"phalanx train": TRAIN}
     if link is not None:
         trains[f"phalanx train --link {link}"] = [*TRAIN, "--link", link]
-        variants[f"phalanx train --link {link}"] = (trains[f"phalanx train --link {link}"], {})
+    if loader_workers:
+        (scratch / "points.py").write_text(POINTS)
+        trains[f"phalanx train --loader-workers {loader_workers}"] = [
+            *TRAIN, "--model", "mlp", "--data", "points:load", "--loader-workers", str(loader_workers)]
+    for name, cmd in list(trains.items())[1:]:
+        variants[name] = (cmd, {})
     if before is not None:  # the package from another checkout (PYTHONPATH comes before the installed one)
         for name, cmd in trains.items():
             variants[f"{name} ({before.name})"] = (cmd, {"PYTHONPATH": str(before / "src")})
@@ -93,16 +119,16 @@ def cold_start(rounds: int, scratch: Path, before: Optional[Path] = None, link: 
     for _ in range(rounds):
         for name, (cmd, env) in variants.items():
             runs[name].append(timed(cmd, env, scratch, cpu[name]))
-    med = print_medians(runs, 40, " s")
+    med = print_medians(runs, 48, " s")
     if all(cpu.values()):
         print("  seconds of CPU, every process of the command's:")
-        print_medians(cpu, 40, " s")
+        print_medians(cpu, 48, " s")
     ratios = {name: med[name] / med["import torch"] for name in variants}
     # each round's own ratio: a change of load between rounds cancels out of it
     paired = {name: statistics.median(t / base for t, base in zip(runs[name], runs["import torch"]))
               for name in variants}
     for name in variants:
-        print(f"  {name:<40} {ratios[name]:5.2f} x import torch (medians), {paired[name]:5.2f} x (paired)")
+        print(f"  {name:<48} {ratios[name]:5.2f} x import torch (medians), {paired[name]:5.2f} x (paired)")
     load_after = os.getloadavg()
     print(f"  load average {_load(load_after)} at the end")
     return {"seconds": runs, "cpu_seconds": cpu, "medians": med, "ratios_to_import_torch": ratios,
@@ -141,12 +167,16 @@ def main() -> None:
                    help="also time phalanx train from this checkout's src/ (the code before a change), interleaved")
     p.add_argument("--compare-repeats", type=int, default=1, help="times each comparison runs in part 2 (0: skip)")
     p.add_argument("--link", default=None, help="also time phalanx train on a shaped link of this rate (root)")
+    p.add_argument("--loader-workers", type=int, default=0,
+                   help="also time phalanx train reading a Dataset with this many loader workers per rank")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        cold = cold_start(args.rounds, scratch, Path(args.before) if args.before else None, args.link)
+        cold = cold_start(args.rounds, scratch, Path(args.before) if args.before else None, args.link,
+                          args.loader_workers)
         compared = comparison(scratch, args.compare_repeats) if args.compare_repeats else None
-    save_result("startup-link" if args.link else "startup", args, cold_start=cold, compare=compared)
+    name = "startup" + ("-link" if args.link else "") + ("-loader" if args.loader_workers else "")
+    save_result(name, args, cold_start=cold, compare=compared)
 
 
 if __name__ == "__main__":

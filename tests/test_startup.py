@@ -97,11 +97,33 @@ def test_a_forked_worker_collects_garbage_and_leaves_what_the_server_imported_fr
     assert enabled and frozen > 100_000  # torch's objects, imported by the server with the collector off
 
 
+#: A Dataset read item by item, by each rank's DataLoader workers under --loader-workers.
+LAZY = """
+import torch
+
+
+class Points(torch.utils.data.Dataset):
+    def __len__(self):
+        return 256
+
+    def __getitem__(self, i):
+        x = torch.randn(64, generator=torch.Generator().manual_seed(i))
+        return x, int(x[:8].sum() > 0)
+
+
+def load():
+    return Points(), None
+"""
+
+
 @pytest.mark.slow
 def test_forked_and_spawned_workers_train_to_the_same_parameters_and_the_start_up_is_profiled(tmp_path):
-    flags = ["train", "--steps", "6", "--model", "mlp", "--log-every", "3", "--profile-startup"]
+    (tmp_path / "points.py").write_text(LAZY)
+    flags = ["train", "--steps", "6", "--model", "mlp", "--data", "points:load", "--loader-workers", "1",
+             "--log-every", "3", "--profile-startup"]
     # (each import's time on stderr, torch._C's once per interpreter that imports torch: the command's fork server
-    # is a fork of the command, so torch is imported once for both, where a new interpreter imported it again)
+    # is a fork of the command, and each rank's loader workers' server a fork of the rank, so torch is imported once
+    # for all, where each new interpreter imported it again)
     forked = subprocess.run(phalanx_cmd() + flags + ["--checkpoint-dir", "forked"], cwd=tmp_path, capture_output=True,
                             text=True, env=dict(os.environ, PYTHONPROFILEIMPORTTIME="1"))
     assert len(re.findall(r"^import time: .*\|\s+torch\._C$", forked.stderr, re.M)) == 1, forked.stderr[-3000:]

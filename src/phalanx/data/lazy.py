@@ -10,8 +10,10 @@ With N > 0 it stays lazy: every batch is ``dataset[i]`` for the batch's indices,
 The loader workers are forked from a fork server (multiprocessing's ``forkserver``), never from
 the rank itself: a rank holds threads (gloo's, the prefetcher's, the progress watch), and a fork of
 a process with threads alive may inherit a lock another thread held, forever. The server is
-single-threaded and imported torch once, so a worker is ready in milliseconds; this works the same
-whether the rank was itself forked from phalanx's fork server or spawned.
+single-threaded and imported torch once, so a worker is ready in milliseconds. A rank forked from
+phalanx's fork server forks this server from itself as it starts, before it has a thread
+(``phalanx/launcher/forkserver.py``, ``fork_loader_server``); elsewhere (a rank spawned, or started by
+torchrun) the server starts as a new interpreter when the first batch is read.
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ class LazyExamples:
         stream = iter(DataLoader(_Guarded(self), batch_sampler=indices, num_workers=self.workers,
                                  collate_fn=functools.partial(guarded, self.collate_fn, self.name),
                                  worker_init_fn=functools.partial(loader_worker, os.getpid()),
-                                 multiprocessing_context=loader_context(type(self.dataset).__module__)))
+                                 multiprocessing_context=loader_context(self.module)))
         try:
             for batch in stream:
                 if isinstance(batch, Unreadable):
@@ -122,6 +124,15 @@ class LazyExamples:
             # and its traceback holds this frame (the resource tracker would report them "leaked").
             del stream
             gc.collect()  # the iterator and the DataLoader hold each other
+
+    @property
+    def module(self) -> str:
+        """The module that defines the user's Dataset (under the Subsets phalanx cut it into): what the loader
+        workers' fork server imports once."""
+        dataset = self.dataset
+        while isinstance(dataset, Subset):
+            dataset = dataset.dataset
+        return type(dataset).__module__
 
     def subset(self, idx: torch.Tensor) -> "LazyExamples":
         subset = Subset(self.dataset, idx.tolist())

@@ -35,6 +35,7 @@ from multiprocessing import connection, forkserver, resource_tracker, util
 from ..comm import shaped_link
 from ..errors import PhalanxError
 from .startup import PAUSE_MODULE
+from .stop_signals import guard_fork_server
 
 #: Imported by the fork server before it forks anyone: first what keeps the server alive through a
 #: SIGTERM sent to the whole process group (``forkserver_signals.py``), then the collector turned off for
@@ -80,29 +81,36 @@ def start_early(fork: bool) -> None:
     multiprocessing.set_forkserver_preload(PRELOAD)
     try:
         start_resource_tracker()
-        if fork and threading.active_count() == 1:
-            _fork_server()
-        else:
+        if not (fork and threading.active_count() == 1 and _fork_server(SHARED, PRELOAD)):
             forkserver.ensure_running()
     except OSError:
         return  # (no fork server here: workers will be started however start_method says)
     atexit.register(_stop_if_unused)
 
 
-def _fork_server() -> None:
-    """multiprocessing's fork server, forked from this process after it imported :data:`SHARED` rather than
-    started as a new interpreter that imports them again. Where multiprocessing's server takes an authentication key
-    (Python 3.14), the new interpreter."""
+def fork_loader_server(modules: list[str]) -> None:
+    """In a worker forked from the server whose DataLoader workers will read a Dataset (``--loader-workers``),
+    before it starts any thread: their fork server, forked from this worker now (torch and phalanx are imported;
+    the server imports the Dataset's ``modules``) rather than started as a new interpreter that imports torch again
+    when the first batch is read. Nothing where it cannot be forked (another thread running, Python 3.14's
+    authenticated server): it then starts as a new interpreter at the first batch."""
+    if threading.active_count() == 1:
+        _fork_server([], [GUARD, *modules])
+
+
+def _fork_server(imports: list[str], preload: list[str]) -> bool:
+    """multiprocessing's fork server, forked from this process after it imported ``imports`` rather than started as a
+    new interpreter that imports them again; the server then imports ``preload``. False where multiprocessing's
+    server takes an authentication key (Python 3.14): it must be a new interpreter."""
     server: Any = forkserver._forkserver  # (its state, as its own ensure_running sets it)
     if hasattr(server, "_forkserver_authkey"):
-        forkserver.ensure_running()
-        return
+        return False
     if server._forkserver_pid is not None:
-        return
-    for name in SHARED:
+        return True
+    for name in imports:
         importlib.import_module(name)
     # (not under the server's lock, which a fork would copy held into the server and every worker: a rank's
-    # loader fork server waited for it forever; the command line has no other thread)
+    # loader fork server waited for it forever; this process has no other thread)
     with socket.socket(socket.AF_UNIX) as listener:
         address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
         listener.bind(address)
@@ -114,21 +122,23 @@ def _fork_server() -> None:
         util._flush_std_streams()  # type: ignore[attr-defined]
         pid = os.fork()
         if pid == 0:
-            _serve(listener.fileno(), alive_r, alive_w)
+            _serve(listener.fileno(), alive_r, alive_w, preload)
         os.close(alive_r)
     server._forkserver_address = address
     server._forkserver_alive_fd = alive_w
     server._forkserver_pid = pid
+    return True
 
 
-def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
-    """In the forked server: multiprocessing's server loop, which imports :data:`PRELOAD` first (torch is
-    imported already; the guard and the collector's pause come first as in a new interpreter); it never returns
-    into the parent's code."""
+def _serve(listener_fd: int, alive_r: int, alive_w: int, preload: list[str]) -> None:
+    """In the forked server: the guard first (what importing :data:`GUARD` does, done here too: a worker forking its
+    loader workers' server imported it long before), then multiprocessing's server loop, which imports ``preload``
+    (what is imported already is not imported again); it never returns into the parent's code."""
     status = 0
     try:
         os.close(alive_w)
-        forkserver.main(listener_fd, alive_r, PRELOAD)
+        guard_fork_server()
+        forkserver.main(listener_fd, alive_r, preload)
     except (SystemExit, KeyboardInterrupt):  # (its end: the parent is gone; or a Ctrl-C before its guard was in)
         pass
     except BaseException:
@@ -162,4 +172,5 @@ def _stop_if_unused() -> None:
             pass
 
 
-__all__ = ["GUARD", "PRELOAD", "SHARED", "start_early", "start_method", "start_resource_tracker"]
+__all__ = ["GUARD", "PRELOAD", "SHARED", "fork_loader_server", "start_early", "start_method",
+           "start_resource_tracker"]

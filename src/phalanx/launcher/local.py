@@ -38,7 +38,7 @@ from ..errors import JobHung, PhalanxError, WorkerFailed
 from ..kinds import Kind
 from ..log import show_on_streams, shown_on_streams
 from . import loopback
-from .forkserver import start_method
+from .forkserver import fork_loader_server, start_method
 from .watch import Progress, Watcher, is_gone, launcher_view, say_gone, say_raised, store_client
 from .survivors import let_survivors_save
 from .startup import resume_collector
@@ -89,6 +89,7 @@ def _spawned_worker(
     watched: bool = True,
     parents: Optional["_Parents"] = None,
     shown: bool = False,
+    loader_modules: Optional[list[str]] = None,
 ) -> None:
     resume_collector()  # forked from the server, which imported with the collector off (startup.py)
     record_until_ready(local_rank)  # a stop signal from here on ends it once its handlers are in (stop_signals.py)
@@ -97,6 +98,8 @@ def _spawned_worker(
         parents.adopt()
     if shown:  # the parent shows phalanx's messages on its streams (the command line): so does its worker
         show_on_streams()
+    if loader_modules is not None:  # (with the parent's environment and streams, before any thread of this worker's)
+        fork_loader_server(loader_modules)
     world_size = len(devices)
     progress = Progress(local_rank)
     progress.handle_signals()  # SIGTERM/SIGINT: stop at a step boundary, not a KeyboardInterrupt traceback
@@ -220,6 +223,7 @@ def launch(
     label: Optional[Callable[[int], str]] = None,
     lockstep: bool = True,
     survivors_save: bool = False,
+    loader_modules: Optional[list[str]] = None,
 ) -> Any:
     """Run ``fn(ctx, *args)`` on one worker per entry of ``devices``; return rank 0's result.
 
@@ -232,6 +236,8 @@ def launch(
     and SIGINT are passed on to the workers, which stop together at a step boundary; a second
     one stops them at once. With ``survivors_save`` (every rank holds the whole model), a worker that dies
     without a word leaves the others time to save what they hold (:mod:`.survivors`) before they are ended.
+    Where each worker will read a Dataset with DataLoader workers (``loader_modules``: the modules defining it),
+    each forks their fork server from itself as it starts (:func:`~phalanx.launcher.forkserver.fork_loader_server`).
     """
     job = joined()
     if threads is None and all(d.type == "cpu" for d in devices):
@@ -251,7 +257,7 @@ def launch(
         _spawned_worker,
         args=(fn, args, list(devices), threads, addr, store.port, timeout_s, results, hang_timeout_s > 0,
               _Parents(loopback.worker_environment(), namespace=shaped_link.namespace()),
-              shown_on_streams()),
+              shown_on_streams(), loader_modules if method == "forkserver" else None),
         nprocs=len(devices),
         join=False,
         start_method=method,

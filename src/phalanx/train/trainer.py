@@ -25,6 +25,7 @@ from ..comm import shaped_link
 from ..devices import backend_for, resolve_devices
 from ..errors import JobHung, PhalanxError, Stopped, WorkerFailed
 from ..launcher import in_torchrun, launch, launcher_rank, launcher_world_size
+from ..data.lazy import LazyExamples
 from ..data.user import cast_to_model
 from ..task import Task, named_optimizer, user_task
 from ..strategies import Job, Layout, meta_init
@@ -185,7 +186,7 @@ class Trainer:
                               addr=cfg.master_addr, timeout_s=max(cfg.timeout_s, 2 * cfg.hang_timeout_s),
                               tolerate=plan.layout.expendable, hang_timeout_s=cfg.hang_timeout_s,
                               label=plan.layout.label, lockstep=plan.layout.lockstep,
-                              survivors_save=cfg.options.survivors_save)
+                              survivors_save=cfg.options.survivors_save, loader_modules=_loader_modules(self.task.data))
             except (WorkerFailed, JobHung) as e:
                 newest = ckpt.latest_checkpoint(cfg.run_dir)
                 if restarts >= cfg.max_restarts:
@@ -213,6 +214,13 @@ class Trainer:
         if record is None or record.run_id != run_id or not ckpt.list_checkpoints(cfg.run_dir):
             return None
         return ckpt.load_checkpoint(cfg.run_dir)
+
+
+def _loader_modules(data: Any) -> Optional[list[str]]:
+    """Where the ranks read a Dataset with DataLoader workers (``--loader-workers``), the modules that define it:
+    each rank forks its loader workers' fork server as it starts, and the server imports them once. Else None."""
+    lazy = [s for s in (getattr(data, "train", None), getattr(data, "test", None)) if isinstance(s, LazyExamples)]
+    return sorted({s.module for s in lazy}) if lazy and any(s.workers for s in lazy) else None
 
 
 def _steps_made(summary: Optional[dict[str, Any]], plan: Plan) -> int:
