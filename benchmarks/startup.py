@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -76,25 +77,6 @@ def timed(cmd: list[str], env: dict, cwd: Path, cpu: Optional[list[float]] = Non
     return wall
 
 
-#: A Dataset made item by item, for ``--loader-workers``: its module is written into the scratch folder.
-POINTS = """
-import torch
-
-
-class Points(torch.utils.data.Dataset):
-    def __len__(self):
-        return 256
-
-    def __getitem__(self, i):
-        x = torch.randn(64, generator=torch.Generator().manual_seed(i))
-        return x, int(x[:8].sum() > 0)
-
-
-def load():
-    return Points(), None
-"""
-
-
 def cold_start(rounds: int, scratch: Path, before: Optional[Path] = None, link: Optional[str] = None,
                loader_workers: int = 0) -> dict:
     variants = dict(VARIANTS)
@@ -102,7 +84,7 @@ def cold_start(rounds: int, scratch: Path, before: Optional[Path] = None, link: 
     if link is not None:
         trains[f"phalanx train --link {link}"] = [*TRAIN, "--link", link]
     if loader_workers:
-        (scratch / "points.py").write_text(POINTS)
+        shutil.copy(Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "points.py", scratch)
         trains[f"phalanx train --loader-workers {loader_workers}"] = [
             *TRAIN, "--model", "mlp", "--data", "points:load", "--loader-workers", str(loader_workers)]
     for name, cmd in list(trains.items())[1:]:

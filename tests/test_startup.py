@@ -7,13 +7,14 @@ import gc
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers import phalanx_cmd, run_in_process, run_main, run_workers
+from helpers import REPO, phalanx_cmd, run_in_process, run_main, run_workers
 from phalanx.checkpoint import load_checkpoint
 from phalanx.cli import COMMANDS
 
@@ -97,28 +98,9 @@ def test_a_forked_worker_collects_garbage_and_leaves_what_the_server_imported_fr
     assert enabled and frozen > 100_000  # torch's objects, imported by the server with the collector off
 
 
-#: A Dataset read item by item, by each rank's DataLoader workers under --loader-workers.
-LAZY = """
-import torch
-
-
-class Points(torch.utils.data.Dataset):
-    def __len__(self):
-        return 256
-
-    def __getitem__(self, i):
-        x = torch.randn(64, generator=torch.Generator().manual_seed(i))
-        return x, int(x[:8].sum() > 0)
-
-
-def load():
-    return Points(), None
-"""
-
-
 @pytest.mark.slow
 def test_forked_and_spawned_workers_train_to_the_same_parameters_and_the_start_up_is_profiled(tmp_path):
-    (tmp_path / "points.py").write_text(LAZY)
+    shutil.copy(REPO / "tests" / "fixtures" / "points.py", tmp_path)  # a Dataset made item by item
     flags = ["train", "--steps", "6", "--model", "mlp", "--data", "points:load", "--loader-workers", "1",
              "--log-every", "3", "--profile-startup"]
     # (each import's time on stderr, torch._C's once per interpreter that imports torch: the command's fork server
