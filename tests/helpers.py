@@ -162,8 +162,8 @@ def spawned_children(pid: int, marker: str = "spawn_main") -> list[int]:
     """The worker processes a phalanx command started, oldest first (rank order).
 
     phalanx's own workers are forks of its fork server (a child of the command: their parent; a fork of
-    the command, or a new interpreter where a script's fit() started it), or, on a shaped link, its own
-    spawned children (``spawn_main``); ``marker`` ``"phalanx"``: the workers of a torchrun agent."""
+    the command, or a new interpreter where a script's fit() started it), or, with PHALANX_START_METHOD=spawn,
+    its own spawned children (``spawn_main``); ``marker`` ``"phalanx"``: the workers of a torchrun agent."""
     found = []
     command = open(f"/proc/{pid}/cmdline").read()
     for start, child, cmdline in _children(pid):
