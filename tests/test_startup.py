@@ -100,14 +100,17 @@ def test_a_forked_worker_collects_garbage_and_leaves_what_the_server_imported_fr
 
 @pytest.mark.slow
 def test_forked_and_spawned_workers_train_to_the_same_parameters_and_the_start_up_is_profiled(tmp_path):
+    """The forked run reads its Dataset with a loader worker per rank, the spawned one in memory (the same batches:
+    tests/test_loader_workers.py)."""
     shutil.copy(REPO / "tests" / "fixtures" / "points.py", tmp_path)  # a Dataset made item by item
-    flags = ["train", "--steps", "6", "--model", "mlp", "--data", "points:load", "--loader-workers", "1",
-             "--log-every", "3", "--profile-startup"]
+    flags = ["train", "--steps", "6", "--model", "mlp", "--data", "points:load", "--log-every", "3",
+             "--profile-startup"]
     # (each import's time on stderr, torch._C's once per interpreter that imports torch: the command's fork server
     # is a fork of the command, and each rank's loader workers' server a fork of the rank, so torch is imported once
     # for all, where each new interpreter imported it again)
-    forked = subprocess.run(phalanx_cmd() + flags + ["--checkpoint-dir", "forked"], cwd=tmp_path, capture_output=True,
-                            text=True, env=dict(os.environ, PYTHONPROFILEIMPORTTIME="1"))
+    forked = subprocess.run(phalanx_cmd() + flags + ["--loader-workers", "1", "--checkpoint-dir", "forked"],
+                            cwd=tmp_path, capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPROFILEIMPORTTIME="1"))
     assert len(re.findall(r"^import time: .*\|\s+torch\._C$", forked.stderr, re.M)) == 1, forked.stderr[-3000:]
     spawned = subprocess.run([sys.executable, "-m", "phalanx", *flags, "--checkpoint-dir", "spawned"], cwd=tmp_path,
                              capture_output=True, text=True, env=dict(os.environ, PHALANX_START_METHOD="spawn"))
