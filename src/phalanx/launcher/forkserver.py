@@ -81,7 +81,7 @@ def start_early(fork: bool) -> None:
     multiprocessing.set_forkserver_preload(PRELOAD)
     try:
         start_resource_tracker()
-        if not (fork and threading.active_count() == 1 and _fork_server(SHARED, PRELOAD)):
+        if not (fork and _fork_server(SHARED, PRELOAD)):
             forkserver.ensure_running()
     except OSError:
         return  # (no fork server here: workers will be started however start_method says)
@@ -94,16 +94,16 @@ def fork_loader_server(modules: list[str]) -> None:
     the server imports the Dataset's ``modules``) rather than started as a new interpreter that imports torch again
     when the first batch is read. Nothing where it cannot be forked (another thread running, Python 3.14's
     authenticated server): it then starts as a new interpreter at the first batch."""
-    if threading.active_count() == 1:
-        _fork_server([], [GUARD, *modules])
+    _fork_server([], modules)
 
 
 def _fork_server(imports: list[str], preload: list[str]) -> bool:
     """multiprocessing's fork server, forked from this process after it imported ``imports`` rather than started as a
-    new interpreter that imports them again; the server then imports ``preload``. False where multiprocessing's
-    server takes an authentication key (Python 3.14): it must be a new interpreter."""
+    new interpreter that imports them again; the server then imports ``preload`` (after the guard: see :func:`_serve`).
+    False where it cannot be forked: another thread runs here (a fork may copy a lock it holds), or
+    multiprocessing's server takes an authentication key (Python 3.14) and must be a new interpreter."""
     server: Any = forkserver._forkserver  # (its state, as its own ensure_running sets it)
-    if hasattr(server, "_forkserver_authkey"):
+    if threading.active_count() != 1 or hasattr(server, "_forkserver_authkey"):
         return False
     if server._forkserver_pid is not None:
         return True
