@@ -168,20 +168,26 @@ class Server:
         target = self.global_step() + 1
         self.step_losses = []
         while self.global_step() < target and self.diverged is None:
-            self._handle(self._next_message())
+            message = self._next_message()
+            if message is not None:
+                self._handle(message)
         if self.diverged is not None:
             return torch.tensor(self.diverged.loss)
         return torch.tensor(sum(self.step_losses) / max(len(self.step_losses), 1))
 
-    def _next_message(self) -> Message:
-        """The next message, waiting; meanwhile (checked every second) a worker silent too long is lost."""
+    def _next_message(self) -> Optional[Message]:
+        """The next message, waiting; meanwhile (checked every second) a worker silent too long is lost. None
+        where one was: no message may ever come (the others wait for their replies, or have stopped), so the
+        caller looks again at what it waits for."""
         while True:
             if not self.live:
                 raise WorkerFailed(0, "every worker was lost; the parameter server cannot continue (the last "
                                       "checkpoint is intact: --resume from it)")
             if self.hang_timeout_s > 0 and time.monotonic() - self.checked > 1.0:
                 self.checked = time.monotonic()
-                self._lose_the_silent()
+                if self._lose_the_silent():
+                    self._release_waiting()  # a round that waited for the lost worker's gradient went on
+                    return None
             try:
                 message = self.inbox.get(timeout=1.0 if self.hang_timeout_s > 0 else None)
             except queue.Empty:
@@ -189,15 +195,19 @@ class Server:
             self.expecting.pop(message.worker, None)  # heard from: nothing expected until its next reply
             return message
 
-    def _lose_the_silent(self) -> None:
+    def _lose_the_silent(self) -> bool:
         """Lose every worker whose gradient is due for half the hang timeout: half, so that the others go
-        on (and the job shows progress) well before the launcher would call the whole job hung."""
+        on (and the job shows progress) well before the launcher would call the whole job hung. Returns
+        whether one was lost."""
         now = time.monotonic()
+        lost = False
         for worker, since in sorted(self.expecting.items()):
             # (a worker told to stop owes only its BYE; one that never spoke may still be starting)
             allowed = self.hang_timeout_s / 2 if self.gate.clock[worker] else max(self.hang_timeout_s, STARTUP_S)
             if worker in self.live and worker not in self.stopped and now - since > allowed:
                 self._lose(worker, f"no message for {now - since:.0f} s: stopped, frozen or stuck")
+                lost = True
+        return lost
 
     def _handle(self, message: Message) -> None:
         worker = message.worker
@@ -314,6 +324,8 @@ class Server:
         self.waiting.clear()
         while self.live - self.stopped:
             message = self._next_message()
+            if message is None:
+                continue
             if message.kind not in (PUSH, HELLO):
                 self._lose(message.worker, message.error)
                 continue
