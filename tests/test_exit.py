@@ -17,8 +17,8 @@ from phalanx.checkpoint import latest_checkpoint, load_checkpoint
 #: What a C++ abort at exit leaves on stderr (std::terminate, torchrun's report, a c10 error).
 CPP_TRACES = ("terminate called", "SIGABRT", "Exception raised from")
 TINY = ["train", "--steps", "3", "--model", "mlp", "--progress", "none", "--checkpoint-dir", "ck"]
-#: A job stopped at step 240: the mlp (a stop does not depend on the model, and the cnn's 240 steps cost 4 s of CPU
-#: a test), far from its end however the machine is loaded; the default model under Ctrl-C, as a user meets it.
+#: A job stopped at step 40, before its first periodic checkpoint: the mlp (a stop does not depend on the model),
+#: far from its end however the machine is loaded; the default model under Ctrl-C, as a user meets it.
 LONG = ["--model", "mlp", "--steps", "20000", "--log-every", "20", "--checkpoint-every", "100"]
 
 
@@ -71,11 +71,11 @@ def test_under_phalanx_torchrun_a_stop_exits_143_or_130_without_torchruns_traceb
                             stdin=subprocess.DEVNULL, start_new_session=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     for line in proc.stdout:
-        if line.startswith("step 240,"):
+        if line.startswith("step 40,"):
             (os.killpg if to_the_group else os.kill)(proc.pid, signal_)
             break
     out, err = proc.communicate(timeout=300)
-    _stopped_with_checkpoint(proc.returncode, err, tmp_path, signal_.name, 240)
+    _stopped_with_checkpoint(proc.returncode, err, tmp_path, signal_.name, 40)
     assert "SignalException" not in err
 
 
@@ -165,8 +165,8 @@ def _stopped_with_checkpoint(code, err, cwd, signame, after):
 @pytest.mark.parametrize("strategy", ["sync", "fsdp"])
 def test_ctrl_c_to_the_process_group_stops_at_one_step_and_saves_it(strategy, tmp_path):
     # --progress bar with output not on a terminal: no leaked-semaphore warning either.
-    code, out, err = _ctrl_c(tmp_path, ["train", "--strategy", strategy, *LONG[2:], "--progress", "bar"], "step 240,")
-    _stopped_with_checkpoint(code, err, tmp_path, "SIGINT", 240)
+    code, out, err = _ctrl_c(tmp_path, ["train", "--strategy", strategy, *LONG[2:], "--progress", "bar"], "step 40,")
+    _stopped_with_checkpoint(code, err, tmp_path, "SIGINT", 40)
 
 
 @pytest.mark.slow
@@ -175,8 +175,8 @@ def test_sigterm_to_the_process_group_stops_at_one_step_and_saves_it(strategy, t
     # The group holds the fork server too: it died of the SIGTERM, every worker then read as exited 255,
     # and the command said "stopped by SIGTERM before the first step; nothing was saved" while the workers,
     # orphaned, saved a step and then lost the store under them (C++ traces).
-    code, out, err = _ctrl_c(tmp_path, ["train", "--strategy", strategy, *LONG], "step 240,", signal_=signal.SIGTERM)
-    _stopped_with_checkpoint(code, err, tmp_path, "SIGTERM", 240)
+    code, out, err = _ctrl_c(tmp_path, ["train", "--strategy", strategy, *LONG], "step 40,", signal_=signal.SIGTERM)
+    _stopped_with_checkpoint(code, err, tmp_path, "SIGTERM", 40)
 
 
 LAZY_DIGITS = """
@@ -220,8 +220,8 @@ def test_sigterm_to_the_process_group_with_loader_workers_stops_at_one_step_and_
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, signal_", [("sync", signal.SIGTERM), ("pipeline", signal.SIGINT)])
 def test_a_signal_to_one_worker_stops_the_whole_job_at_one_step(strategy, signal_, tmp_path):
-    code, out, err = run_and_signal(["train", "--strategy", strategy, *LONG], tmp_path, "step 240,", signal_, rank=1)
-    _stopped_with_checkpoint(code, err, tmp_path, signal_.name, 240)
+    code, out, err = run_and_signal(["train", "--strategy", strategy, *LONG], tmp_path, "step 40,", signal_, rank=1)
+    _stopped_with_checkpoint(code, err, tmp_path, signal_.name, 40)
 
 
 SLOW_START = """
@@ -312,10 +312,10 @@ def test_sighup_stops_at_one_step_and_saves_it_exit_129(to_the_group, tmp_path):
     # under them (C++ frames, recvBytes) and the resource tracker warned of leaked semaphores.
     args = ["train", "--strategy", "sync", *LONG]
     if to_the_group:
-        code, out, err = _ctrl_c(tmp_path, args, "step 240,", signal_=signal.SIGHUP)
+        code, out, err = _ctrl_c(tmp_path, args, "step 40,", signal_=signal.SIGHUP)
     else:
-        code, out, err = run_and_signal(args, tmp_path, "step 240,", signal.SIGHUP)
-    _stopped_with_checkpoint(code, err, tmp_path, "SIGHUP", 240)
+        code, out, err = run_and_signal(args, tmp_path, "step 40,", signal.SIGHUP)
+    _stopped_with_checkpoint(code, err, tmp_path, "SIGHUP", 40)
 
 
 #: Inside a mount namespace of its own, on a /dev/shm of its own: a job on the digits (scikit-learn imported, so
