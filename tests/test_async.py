@@ -167,7 +167,7 @@ def test_a_worker_that_joins_after_the_end_computes_nothing_and_leaves():
 def test_ps_survives_a_killed_worker(tmp_path, strategy):
     """backup:0 is the hard case: the survivor's round waits for the dead worker's gradient."""
     code, out, err = run_and_signal(
-        ["train", "--strategy", *strategy, "--workers", "2", "--steps", "300", "--log-every", "20",
+        ["train", "--strategy", *strategy, "--workers", "2", "--model", "mlp", "--steps", "300", "--log-every", "20",
          "--checkpoint-every", "50", "--straggler", "1:2"], tmp_path, "step 60,", signal.SIGKILL, rank=2)
     assert code == 0, err[-3000:]
     assert re.search(r"worker 2 lost at step \d+; continuing with 1 workers", out)
