@@ -1,5 +1,6 @@
 """A job under real faults: hangs named, preemption saved, dead workers replaced (real signals, real processes)."""
 
+import json
 import os
 import re
 import signal
@@ -16,7 +17,7 @@ from helpers import only_run, phalanx_cmd, run_and_signal, run_in_process, spawn
 from phalanx import TrainConfig, Trainer
 from phalanx.errors import JobHung
 from phalanx.checkpoint import latest_checkpoint, load_checkpoint
-from phalanx.launcher.watch import RankState, describe_hang
+from phalanx.launcher.watch import Progress, RankState, describe_hang
 
 LONG = ["--steps", "4000", "--log-every", "20", "--checkpoint-every", "1000"]
 
@@ -108,6 +109,31 @@ def test_the_hang_report_is_pure_logic_over_what_the_ranks_published():
                       "process stopped or frozen: no heartbeat for 70 s); rank 0 and rank 2 wait in gloo:all_reduce "
                       "(collective 74) of step 37")
 
+
+
+def test_a_rank_says_at_once_that_it_started_and_that_its_first_step_began():
+    # Between beats (a quarter second) a fast local-sgd rank made 40 steps: frozen there, it had never reported,
+    # and the parent, taking it for one still starting, waited the 120 s start-up allowance instead of the hang
+    # timeout, then said it "never reported (it did not start)". (Beats an hour apart here: only the two at once.)
+    store = dist.HashStore()
+    progress = Progress(rank=1, interval_s=3600).publish(store)
+    try:
+        assert _published_step(store) == 0
+        progress.at(1, "the training step")
+        assert _published_step(store, step=1) == 1
+    finally:
+        progress.close()
+
+
+def _published_step(store, step=0, patience_s=60):
+    deadline = time.monotonic() + patience_s  # (a hang guard, not a time limit: the beat comes at once or never)
+    while time.monotonic() < deadline:
+        if store.check(["progress/1"]):
+            published = json.loads(store.get("progress/1"))["step"]
+            if published == step:
+                return published
+        time.sleep(0.01)
+    return None
 
 # ---- preemption ----
 

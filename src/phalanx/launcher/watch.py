@@ -111,7 +111,8 @@ def is_gone(store: dist.Store, rank: int) -> bool:
 
 
 class Progress:
-    """This rank's place in the run, published once a second; stop requests turned into a flag."""
+    """This rank's place in the run, published four times a second and at once as it starts and as its first
+    step begins; stop requests turned into a flag."""
 
     def __init__(self, rank: int, interval_s: float = 0.25):
         self.rank, self.interval_s = rank, interval_s
@@ -123,10 +124,12 @@ class Progress:
         self._answered_dump = ""
         self.cpu_seconds = 0.0  #: CPU time this rank's watch thread has used (its whole cost)
         self._closing = threading.Event()
+        self._wake = threading.Event()  #: publish now: at the start, the first step, the end
+        self._wake.set()
         self._thread: Optional[threading.Thread] = None
 
     def publish(self, store: dist.Store) -> "Progress":
-        """Start publishing to ``store`` (a connection of this thread's own) once a second."""
+        """Start publishing to ``store``, a connection of this thread's own."""
         self.store = store
         self._thread = threading.Thread(target=self._beat, args=(store,), name="phalanx-progress", daemon=True)
         self._thread.start()
@@ -134,6 +137,8 @@ class Progress:
 
     def at(self, step: int, phase: str) -> None:
         if step != self.step or phase != self.phase:
+            if self.step == 0:  # the first step begins: said at once, not a beat later (see Watcher.hung)
+                self._wake.set()
             self.step, self.phase, self.moved = step, phase, time.time()
 
     def request_stop(self, name: str) -> None:
@@ -170,7 +175,11 @@ class Progress:
                 stop(early, None)
 
     def _beat(self, store: dist.Store) -> None:
-        while not self._closing.wait(self.interval_s):
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._closing.is_set():
+                break
             try:
                 self._publish(store)
                 self._answer_dump(store)
@@ -202,6 +211,7 @@ class Progress:
 
     def close(self) -> None:
         self._closing.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(2 * self.interval_s)
 
@@ -302,7 +312,8 @@ class Watcher:
 
     def hung(self, now: Optional[float] = None) -> bool:
         """No rank the job needs has moved for the timeout. Start-up (spawning, importing, building the
-        model, profiling, until every rank has begun its first step) is allowed at least :data:`STARTUP_S`."""
+        model, profiling, until every rank has begun its first step) is allowed at least :data:`STARTUP_S`: a
+        rank says at once that its first step began, so one stopped a moment later is not taken for starting."""
         now = now or time.time()
         if self.timeout <= 0 or now - self.last_poll < self.interval_s:
             return False
