@@ -108,6 +108,18 @@ def test_the_hang_report_is_pure_logic_over_what_the_ranks_published():
     assert report == ("rank 1 is stuck in step 37, in the training step, not in a collective (no progress for 70 s; "
                       "process stopped or frozen: no heartbeat for 70 s); rank 0 and rank 2 wait in gloo:all_reduce "
                       "(collective 74) of step 37")
+    # A pipeline's stages wait for a frozen one in point-to-point receives, which gloo's flight recorder does not
+    # show: the frozen stage is the one named stuck (all three were, each "not in a collective"), in the step the
+    # others are in (its last beat, a quarter second old, was 20 fast steps behind).
+    states[1] = RankState(20, "the training step", now - 70, now - 70)
+    states[2] = RankState(38, "the training step", now - 64, now - 0.1)
+    busy = {"collectives": {"0": {"name": "gloo:all_reduce", "seq": 3, "waiting": False}}}
+    report = describe_hang(states, {0: busy, 2: busy}, 3, 60, lambda r: f"stage {r}", lockstep=True, now=now)
+    assert report == ("stage 1 is stuck in step 37, in the training step, not in a collective (no progress for 70 s; "
+                      "process stopped or frozen: no heartbeat for 70 s); stage 0 waits in step 37, in the training "
+                      "step, alive, outside any collective torch records (a point-to-point receive or send); stage 2 "
+                      "waits in step 38, in the training step, alive, outside any collective torch records (a "
+                      "point-to-point receive or send)")
 
 
 

@@ -365,7 +365,15 @@ def describe_hang(states: dict[int, RankState], dumps: dict[int, dict], world: i
     in_collective = [r for r in range(world) if waiting[r] is not None]
     stuck = [r for r in range(world) if waiting[r] is None] or \
         sorted(in_collective, key=lambda r: (states[r].step if r in states else -1))[:1]
-    waiting_steps = [states[r].step for r in in_collective if r in states and r not in stuck]
+
+    def alive(r: int) -> bool:
+        return r in dumps and r in states and now - states[r].beat < 3 * timeout_s
+
+    # Alive ranks outside any recorded collective beside stopped or frozen ones wait for those: in a wait no
+    # flight recorder shows (gloo records no point-to-point op: a pipeline's stages).
+    held = [r for r in stuck if alive(r)] if any(not alive(r) for r in stuck) else []
+    stuck = [r for r in stuck if r not in held]
+    waiting_steps = [states[r].step for r in in_collective + held if r in states and r not in stuck]
     parts = []
     for r in stuck:
         state = states.get(r)
@@ -373,8 +381,8 @@ def describe_hang(states: dict[int, RankState], dumps: dict[int, dict], world: i
             parts.append(f"{label(r)} never reported (it did not start)")
             continue
         step = max([state.step] + ([min(waiting_steps)] if lockstep and waiting_steps else []))
-        alive = r in dumps and now - state.beat < 3 * timeout_s
-        how = "alive and busy" if alive else f"process stopped or frozen: no heartbeat for {now - state.beat:.0f} s"
+        how = "alive and busy" if alive(r) else \
+            f"process stopped or frozen: no heartbeat for {now - state.beat:.0f} s"
         collective = waiting[r]
         where = "not in a collective" if collective is None else f"in {collective[0]} (collective {collective[1]})"
         parts.append(f"{label(r)} is stuck in step {step}, in {state.phase}, {where} (no progress for "
@@ -388,6 +396,9 @@ def describe_hang(states: dict[int, RankState], dumps: dict[int, dict], world: i
     for (name, seq, at), ranks in sorted(groups.items(), key=lambda kv: kv[1]):
         verb = "waits" if len(ranks) == 1 else "wait"
         parts.append(f"{_join([label(r) for r in ranks])} {verb} in {name} (collective {seq}) of step {at}")
+    for r in held:
+        parts.append(f"{label(r)} waits in step {states[r].step}, in {states[r].phase}, alive, outside any "
+                     "collective torch records (a point-to-point receive or send)")
     lines = ["; ".join(parts)]
     for r in stuck:
         stack = (dumps.get(r) or {}).get("stack") or []
