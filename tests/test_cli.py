@@ -189,6 +189,7 @@ def test_progress_bar_on_a_terminal_plain_lines_otherwise(tmp_path):
     assert re.search(r"\d+/200 \[", screen), screen[-2000:]  # the bar: "57/200 [00:01<...]"
     assert "step 200, loss = " in screen
 
-    piped = run_cli("train", "--steps", "40", "--model", "mlp", "--workers", "1", "--checkpoint-dir", "piped",
-                    cwd=tmp_path)  # (a directory of its own: the first run's holds that run)
+    # (output to files, as piped; a directory of its own: the first run's holds that run)
+    piped = run_in_process("train", "--steps", "40", "--model", "mlp", "--workers", "1", "--checkpoint-dir", "piped",
+                           cwd=tmp_path)
     assert piped.returncode == 0 and "/40 [" not in piped.stdout + piped.stderr
