@@ -115,11 +115,10 @@ def test_the_hang_report_is_pure_logic_over_what_the_ranks_published():
     states[2] = RankState(38, "the training step", now - 64, now - 0.1)
     busy = {"collectives": {"0": {"name": "gloo:all_reduce", "seq": 3, "waiting": False}}}
     report = describe_hang(states, {0: busy, 2: busy}, 3, 60, lambda r: f"stage {r}", lockstep=True, now=now)
+    held = "alive, outside any collective torch records (such as a point-to-point receive or send)"
     assert report == ("stage 1 is stuck in step 37, in the training step, not in a collective (no progress for 70 s; "
-                      "process stopped or frozen: no heartbeat for 70 s); stage 0 waits in step 37, in the training "
-                      "step, alive, outside any collective torch records (a point-to-point receive or send); stage 2 "
-                      "waits in step 38, in the training step, alive, outside any collective torch records (a "
-                      "point-to-point receive or send)")
+                      f"process stopped or frozen: no heartbeat for 70 s); stage 0 waits in step 37, in the training "
+                      f"step, {held}; stage 2 waits in step 38, in the training step, {held}")
 
 
 

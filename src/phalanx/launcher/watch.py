@@ -398,7 +398,7 @@ def describe_hang(states: dict[int, RankState], dumps: dict[int, dict], world: i
         parts.append(f"{_join([label(r) for r in ranks])} {verb} in {name} (collective {seq}) of step {at}")
     for r in held:
         parts.append(f"{label(r)} waits in step {states[r].step}, in {states[r].phase}, alive, outside any "
-                     "collective torch records (a point-to-point receive or send)")
+                     "collective torch records (such as a point-to-point receive or send)")
     lines = ["; ".join(parts)]
     for r in stuck:
         stack = (dumps.get(r) or {}).get("stack") or []
