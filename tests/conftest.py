@@ -1,3 +1,4 @@
+import gc
 import os
 import shutil
 import subprocess
@@ -15,6 +16,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def pytest_collection_finish(session):
+    # What collection imported (torch, transformers, every test module: millions of objects) lives as long as the
+    # process: out of the collector's sight, a full collection scans only what the tests made. Measured on four
+    # in-process files (test_fsdp, test_any_model, test_pipeline_models, test_training): 1.23 -> 0.84 s of GC.
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
