@@ -11,7 +11,9 @@ engines phalanx uses call them directly (FSDP2's all-gathers and reduce-scatters
 schedules' isend/irecv, the model averagers' all-reduce, the parameter server's send/recv). While
 metering, the public functions of ``torch.distributed`` and the same names inside
 ``distributed_c10d`` (through which torch's object collectives reach their tensor collectives) are
-replaced by one counting wrapper each, restored on the way out. Only the outermost call counts
+replaced by one counting wrapper each, restored on the way out, and so are torch's functional
+collectives (``_functional_collectives``), which DTensor calls for tensor parallelism's activations
+and gradients, in forward and in backward, without passing through those functions. Only the outermost call counts
 (``all_gather_into_tensor`` calls ``all_gather_single``), and the counting is a few Python operations
 per call: nothing is sent.
 
@@ -52,6 +54,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
 
 from .shaped_link import size
@@ -78,6 +81,16 @@ INPUTS = {
     "all_to_all": "input_tensor_list", "all_to_all_single": "input",
     "broadcast": "tensor", "scatter": "tensor", "gather": "tensor",
     "send": "tensor", "isend": "tensor", "recv": "tensor", "irecv": "tensor",
+}
+#: torch's functional collectives (``torch.distributed._functional_collectives``: what DTensor, and so tensor
+#: parallelism and its redistributions, calls in forward and in its backward), priced as the table prices the call
+#: they make; the tensor(s) they are given are S
+FUNCTIONAL = {
+    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
+    "all_gather_single": "all_gather", "all_gather_tensor": "all_gather", "all_gather_single_coalesced": "all_gather",
+    "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_single_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all", "broadcast": "broadcast",
 }
 #: the argument naming the root (a global rank), and its group-rank form
 ROOTS = {"reduce": ("dst", "group_dst"), "broadcast": ("src", "group_src"), "scatter": ("src", "group_src"),
@@ -199,6 +212,43 @@ class _Wrapped:
         self.meter.add(*traffic(self.kind, _nbytes(bound.get(self.input)), size, root))
 
 
+class _WrappedFunctional(_Wrapped):
+    """The counting stand-in for one functional collective: its group is a process group, a mesh, a mesh and a
+    dimension, a list of ranks or a group's name, and its first argument is S."""
+
+    def __init__(self, name: str, original: Callable, meter: Meter, depth: threading.local):
+        self.name, self.original, self.meter, self.depth = name, original, meter, depth
+        self.kind, self.input = FUNCTIONAL[name], next(iter(inspect.signature(original).parameters))
+        self.signature = inspect.signature(original)
+        self.roots = None
+        self.__wrapped__ = original
+        self.__name__ = self.__qualname__ = name
+        self.__doc__ = original.__doc__
+
+    def _count(self, args: tuple, kwargs: dict) -> None:
+        bound = self.signature.bind(*args, **kwargs).arguments
+        size = _group_size(bound.get("group"))
+        root = self.kind == "broadcast" and bound.get("src") == dist.get_rank()
+        self.meter.add(*traffic(self.kind, _nbytes(bound.get(self.input)), size, root))
+
+
+def _group_size(group: Any) -> int:
+    """How many ranks a functional collective's ``group`` spans (see torch's ``RANK_TYPES``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, dist.ProcessGroup):
+        return group.size()
+    if isinstance(group, DeviceMesh):
+        return group.size()
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+        return group[0].size(group[1])
+    if isinstance(group, str):
+        return c10d._get_group_size_by_name(c10d.GroupName(group))  # (private: a group known by its name)
+    if isinstance(group, list) and group and isinstance(group[0], list):
+        return len(group[0])  # (one row of a 2-D list of ranks: each row its own collective)
+    return len(group) if isinstance(group, list) else 1
+
+
 #: the meters of the metering() blocks open in this process, innermost last
 _OPEN: list[Meter] = []
 
@@ -228,6 +278,11 @@ def metering(meter: Optional[Meter] = None) -> Iterator[Meter]:
             if getattr(module, name, None) is original:
                 saved.append((module, name, original))
                 setattr(module, name, wrapper)
+    for name in FUNCTIONAL:
+        original = getattr(funcol, name, None)
+        if original is not None:  # (in this torch)
+            saved.append((funcol, name, original))
+            setattr(funcol, name, _WrappedFunctional(name, original, meter, depth))
     _OPEN.append(meter)
     try:
         yield meter
