@@ -72,6 +72,7 @@ def _functional(ctx):
         _done(funcol.all_gather_single(x, 0, dist.group.WORLD))
         _done(funcol.reduce_scatter_single(x, "sum", 0, (mesh, 0)))
         _done(funcol.all_reduce(x, "sum", dist.group.WORLD.group_name))  # (a group known by its name)
+        _done(funcol.broadcast(x, 0, (mesh, 0)))  # (rank 0, whose meter the test reads, is the root)
         meter.end()
     return meter.sent, meter.received, meter.calls
 
@@ -85,7 +86,7 @@ def test_torchs_functional_collectives_are_counted_as_the_calls_they_make():
     # Llama under --tensor-parallel 2 printed 16 B on the wire per step where the link carried 4.2 MB.
     sent, received, calls = run_workers(_functional, 2)
     expected = sum(traffic(kind, 1024, 2)[0] for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_reduce"))
-    assert (sent, received, calls) == (expected, expected, 4)
+    assert (sent, received, calls) == (expected + 1024, expected, 5)  # the root sends its 1 KiB, receives nothing
 
 
 # ---- each collective against the loopback's counters ----

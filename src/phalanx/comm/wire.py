@@ -182,12 +182,15 @@ class _Wrapped:
 
     def __init__(self, name: str, original: Callable, meter: Meter, depth: threading.local):
         self.name, self.original, self.meter, self.depth = name, original, meter, depth
-        self.kind, self.input = KINDS[name], INPUTS[name]
         self.signature = inspect.signature(original)
-        self.roots = ROOTS.get(name)
+        self.kind, self.input, self.roots = self._priced_as(name)
         self.__wrapped__ = original
         self.__name__ = self.__qualname__ = name
         self.__doc__ = original.__doc__
+
+    def _priced_as(self, name: str) -> tuple[str, str, Optional[tuple[str, str]]]:
+        """(the table's kind, the argument holding S, the arguments naming the root)."""
+        return KINDS[name], INPUTS[name], ROOTS.get(name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         outermost = not getattr(self.depth, "n", 0)
@@ -216,37 +219,33 @@ class _WrappedFunctional(_Wrapped):
     """The counting stand-in for one functional collective: its group is a process group, a mesh, a mesh and a
     dimension, a list of ranks or a group's name, and its first argument is S."""
 
-    def __init__(self, name: str, original: Callable, meter: Meter, depth: threading.local):
-        self.name, self.original, self.meter, self.depth = name, original, meter, depth
-        self.kind, self.input = FUNCTIONAL[name], next(iter(inspect.signature(original).parameters))
-        self.signature = inspect.signature(original)
-        self.roots = None
-        self.__wrapped__ = original
-        self.__name__ = self.__qualname__ = name
-        self.__doc__ = original.__doc__
+    def _priced_as(self, name: str) -> tuple[str, str, Optional[tuple[str, str]]]:
+        return FUNCTIONAL[name], next(iter(self.signature.parameters)), None
 
     def _count(self, args: tuple, kwargs: dict) -> None:
         bound = self.signature.bind(*args, **kwargs).arguments
-        size = _group_size(bound.get("group"))
-        root = self.kind == "broadcast" and bound.get("src") == dist.get_rank()
+        size, rank = _place(bound.get("group"))
+        root = self.kind == "broadcast" and bound.get("src") == rank
         self.meter.add(*traffic(self.kind, _nbytes(bound.get(self.input)), size, root))
 
 
-def _group_size(group: Any) -> int:
-    """How many ranks a functional collective's ``group`` spans (see torch's ``RANK_TYPES``)."""
+def _place(group: Any) -> tuple[int, int]:
+    """(how many ranks a functional collective's ``group`` spans, this rank's place in it), ``group`` in any of
+    torch's ``RANK_TYPES``."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    if isinstance(group, dist.ProcessGroup):
-        return group.size()
-    if isinstance(group, DeviceMesh):
-        return group.size()
     if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
-        return group[0].size(group[1])
-    if isinstance(group, str):
-        return c10d._get_group_size_by_name(c10d.GroupName(group))  # (private: a group known by its name)
-    if isinstance(group, list) and group and isinstance(group[0], list):
-        return len(group[0])  # (one row of a 2-D list of ranks: each row its own collective)
-    return len(group) if isinstance(group, list) else 1
+        mesh, dim = group
+        return mesh.size(dim), mesh.get_local_rank(dim)
+    if isinstance(group, DeviceMesh):
+        return group.size(), group.get_local_rank()
+    if isinstance(group, str):  # a group known by its name (private: how torch resolves one)
+        group = c10d._resolve_process_group(c10d.GroupName(group))
+    if isinstance(group, dist.ProcessGroup):
+        return group.size(), group.rank()
+    ranks = group[0] if group and isinstance(group[0], list) else list(group or [])  # (a 2-D list: one row each)
+    me = dist.get_rank()
+    return len(ranks), ranks.index(me) if me in ranks else -1
 
 
 #: the meters of the metering() blocks open in this process, innermost last
