@@ -8,12 +8,15 @@ and every bad input is one line and exit status 2 before anything is measured.
 import dataclasses
 import json
 import math
+import os
 import resource
+import signal
+import subprocess
 
 import pytest
 import torch
 
-from helpers import run_cli, run_in_process, run_workers
+from helpers import phalanx_cmd, run_cli, run_in_process, run_workers
 from phalanx.cli import main
 from phalanx.errors import PhalanxError
 from phalanx.estimate import Compute, Link, ModelFacts, Network, fit_ring
@@ -665,3 +668,24 @@ def test_bad_input_through_the_installed_command(tmp_path):
     out = run_cli("estimate", "--link-latency", "10", cwd=tmp_path)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "not a duration" in out.stderr
+
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_measuring_stops_the_estimate_in_its_own_words(tmp_path):
+    # A stop that reached the measuring workers was ignored by them (they take no steps to stop at), and the
+    # command went on measuring and printed its table, exit 0; else the launcher said it in a training job's
+    # words: "stopped by SIGINT before the first step; nothing was saved".
+    proc = subprocess.Popen(phalanx_cmd() + ["estimate", "--model", "mlp", "--workers", "1,2", "--measure-steps", "3",
+                                             "--plot", "scaling.png"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    for line in proc.stderr:
+        if line.startswith("measuring compute: 1 worker"):
+            os.killpg(proc.pid, signal.SIGINT)  # (Ctrl-C: the whole process group)
+            break
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "estimate stopped by SIGINT while measuring; nothing was printed or written"
+    assert out == "" and list(tmp_path.iterdir()) == []

@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..costs import Compute, Network, Prediction, modelled_cost
+from ..errors import Stopped
+from ..launcher.stop_signals import stop_if_asked, taken_between_steps
 from .advice import advise
 from .link import Link, describe_link, measure_link, ring_of_gpus
 from .overhead import FIGURES
@@ -67,11 +69,21 @@ class Estimate:
 # --------------------------------------------------------------------------- measuring and predicting
 
 def run(setup: Setup, say: Say) -> Estimate:
+    try:
+        with taken_between_steps():  # (a stop is taken after each measurement: its workers do not stop for one)
+            return _run(setup, say)
+    except Stopped as e:  # (the launcher words it for training: "before the first step; nothing was saved")
+        raise Stopped(f"estimate stopped by {e.signame} while measuring; nothing was printed or written",
+                      e.signame) from None
+
+
+def _run(setup: Setup, say: Say) -> Estimate:
     spec = _probe_spec(setup)
     baseline_at = alone(setup)
     wanted = list(dict.fromkeys([baseline_at] + [conditions_for(setup, row) for row in setup.rows]))
     computes = _measure(spec, wanted, say)
     network, notes = settle_links(setup, say)
+    stop_if_asked()
     est = _predict(setup, baseline_at, computes, network, notes)
     found = doubts(est.baseline, est.computes, est.predictions, est.speedup)
     if found:
@@ -97,6 +109,7 @@ def _measure(spec: ProbeSpec, wanted: list[Conditions], say: Say) -> dict[Condit
         started = time.perf_counter()
         say(f"measuring compute: {describe_conditions(cond)} ...")
         computes[cond] = measure(spec, cond)
+        stop_if_asked()
         say(f"  done in {time.perf_counter() - started:.1f} s")
     return computes
 

@@ -81,10 +81,19 @@ def signal_self_at_start(rank: int) -> None:
 
 
 _asked: Optional[str] = None  #: the first stop signal while :func:`taken_between_steps` is in force
+_between_steps = False  #: whether :func:`taken_between_steps` is in force
 
 
 def asked() -> Optional[str]:
     return _asked
+
+
+def pass_on(name: str) -> None:
+    """A stop request a launcher's own handlers took (inside :func:`taken_between_steps`) is the caller's too:
+    workers that do not stop for it (a measurement's, a run that had just ended) end as if it had not come."""
+    global _asked
+    if _between_steps and _asked is None:
+        _asked = name
 
 
 def stop_if_asked() -> None:
@@ -113,15 +122,16 @@ def taken_between_steps() -> Iterator[None]:
             raise Stopped(f"stopped at once by a second {name}", _asked)
         _asked = name
 
+    global _between_steps
     previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
-    _asked = None
+    _asked, _between_steps = None, True
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _asked = None
+        _asked, _between_steps = None, False
 
 
-__all__ = ["STOP_CODES", "STOP_SIGNALS", "asked", "guard_fork_server", "record_until_ready", "signal_self_at_start",
-           "stop_if_asked", "taken_between_steps", "taken_early"]
+__all__ = ["STOP_CODES", "STOP_SIGNALS", "asked", "guard_fork_server", "pass_on", "record_until_ready",
+           "signal_self_at_start", "stop_if_asked", "taken_between_steps", "taken_early"]

@@ -24,7 +24,7 @@ import time
 from typing import Callable, Optional
 
 from ..errors import Stopped
-from .stop_signals import STOP_CODES, STOP_SIGNALS, asked
+from .stop_signals import STOP_CODES, STOP_SIGNALS, asked, pass_on
 from .watch import SAME_REQUEST_S
 
 
@@ -90,8 +90,14 @@ def signals_to(handler: Callable[[str], None]):
         yield
         return
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    taken: list[str] = []
+
+    def take(signum: int, frame: object) -> None:
+        taken.append(signal.Signals(signum).name)
+        handler(taken[-1])
+
     for sig in previous:
-        signal.signal(sig, lambda signum, frame: handler(signal.Signals(signum).name))
+        signal.signal(sig, take)
     try:
         early = asked()
         if early is not None:  # a request the caller recorded before this launch took over (compare's)
@@ -100,6 +106,8 @@ def signals_to(handler: Callable[[str], None]):
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+        if taken:  # (the caller stops between its launches: estimate's measurements, compare's runs)
+            pass_on(taken[0])
 
 
 __all__ = ["Forward", "STOP_CODES", "signals_to"]
