@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
+from torch.distributed.device_mesh import DeviceMesh
 
 from .shaped_link import size
 
@@ -232,8 +233,6 @@ class _WrappedFunctional(_Wrapped):
 def _place(group: Any) -> tuple[int, int]:
     """(how many ranks a functional collective's ``group`` spans, this rank's place in it), ``group`` in any of
     torch's ``RANK_TYPES``."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
         mesh, dim = group
         return mesh.size(dim), mesh.get_local_rank(dim)

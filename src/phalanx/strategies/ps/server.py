@@ -186,7 +186,6 @@ class Server:
             if self.hang_timeout_s > 0 and time.monotonic() - self.checked > 1.0:
                 self.checked = time.monotonic()
                 if self._lose_the_silent():
-                    self._release_waiting()  # a round that waited for the lost worker's gradient went on
                     return None
             try:
                 message = self.inbox.get(timeout=1.0 if self.hang_timeout_s > 0 else None)
@@ -309,6 +308,7 @@ class Server:
             log.info("worker %s lost at step %s%s; continuing with %s workers", worker, self.global_step(), hung,
                      len(self.live))
         self._apply_if_ready()  # the others may have been waiting for it
+        self._release_waiting()  # (its round went on without it: whoever that round held goes on too)
 
     def drain(self) -> bool:
         """After the last step: tell every live worker to stop, taking what is still in flight.
