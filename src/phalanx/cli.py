@@ -158,7 +158,7 @@ def _versions() -> str:
 
 def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
     """The command line's parser: every command's flags, or, given ``only``, that command's alone (the
-    others listed by name and help, which is all ``phalanx --help`` shows of them)."""
+    others listed by name and help, which is all ``phalanx --help`` shows of them; ``""``: none's)."""
     parser = Parser(prog="phalanx", description="Train one PyTorch model on many devices.")
     parser.add_argument("--version", action="version", version=_versions())
     sub = parser.add_subparsers(dest="command", required=True)
@@ -186,11 +186,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     startup.begin()
     fresh = "torch" not in sys.modules  # (a new process: nothing ran torch in it yet)
     argv = sys.argv[1:] if argv is None else list(argv)
-    from .launcher import leave
-
     warnings.showwarning = _one_line_warnings
     log.show_on_streams()  # the library's notes and warnings, as this command always printed them
-    args = build_parser(only=chosen_command(argv)).parse_args(argv)
+    # (a command's flags only: none where argv names no command, for --version and --help, which import no torch)
+    args = build_parser(only=chosen_command(argv) or "").parse_args(argv)
     _start_worker_server(args, fresh)
     try:
         if getattr(args, "config", None) is not None:  # the file's values, where no flag was typed
@@ -208,6 +207,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130
+    from .launcher import leave  # (not before the flags are read: --version and --help import no torch)
+
     return leave(code)
 
 

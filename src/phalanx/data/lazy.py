@@ -294,10 +294,10 @@ def loader_context(module: str) -> Any:
     """The fork server the loader workers start from: in a rank, its own, with torch and the Dataset's
     ``module`` imported once; in the launching process (a one-process run), phalanx's
     (``phalanx/launcher/forkserver.py``)."""
-    from ..launcher.forkserver import PRELOAD
+    from ..launcher.forkserver import preload
 
     inside_a_rank = multiprocessing.parent_process() is not None
-    multiprocessing.set_forkserver_preload(LOADER_PRELOAD + [module] if inside_a_rank else PRELOAD)
+    multiprocessing.set_forkserver_preload(LOADER_PRELOAD + [module] if inside_a_rank else preload())
     if inside_a_rank:  # the server finds the Dataset's module on this sys.path (Python 3.11 sends it none)
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
     return multiprocessing.get_context("forkserver")

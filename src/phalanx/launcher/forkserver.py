@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import threading
 import traceback
 from typing import Any
@@ -44,6 +45,12 @@ GUARD = "phalanx.launcher.forkserver_signals"
 PRELOAD = [GUARD, PAUSE_MODULE, "torch", "torch._dynamo", "torch.distributed", "phalanx.launcher",
            "phalanx.train.loop", "phalanx.strategies"]
 
+#: Model libraries whose import takes seconds in each worker that unpickles a model of theirs (a Hugging Face model's
+#: class imports transformers' modeling machinery: 2.4 to 3.4 s of CPU a worker on a 2-core machine), imported by the
+#: server too where the process starting it has imported the library (it builds its models there): top-level
+#: package -> the module to import.
+MODEL_LIBRARIES = {"transformers": "transformers.modeling_utils"}
+
 #: What the command line imports in any case, imported before the server forks from it; the server imports
 #: the rest (torch._dynamo: only a worker constructs an optimizer) while the parent plans.
 SHARED = [name for name in PRELOAD if name not in (GUARD, PAUSE_MODULE, "torch._dynamo")]
@@ -56,6 +63,12 @@ _used = False  #: whether a worker was started from the server (else it is stopp
 METHODS = ("forkserver", "spawn")
 
 
+def preload() -> list[str]:
+    """What a server started now imports: :data:`PRELOAD`, and each of :data:`MODEL_LIBRARIES` this process has
+    imported (a script's or a notebook's ``fit()`` on a model it built), so a job's workers fork with it imported."""
+    return PRELOAD + [module for package, module in MODEL_LIBRARIES.items() if package in sys.modules]
+
+
 def start_method() -> str:
     """``"forkserver"`` (started now if it is not yet), or ``"spawn"`` when asked."""
     global _used
@@ -66,7 +79,7 @@ def start_method() -> str:
     start_resource_tracker()
     if asked == "spawn":
         return "spawn"
-    multiprocessing.set_forkserver_preload(PRELOAD)  # (read when the server starts)
+    multiprocessing.set_forkserver_preload(preload())  # (read when the server starts)
     with shaped_link.outside():  # (the server outlives a shaped link's job: not in its namespace)
         forkserver.ensure_running()
     _used = True
@@ -78,10 +91,10 @@ def start_early(fork: bool) -> None:
     and has no other thread), import :data:`SHARED` and fork the server from this process, so that the server's
     other imports overlap the parent's planning; else as a new interpreter. If no worker is ever started from it
     (a single-process run, input refused), it is stopped at exit rather than left importing for nobody."""
-    multiprocessing.set_forkserver_preload(PRELOAD)
+    multiprocessing.set_forkserver_preload(preload())
     try:
         start_resource_tracker()
-        if not (fork and _fork_server(SHARED, PRELOAD)):
+        if not (fork and _fork_server(SHARED, preload())):
             forkserver.ensure_running()
     except OSError:
         return  # (no fork server here: workers will be started however start_method says)
@@ -172,5 +185,5 @@ def _stop_if_unused() -> None:
             pass
 
 
-__all__ = ["GUARD", "PRELOAD", "SHARED", "fork_loader_server", "start_early", "start_method",
-           "start_resource_tracker"]
+__all__ = ["GUARD", "MODEL_LIBRARIES", "PRELOAD", "SHARED", "fork_loader_server", "preload", "start_early",
+           "start_method", "start_resource_tracker"]

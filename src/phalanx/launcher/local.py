@@ -212,7 +212,7 @@ def _rebuild_error(rank: int, name: str, message: str) -> PhalanxError:
 
 def launch(
     fn: Callable[..., Any],
-    devices: Sequence[torch.device],
+    devices: Sequence[torch.device | str],
     args: tuple = (),
     *,
     threads: int | None = None,
@@ -225,7 +225,8 @@ def launch(
     survivors_save: bool = False,
     loader_modules: Optional[list[str]] = None,
 ) -> Any:
-    """Run ``fn(ctx, *args)`` on one worker per entry of ``devices``; return rank 0's result.
+    """Run ``fn(ctx, *args)`` on one worker per entry of ``devices`` (``torch.device`` or its name); return rank 0's
+    result.
 
     ``fn`` and ``args`` must be picklable: workers start as forks of the fork server (see
     :mod:`phalanx.launcher.forkserver`), which imported torch and phalanx but not this caller's objects.
@@ -239,31 +240,32 @@ def launch(
     Where each worker will read a Dataset with DataLoader workers (``loader_modules``: the modules defining it),
     each forks their fork server from itself as it starts (:func:`~phalanx.launcher.forkserver.fork_loader_server`).
     """
+    places = [torch.device(d) for d in devices]  # ("cpu" or "cuda:1" as typed, or a torch.device)
     job = joined()
-    if threads is None and all(d.type == "cpu" for d in devices):
+    if threads is None and all(d.type == "cpu" for d in places):
         # Slurm says how many cores a task has (--cpus-per-task); otherwise a share of this machine's.
-        threads = (job.threads if job is not None else None) or threads_per_worker(local_world_size(len(devices)))
+        threads = (job.threads if job is not None else None) or threads_per_worker(local_world_size(len(places)))
     if job is not None:
-        return run_joined(job, fn, devices, args, threads, timeout_s)
-    if len(devices) == 1:
-        ctx = init_worker(0, 1, 0, devices[0], threads, None, timeout_s)
+        return run_joined(job, fn, places, args, threads, timeout_s)
+    if len(places) == 1:
+        ctx = init_worker(0, 1, 0, places[0], threads, None, timeout_s)
         with signals_to(lambda name: ctx.progress.request_stop(name)):
             return fn(ctx, *args)
 
-    store = loopback.store(addr, len(devices), timeout_s)  # on addr only (torch's own: on every interface)
+    store = loopback.store(addr, len(places), timeout_s)  # on addr only (torch's own: on every interface)
     method = start_method()
-    results = ReportPipes(mp.get_context(method), len(devices))
+    results = ReportPipes(mp.get_context(method), len(places))
     procs = mp.start_processes(
         _spawned_worker,
-        args=(fn, args, list(devices), threads, addr, store.port, timeout_s, results, hang_timeout_s > 0,
+        args=(fn, args, places, threads, addr, store.port, timeout_s, results, hang_timeout_s > 0,
               _Parents(loopback.worker_environment(), namespace=shaped_link.namespace()),
               shown_on_streams(), loader_modules if method == "forkserver" else None),
-        nprocs=len(devices),
+        nprocs=len(places),
         join=False,
         start_method=method,
     )
     results.started()
-    watcher = Watcher(launcher_view(store), len(devices), hang_timeout_s, label or (lambda r: f"rank {r}"),
+    watcher = Watcher(launcher_view(store), len(places), hang_timeout_s, label or (lambda r: f"rank {r}"),
                       tolerate or (lambda r: False), lockstep)
     try:
         received = _monitor(procs.processes, results, tolerate, watcher, survivors_save)
