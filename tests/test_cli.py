@@ -8,7 +8,6 @@ one refusal still goes through the installed command.
 import json
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -145,18 +144,6 @@ def test_resume_from_directory_continues(trained, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "resuming at step 20" in out.stdout.splitlines()[0]
     assert [p.name for p in list_checkpoints(only_run(tmp_path))][-1] == "step-00000030.pt"
-
-
-@pytest.mark.slow
-def test_torchrun_starts_the_workers(tmp_path):
-    """Several machines are joined the way torchrun does it: here two processes on one machine."""
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "phalanx",
-         "train", "--steps", "40", "--log-every", "20"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "world size 2" in out.stdout and out.stdout.count("step 20, loss") == 1
 
 
 @pytest.mark.slow

@@ -52,9 +52,12 @@ def test_a_torchrun_job_exits_0_without_the_interpreters_teardown_nothing_from_c
     # Four runs caught its return with a probability of 0.24 to 0.59; this looks at its cause in one run, every
     # time: a rank that ends by os._exit after its own clean-up never finalizes the interpreter, so its atexit
     # handlers (the user module's mark here) never run.
+    # The same run is the test that torchrun starts the workers (as several machines join, here two processes on one).
     (tmp_path / "teardown.py").write_text(TEARDOWN_MARK)
-    run = _torchrun(tmp_path, *TINY[:3], "--model", "teardown:Net", *TINY[5:])
+    run = _torchrun(tmp_path, "train", "--steps", "40", "--log-every", "20", "--model", "teardown:Net",
+                    "--checkpoint-dir", "ck")
     assert run.returncode == 0 and not any(t in run.stderr for t in CPP_TRACES), run.stderr[:3000]
+    assert "world size 2" in run.stdout and run.stdout.count("step 20, loss") == 1, run.stdout
     assert run.stdout.count("wall time") == 1, run.stdout  # only rank 0 reports
     assert (tmp_path / "ck").is_dir() and not list(tmp_path.glob("teardown-ran-*"))
 
