@@ -7,6 +7,7 @@ server, the default).
     python3 benchmarks/startup.py --before /tmp/before   # also the package of /tmp/before/src (git archive)
     python3 benchmarks/startup.py --link 50mbit          # also phalanx train on a shaped link (root)
     python3 benchmarks/startup.py --loader-workers 2     # also phalanx train reading a Dataset with loader workers
+    python3 benchmarks/startup.py --hugging-face         # also a script fitting a Hugging Face Llama twice
 
 Part 1, interleaved per round (so that a change in the machine's load hits every variant alike):
 ``python3 -c "import torch"``; one SGD step written by hand in one process (what any training
@@ -53,6 +54,26 @@ VARIANTS = {
 }
 
 
+#: A script as a Hugging Face user writes one: a small Llama from a config, two fits of one step on 2 workers in one
+#: process (the second's workers start from the server the first started).
+HF_FIT = """
+import torch
+import transformers
+
+from phalanx import Sync, TrainConfig, Trainer
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=100))
+    ids = torch.randint(0, 100, (64, 16))
+    for _ in range(2):
+        Trainer(TrainConfig(strategy=Sync(), workers=2, devices="cpu", steps=1, batch_size=4, checkpoint_every=0,
+                            checkpoint_dir="hf", overwrite=True, progress="none"),
+                model=model, train_data={"input_ids": ids, "labels": ids}).fit()
+"""
+
+
 #: A cgroup (v1 cpuacct, root only) that each timed command and every process it starts run in: their CPU,
 #: the fork server's and the workers' included (processes the command never waits for).
 CPU_GROUP = Path("/sys/fs/cgroup/cpuacct/phalanx-startup")
@@ -78,7 +99,7 @@ def timed(cmd: list[str], env: dict, cwd: Path, cpu: Optional[list[float]] = Non
 
 
 def cold_start(rounds: int, scratch: Path, before: Optional[Path] = None, link: Optional[str] = None,
-               loader_workers: int = 0) -> dict:
+               loader_workers: int = 0, hugging_face: bool = False) -> dict:
     variants = dict(VARIANTS)
     trains = {"phalanx train": TRAIN}
     if link is not None:
@@ -87,6 +108,9 @@ def cold_start(rounds: int, scratch: Path, before: Optional[Path] = None, link: 
         shutil.copy(Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "points.py", scratch)
         trains[f"phalanx train --loader-workers {loader_workers}"] = [
             *TRAIN, "--model", "mlp", "--data", "points:load", "--loader-workers", str(loader_workers)]
+    if hugging_face:
+        (scratch / "hf_fit.py").write_text(HF_FIT)
+        trains["two fit()s of a Hugging Face Llama"] = [sys.executable, "hf_fit.py"]
     for name, cmd in list(trains.items())[1:]:
         variants[name] = (cmd, {})
     if before is not None:  # the package from another checkout (PYTHONPATH comes before the installed one)
@@ -151,13 +175,16 @@ def main() -> None:
     p.add_argument("--link", default=None, help="also time phalanx train on a shaped link of this rate (root)")
     p.add_argument("--loader-workers", type=int, default=0,
                    help="also time phalanx train reading a Dataset with this many loader workers per rank")
+    p.add_argument("--hugging-face", action="store_true",
+                   help="also time a script that fits a small Hugging Face Llama twice on 2 workers (transformers)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         cold = cold_start(args.rounds, scratch, Path(args.before) if args.before else None, args.link,
-                          args.loader_workers)
+                          args.loader_workers, args.hugging_face)
         compared = comparison(scratch, args.compare_repeats) if args.compare_repeats else None
-    name = "startup" + ("-link" if args.link else "") + ("-loader" if args.loader_workers else "")
+    name = ("startup" + ("-link" if args.link else "") + ("-loader" if args.loader_workers else "")
+            + ("-hf" if args.hugging_face else ""))
     save_result(name, args, cold_start=cold, compare=compared)
 
 

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from helpers import phalanx_cmd, run_cli, run_main
+from helpers import phalanx_cmd, run_cli, run_in_process, run_main
 from phalanx import SSP, Backup, LocalSGD, PhalanxError, TrainConfig
 from phalanx.compare.options import CompareOptions
 from phalanx.compare.setup import setup_from
@@ -211,8 +211,8 @@ def test_every_plot_decodes_as_an_image_of_the_stated_size(comparison):
 
 @pytest.mark.slow
 def test_a_run_that_cannot_reach_its_target_is_reported_as_not_reached(tmp_path):
-    out = run_cli("compare", "--strategies", "sync", "--scenarios", "none", "--repeats", "1", "--workers", "2",
-                  "--max-steps", "10", "--eval-every", "5", "--target", "1.0", cwd=tmp_path)
+    out = run_in_process("compare", "--strategies", "sync", "--scenarios", "none", "--repeats", "1", "--workers", "2",
+                         "--max-steps", "10", "--eval-every", "5", "--target", "1.0", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     best = re.search(r"^  sync +not reached in 10 steps \(best (0\.\d\d)\)", out.stdout, re.M)
     assert best, out.stdout

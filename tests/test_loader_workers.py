@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import run_cli
+from helpers import run_cli, run_in_process
 from phalanx import TrainConfig, Trainer
 from phalanx.data import ArrayDataset, ShardedBatches
 from phalanx.data.lazy import LazyExamples
@@ -165,7 +165,7 @@ def test_a_dataset_that_raises_is_one_line_exit_2_before_or_during_the_run(tmp_p
     (tmp_path / "flaky.py").write_text(UNREADABLE)
     common = ["train", "--model", "mlp", "--loader-workers", "2", "--steps", "30", "--batch-size", "16",
               "--progress", "none"]
-    out = run_cli(*common, "--data", "flaky:at_once", "--checkpoint-dir", "a", cwd=tmp_path)  # the parent reads it
+    out = run_in_process(*common, "--data", "flaky:at_once", "--checkpoint-dir", "a", cwd=tmp_path)  # the parent reads
     assert out.returncode == 2 and out.stderr == (
         "error: --data flaky:at_once: its train set[0] cannot be read (OSError: cannot read example 0: disk gone); "
         "fix the Dataset's __getitem__ for that example, or the file it reads\n"), out.stderr

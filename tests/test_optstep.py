@@ -302,9 +302,9 @@ def test_a_model_factory_and_a_scheduler_of_the_users_with_clipping(project, str
 def test_the_parameter_server_steps_the_scheduler_once_per_global_step(project):
     # The server applies W updates per global step (ps): a scheduler stepped per update would end at half time,
     # and OneCycleLR would refuse to step past total_steps.
-    out = run_cli("train", "--model", "mymod:resnet", "--optimizer", "mymod:groups", "--lr-scheduler",
-                  "mymod:one_cycle", "--clip-grad-norm", "0.5", "--strategy", "ps", *FLAGS, "--checkpoint-dir", "ps",
-                  cwd=project)
+    out = run_in_process("train", "--model", "mymod:resnet", "--optimizer", "mymod:groups", "--lr-scheduler",
+                         "mymod:one_cycle", "--clip-grad-norm", "0.5", "--strategy", "ps", *FLAGS, "--checkpoint-dir",
+                         "ps", cwd=project)
     assert out.returncode == 0, out.stderr
     steps = _events(project / "ps" / "metrics.jsonl")
     want = _schedule(lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.2, total_steps=STEPS), STEPS)

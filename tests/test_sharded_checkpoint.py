@@ -265,12 +265,13 @@ def test_a_full_disk_under_async_checkpoint_is_enospc_exit_1(tmp_path, strategy)
     each rank's error to rank 0, and the pickle dropped the OSError behind torch's zip writer's RuntimeError."""
     import re
 
-    from helpers import run_cli, small_filesystem
+    from helpers import run_cli, run_in_process, small_filesystem
 
+    run = run_cli if strategy == "fsdp" else run_in_process  # (one through the installed command)
     with small_filesystem(tmp_path, "2m") as small:
-        out = run_cli("train", "--strategy", strategy, "--workers", "2", "--async-checkpoint", "--steps", "20",
-                      "--checkpoint-every", "10", "--keep-checkpoints", "1", "--checkpoint-dir", str(small / "a"),
-                      "--progress", "none", cwd=tmp_path)
+        out = run("train", "--strategy", strategy, "--workers", "2", "--async-checkpoint", "--steps", "20",
+                  "--checkpoint-every", "10", "--keep-checkpoints", "1", "--checkpoint-dir", str(small / "a"),
+                  "--progress", "none", cwd=tmp_path)
         errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
         assert out.returncode == 1 and len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
         assert re.search(r"cannot write checkpoint .*step-00000020.dcp: No space left on device \(ENOSPC\); nothing "

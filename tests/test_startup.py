@@ -65,10 +65,26 @@ def test_a_process_that_built_a_hugging_face_model_starts_a_server_that_imported
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "job.py"], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stdout + out.stderr[-2000:]
-    from phalanx.launcher.forkserver import PRELOAD, preload
+    from phalanx.launcher.forkserver import MODELS, PRELOAD, preload
 
-    monkeypatch.delitem(sys.modules, "transformers", raising=False)
+    monkeypatch.setitem(sys.modules, "transformers", sys.modules.get("transformers"))
+    assert preload() == PRELOAD + [MODELS]
+    monkeypatch.delitem(sys.modules, "transformers")
     assert preload() == PRELOAD  # (a process that has not imported it: no server imports it for nothing)
+
+
+def test_the_servers_import_of_a_model_library_leaves_any_error_to_the_workers(monkeypatch, tmp_path):
+    """multiprocessing's server ends on any error but an ImportError in its preload: every later job would fail."""
+    import importlib
+
+    import phalanx.launcher.forkserver as forkserver
+
+    (tmp_path / "broken_library.py").write_text("raise RuntimeError('operator torchvision::nms does not exist')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(forkserver, "MODEL_LIBRARIES", {"broken_library": "broken_library"})
+    monkeypatch.delitem(sys.modules, forkserver.MODELS, raising=False)
+    importlib.import_module(forkserver.MODELS)  # (as the server imports it: nothing raised)
+    assert "broken_library" not in sys.modules
 
 
 #: what phalanx train's parent has no use for: the other commands' code, and what only they (or a flag not

@@ -100,9 +100,9 @@ def test_import_paths_train_a_float64_scikit_learn_set_and_a_changed_model_is_re
     (project / "narrow").mkdir()
     (project / "narrow" / "mymod.py").write_text(MODULE.replace("HIDDEN = 32", "HIDDEN = 16"))
     before = sorted(p.name for p in (project / "sync").iterdir())
-    out = run_cli("train", "--model", "mymod:Net", "--data", "mymod:load", "--steps", "20", "--devices", "cpu",
-                  "--resume", str(project / "sync" / "step-00000010.pt"), "--checkpoint-dir", str(project / "sync"),
-                  cwd=project / "narrow")
+    out = run_in_process("train", "--model", "mymod:Net", "--data", "mymod:load", "--steps", "20", "--devices", "cpu",
+                         "--resume", str(project / "sync" / "step-00000010.pt"), "--checkpoint-dir",
+                         str(project / "sync"), cwd=project / "narrow")
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines() == [
         f"error: checkpoint {project}/sync/step-00000010.pt holds another model (fc1.weight is (32, 64) there and "

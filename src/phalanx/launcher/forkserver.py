@@ -46,10 +46,11 @@ PRELOAD = [GUARD, PAUSE_MODULE, "torch", "torch._dynamo", "torch.distributed", "
            "phalanx.train.loop", "phalanx.strategies"]
 
 #: Model libraries whose import takes seconds in each worker that unpickles a model of theirs (a Hugging Face model's
-#: class imports transformers' modeling machinery: 2.4 to 3.4 s of CPU a worker on a 2-core machine), imported by the
-#: server too where the process starting it has imported the library (it builds its models there): top-level
-#: package -> the module to import.
+#: class imports transformers' modeling machinery: 2.4 to 3.4 s of CPU a worker on a 2-core machine): top-level package
+#: -> the module to import. Where the process starting the server has imported the package, the server imports the
+#: module too (:data:`MODELS`, which leaves any error to the workers to meet).
 MODEL_LIBRARIES = {"transformers": "transformers.modeling_utils"}
+MODELS = "phalanx.launcher.forkserver_models"
 
 #: What the command line imports in any case, imported before the server forks from it; the server imports
 #: the rest (torch._dynamo: only a worker constructs an optimizer) while the parent plans.
@@ -66,7 +67,7 @@ METHODS = ("forkserver", "spawn")
 def preload() -> list[str]:
     """What a server started now imports: :data:`PRELOAD`, and each of :data:`MODEL_LIBRARIES` this process has
     imported (a script's or a notebook's ``fit()`` on a model it built), so a job's workers fork with it imported."""
-    return PRELOAD + [module for package, module in MODEL_LIBRARIES.items() if package in sys.modules]
+    return PRELOAD + ([MODELS] if any(package in sys.modules for package in MODEL_LIBRARIES) else [])
 
 
 def start_method() -> str:
@@ -185,5 +186,5 @@ def _stop_if_unused() -> None:
             pass
 
 
-__all__ = ["GUARD", "MODEL_LIBRARIES", "PRELOAD", "SHARED", "fork_loader_server", "preload", "start_early",
+__all__ = ["GUARD", "MODEL_LIBRARIES", "MODELS", "PRELOAD", "SHARED", "fork_loader_server", "preload", "start_early",
            "start_method", "start_resource_tracker"]
