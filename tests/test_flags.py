@@ -105,7 +105,7 @@ PARENT_CHECKS = [
     (["--metric", ""], "--metric is empty (''); name one, e.g. --metric accuracy, or drop --metric"),
     (["--metric", " , "], "--metric is empty (' , ')"),
     (["--loss", ""], "--loss is empty (''); name one"),
-    (["--step", "3"], "unrecognized arguments: --step 3"),
+    (["--step", "3"], "unrecognized arguments: --step 3 (see 'phalanx train --help')"),
     (["--steps", "99999999999999999999999"], "--steps 99999999999999999999999 is more than a run can take (at most "
                                              "1,000,000,000); give fewer"),
 ]
