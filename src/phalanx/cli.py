@@ -189,9 +189,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warnings.showwarning = _one_line_warnings
     log.show_on_streams()  # the library's notes and warnings, as this command always printed them
     # (a command's flags only: none where argv names no command, for --version and --help, which import no torch)
-    args, unknown = build_parser(only=chosen_command(argv) or "").parse_known_args(argv)
+    parser = build_parser(only=chosen_command(argv) or "")
+    args, unknown = parser.parse_known_args(argv)
     if unknown:  # (refused by the command's parser: its help is the one that lists what it takes)
-        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     _start_worker_server(args, fresh)
     try:
         if getattr(args, "config", None) is not None:  # the file's values, where no flag was typed
