@@ -10,7 +10,8 @@ before it has run anything else, so they are imported once for both (about 2 s o
 plans the job). A script's ``fit()`` (or the command's ``main()`` called where torch ran before)
 starts a new interpreter as the server instead: not a process to fork from. The server lives as
 long as the parent: every later job of the same process (a comparison's runs, a script's fits)
-starts its workers from it too.
+starts its workers from it too. Where that process uses a model library that takes seconds to import
+(:data:`MODEL_LIBRARIES`: a script that built a Hugging Face model), the server imports it too.
 
 Safe to fork: the server only imports (no CUDA context, no torch threads, no process group), and the
 command line forks it before it runs any torch operation. On a shaped link (``--link``) the server is
