@@ -229,7 +229,24 @@ def _start_worker_server(args: argparse.Namespace, fresh: bool) -> None:
     runs = args.command == "train" or (args.command == "compare" and not args.simulate)
     one_process = args.command == "train" and args.workers == 1 and not args.loader_workers
     if wanted and runs and not one_process and joined() is None:
-        start_early(fork=fresh)
+        modules = _code_modules(args)
+        if modules:
+            from .task.import_paths import importable_cwd
+
+            importable_cwd()  # (as resolving their import paths makes it)
+        start_early(fork=fresh, modules=modules)
+
+
+#: the flags that may name the user's code as MODULE:CALLABLE (a metric's among names separated by commas)
+CODE_FLAGS = ("model", "data", "loss", "training_step", "metric", "optimizer", "lr_scheduler", "init_weights")
+
+
+def _code_modules(args: argparse.Namespace) -> list[str]:
+    """The modules of the user's code that the flags typed name (``--model mymod:Net``): this process imports them to
+    plan the run in any case, and imported before the server forks from it, every worker forks with them (a Hugging
+    Face model's module imports transformers' modeling machinery, 2.4 to 3.4 s of CPU in each worker otherwise)."""
+    specs = [spec for name in CODE_FLAGS for spec in str(getattr(args, name, None) or "").split(",")]
+    return [spec.partition(":")[0] for spec in specs if ":" in spec and spec.partition(":")[0]]
 
 
 def _in_a_running_job() -> bool:
