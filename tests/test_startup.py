@@ -16,6 +16,7 @@ import torch
 
 from helpers import REPO, phalanx_cmd, run_in_process, run_main, run_workers
 from phalanx.checkpoint import load_checkpoint
+from phalanx.errors import PhalanxError
 from phalanx.cli import COMMANDS
 
 
@@ -106,7 +107,7 @@ def test_the_worker_server_starts_early_only_for_a_run_that_will_start_workers(a
     import phalanx.launcher.forkserver as forkserver
 
     started = []
-    monkeypatch.setattr(forkserver, "start_early", lambda fork, modules: started.append(argv))
+    monkeypatch.setattr(forkserver, "start_early", lambda fork: started.append(argv))
     monkeypatch.delenv("PHALANX_START_METHOD", raising=False)
     try:
         args = cli.build_parser(only=argv[0]).parse_args(argv)
@@ -117,22 +118,33 @@ def test_the_worker_server_starts_early_only_for_a_run_that_will_start_workers(a
     assert bool(started) == starts
 
 
-def test_the_users_modules_are_imported_before_the_server_forks_so_that_every_worker_has_them(monkeypatch, tmp_path):
+def test_the_users_modules_are_imported_before_the_server_forks_so_that_every_worker_has_them(monkeypatch, tmp_path,
+                                                                                              capsys):
     """A Hugging Face model's module imports transformers' modeling machinery: 2.4 to 3.4 s of CPU in each worker
     where the server forked before the command imported it. A module that cannot import is left to the planning."""
     import phalanx.cli as cli
     import phalanx.launcher.forkserver as forkserver
+    import phalanx.task.import_paths as import_paths
 
     (tmp_path / "early_mod.py").write_text("import torch\n\nNet = torch.nn.Linear\n")
+    (tmp_path / "early_raises.py").write_text("print('ran')\nraise RuntimeError('at import')\n")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(import_paths, "_failed", {})
     monkeypatch.delenv("PHALANX_START_METHOD", raising=False)
-    args = cli.build_parser(only="train").parse_args(["train", "--model", "early_mod:Net", "--data", "early_mod:load",
-                                                      "--loss", "early_missing:mine", "--workers", "2"])
-    assert cli._code_modules(args) == ["early_mod", "early_mod", "early_missing"]
+    typed = ["train", "--model", "early_mod:Net", "--data", "early_raises:load", "--loss", "early_missing:mine",
+             "--workers", "2"]
+    args = cli.build_parser(only="train").parse_args(typed)
+    assert cli._code_modules(args) == ["early_mod", "early_raises", "early_missing"]
     had = []
     monkeypatch.setattr(forkserver, "_fork_server", lambda imports, preload: had.append(set(sys.modules)) or True)
     cli._start_worker_server(args, fresh=True)
-    assert "early_mod" in had[0] and "early_missing" not in had[0]  # (no such module: nothing raised here)
+    assert "early_mod" in had[0] and "early_missing" not in had[0]  # (nothing raised here)
+    capsys.readouterr()
+    for spec, flag, said in [("early_raises:load", "--data", "importing module 'early_raises' raised RuntimeError: at "
+                              "import"), ("early_missing:mine", "--loss", "cannot import module 'early_missing'")]:
+        with pytest.raises(PhalanxError, match=f"{flag} {spec}: {said}"):  # where the run resolves it, as before
+            import_paths.resolve(spec, flag, "")
+    assert capsys.readouterr().out == ""  # (the module's top level ran once, before the fork)
 
 
 def test_phalanx_train_plans_its_run_without_the_other_commands_code(tmp_path):

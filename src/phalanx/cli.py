@@ -229,12 +229,12 @@ def _start_worker_server(args: argparse.Namespace, fresh: bool) -> None:
     runs = args.command == "train" or (args.command == "compare" and not args.simulate)
     one_process = args.command == "train" and args.workers == 1 and not args.loader_workers
     if wanted and runs and not one_process and joined() is None:
-        modules = _code_modules(args)
-        if modules:
-            from .task.import_paths import importable_cwd
+        if fresh:  # (the server forks from this process: with the user's code imported, so is every worker)
+            from .task.import_paths import import_early
 
-            importable_cwd()  # (as resolving their import paths makes it)
-        start_early(fork=fresh, modules=modules)
+            for module in _code_modules(args):
+                import_early(module)
+        start_early(fork=fresh)
 
 
 #: the flags that may name the user's code as MODULE:CALLABLE (a metric's among names separated by commas)

@@ -31,7 +31,7 @@ import socket
 import sys
 import threading
 import traceback
-from typing import Any, Sequence
+from typing import Any
 from multiprocessing import connection, forkserver, resource_tracker, util
 
 from ..comm import shaped_link
@@ -88,15 +88,11 @@ def start_method() -> str:
     return "forkserver"
 
 
-def start_early(fork: bool, modules: Sequence[str] = ()) -> None:
+def start_early(fork: bool) -> None:
     """Start the server now, from the command line: with ``fork`` (a process that has run nothing of torch's yet
-    and has no other thread), import :data:`SHARED` and the user's ``modules`` (found where the caller made them
-    importable; their errors are left to the planning to report, in its words) and fork the server from this
-    process, so that the server's other imports overlap the parent's planning; else as a new interpreter. If no
-    worker is ever started from it (a single-process run, input refused), it is stopped at exit rather than left
-    importing for nobody."""
-    if fork and modules:
-        _import_the_users(modules)
+    and has no other thread), import :data:`SHARED` and fork the server from this process, so that the server's
+    other imports overlap the parent's planning; else as a new interpreter. If no worker is ever started from it
+    (a single-process run, input refused), it is stopped at exit rather than left importing for nobody."""
     multiprocessing.set_forkserver_preload(preload())
     try:
         start_resource_tracker()
@@ -105,14 +101,6 @@ def start_early(fork: bool, modules: Sequence[str] = ()) -> None:
     except OSError:
         return  # (no fork server here: workers will be started however start_method says)
     atexit.register(_stop_if_unused)
-
-
-def _import_the_users(modules: Sequence[str]) -> None:
-    for module in modules:
-        try:
-            importlib.import_module(module)
-        except Exception:  # (reported where the run resolves the path: a flag, a module, what it raised)
-            pass
 
 
 def fork_loader_server(modules: list[str]) -> None:
