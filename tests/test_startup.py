@@ -147,6 +147,22 @@ def test_the_users_modules_are_imported_before_the_server_forks_so_that_every_wo
     assert capsys.readouterr().out == ""  # (the module's top level ran once, before the fork)
 
 
+def test_a_command_whose_users_module_opened_a_cuda_context_starts_the_server_as_a_new_interpreter(monkeypatch):
+    """A worker forked from a process holding a CUDA context cannot use CUDA (the user's module, imported before the
+    server forks, may have made one: a tensor put on the GPU at its top level)."""
+    import multiprocessing.forkserver as mp_forkserver
+
+    import phalanx.launcher.forkserver as forkserver
+
+    how = []
+    monkeypatch.setattr(forkserver, "_cuda_is_initialized", lambda: True)
+    monkeypatch.setattr(forkserver, "_fork_server", lambda imports, preload: how.append("forked") or True)
+    monkeypatch.setattr(forkserver, "start_resource_tracker", lambda: None)
+    monkeypatch.setattr(mp_forkserver, "ensure_running", lambda: how.append("new interpreter"))
+    forkserver.start_early(fork=True)
+    assert how == ["new interpreter"]
+
+
 def test_phalanx_train_plans_its_run_without_the_other_commands_code(tmp_path):
     code = ("import sys\n"
             "from phalanx.cli import build_parser, chosen_command, config_from_args\n"

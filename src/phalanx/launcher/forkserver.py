@@ -96,7 +96,7 @@ def start_early(fork: bool) -> None:
     multiprocessing.set_forkserver_preload(preload())
     try:
         start_resource_tracker()
-        if not (fork and _fork_server(SHARED, preload())):
+        if not (fork and not _cuda_is_initialized() and _fork_server(SHARED, preload())):
             forkserver.ensure_running()
     except OSError:
         return  # (no fork server here: workers will be started however start_method says)
@@ -160,6 +160,13 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int, preload: list[str]) -> 
         traceback.print_exc()
         status = 1
     os._exit(status)
+
+
+def _cuda_is_initialized() -> bool:
+    """Whether this process holds a CUDA context (the user's module, imported by the command before the server forks,
+    may have made one): a worker forked from it could not use CUDA (a loader worker, which does not, may)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
 
 
 def start_resource_tracker() -> None:
