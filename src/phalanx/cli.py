@@ -245,8 +245,10 @@ def _code_modules(args: argparse.Namespace) -> list[str]:
     """The modules of the user's code that the flags typed name (``--model mymod:Net``): this process imports them to
     plan the run in any case, and imported before the server forks from it, every worker forks with them (a Hugging
     Face model's module imports transformers' modeling machinery, 2.4 to 3.4 s of CPU in each worker otherwise)."""
+    from .task.import_paths import is_import_path
+
     specs = [spec for name in CODE_FLAGS for spec in str(getattr(args, name, None) or "").split(",")]
-    return [spec.partition(":")[0] for spec in specs if ":" in spec and spec.partition(":")[0]]
+    return [spec.partition(":")[0] for spec in specs if is_import_path(spec) and spec.partition(":")[0]]
 
 
 def _in_a_running_job() -> bool:

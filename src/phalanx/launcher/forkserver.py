@@ -93,10 +93,11 @@ def start_early(fork: bool) -> None:
     and has no other thread), import :data:`SHARED` and fork the server from this process, so that the server's
     other imports overlap the parent's planning; else as a new interpreter. If no worker is ever started from it
     (a single-process run, input refused), it is stopped at exit rather than left importing for nobody."""
-    multiprocessing.set_forkserver_preload(preload())
+    modules = preload()
+    multiprocessing.set_forkserver_preload(modules)
     try:
         start_resource_tracker()
-        if not (fork and not _cuda_is_initialized() and _fork_server(SHARED, preload())):
+        if not (fork and not _cuda_is_initialized() and _fork_server(SHARED, modules)):
             forkserver.ensure_running()
     except OSError:
         return  # (no fork server here: workers will be started however start_method says)
