@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch
 
-from helpers import only_run, run_and_signal, run_cli, run_in_process, run_main, run_workers
+from helpers import only_run, run_and_signal, run_in_process, run_main, run_workers
 from phalanx import TrainConfig, Trainer
 from phalanx.errors import PhalanxError, TrainingDiverged, WorkerFailed
 from phalanx.data import load_data
@@ -313,8 +313,8 @@ def test_a_bug_in_every_ps_worker_ends_the_job_with_one_traceback_not_lost_worke
     server (rank 0) failed: every worker was lost", and no traceback. A worker that raised says so in the job's
     store before its connection drops: the server stops with it, and the first traceback is the job's error."""
     (tmp_path / "raising.py").write_text(RAISES_EVERYWHERE)
-    run = run_cli("train", "--model", "raising:Net", "--strategy", *strategy, "--workers", "3", "--steps", "40",
-                  cwd=tmp_path)
+    run = run_in_process("train", "--model", "raising:Net", "--strategy", *strategy, "--workers", "3", "--steps",
+                         "40", cwd=tmp_path)
     assert run.returncode == 1, run.stderr
     found = re.match(r"error: worker (\d) failed:\nTraceback \(most recent call last\):\n", run.stderr)
     assert found, run.stderr

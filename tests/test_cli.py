@@ -1,8 +1,8 @@
-"""End to end through the installed ``phalanx`` command, on the embedded digits data.
+"""End to end through the ``phalanx`` command, on the embedded digits data.
 
-Input refused before anything starts goes through the command's own ``main()`` in this process (the
-same parsing, checks, message and exit status, without a second of interpreter start-up per case);
-one refusal still goes through the installed command.
+The default run, a refusal and the progress bar on a terminal go through the installed command; the other runs
+and refusals through the command's own ``main()`` in this process (the same parsing, checks, messages and exit
+status, without a second of interpreter start-up each).
 """
 
 import json
@@ -45,8 +45,8 @@ def test_a_run_from_a_config_file_with_flags_over_it_is_saved_and_repeats(tmp_pa
     (tmp_path / "run.toml").write_text('[model_and_data]\nmodel = "mlp"\n[optimisation]\nsteps = 60\n'
                                        'lr-schedule = "cosine"\nwarmup_steps = 5\nlr = 0.5\n'
                                        '[observation_and_checkpoints]\neval_every = 30\n')
-    out = run_cli("train", "--config", "run.toml", "--lr", "0.05", "--workers", "2", "--metrics", "m/run.jsonl",
-                  cwd=tmp_path)
+    out = run_in_process("train", "--config", "run.toml", "--lr", "0.05", "--workers", "2", "--metrics",
+                         "m/run.jsonl", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "step 30, test accuracy " in out.stdout
     events = [json.loads(ln) for ln in (tmp_path / "m" / "run.jsonl").read_text().splitlines()]
@@ -140,7 +140,7 @@ def test_resume_from_directory_continues(trained, tmp_path):
     import shutil
 
     shutil.copytree(trained / "runs", tmp_path / "runs")
-    out = run_cli("train", "--steps", "30", "--resume", cwd=tmp_path)  # alone: the newest run's newest
+    out = run_in_process("train", "--steps", "30", "--resume", cwd=tmp_path)  # alone: the newest run's newest
     assert out.returncode == 0, out.stderr
     assert "resuming at step 20" in out.stdout.splitlines()[0]
     assert [p.name for p in list_checkpoints(only_run(tmp_path))][-1] == "step-00000030.pt"

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import phalanx_cmd, run_cli, run_workers
+from helpers import phalanx_cmd, run_cli, run_in_process, run_workers
 from phalanx import PhalanxError
 from phalanx.cli import main
 from phalanx.compare.tokens import parse_scenarios
@@ -173,9 +173,9 @@ def test_train_on_a_shaped_link_reports_the_links_bytes(tmp_path, shaping_allowe
 
 @pytest.mark.slow
 def test_compare_runs_a_link_scenario_on_the_shaped_link(tmp_path, shaping_allowed):
-    out = run_cli("compare", "--strategies", "sync", "--scenarios", "link:100mbit", "--repeats", "1", "--workers",
-                  "2", "--devices", "cpu", "--max-steps", "4", "--eval-every", "2", "--target", "0.99", "--out",
-                  "report", cwd=tmp_path)
+    out = run_in_process("compare", "--strategies", "sync", "--scenarios", "link:100mbit", "--repeats", "1",
+                         "--workers", "2", "--devices", "cpu", "--max-steps", "4", "--eval-every", "2", "--target",
+                         "0.99", "--out", "report", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "link:100mbit (a real 100 Mbit/s link shared by every worker)" in out.stdout
     run, = json.loads((tmp_path / "report" / "report.json").read_text())["runs"]

@@ -147,8 +147,8 @@ def small_tmpfs(tmp_path):
 
 @pytest.mark.slow
 def test_disk_full_during_a_save_is_one_line_and_the_previous_checkpoint_stays(small_tmpfs, tmp_path):
-    out = run_cli("train", "--steps", "30", "--checkpoint-every", "10", "--keep-checkpoints", "1",
-                  "--checkpoint-dir", str(small_tmpfs), cwd=tmp_path)
+    out = run_in_process("train", "--steps", "30", "--checkpoint-every", "10", "--keep-checkpoints", "1",
+                         "--checkpoint-dir", str(small_tmpfs), cwd=tmp_path)
     assert out.returncode == 1
     errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr

@@ -1,8 +1,8 @@
 """One run per checkpoint directory: refused, overwritten, continued, restarted, complete (real phalanx runs).
 
-A run refused before it starts is the command's own ``main()`` in this process (the same checks, message
-and exit status, without an interpreter's start-up per refusal); every run that trains is the
-installed command.
+Runs go through the command's own ``main()`` in this process (the same flags, checks, messages and exit
+status, without an interpreter's start-up each); the runs in torchrun's worker environment, whose process is
+the worker itself, go through the installed command.
 """
 
 import json
@@ -220,8 +220,8 @@ def tiny_full_tmpfs(tmp_path):
 
 @pytest.mark.slow
 def test_a_full_disk_under_the_metrics_file_is_one_line(tiny_full_tmpfs, tmp_path):
-    out = run_cli("train", "--model", "mlp", "--workers", "2", "--steps", "100", "--log-every", "1",
-                  "--checkpoint-every", "5", "--metrics", "small/m.jsonl", cwd=tmp_path)
+    out = run_in_process("train", "--model", "mlp", "--workers", "2", "--steps", "100", "--log-every", "1",
+                         "--checkpoint-every", "5", "--metrics", "small/m.jsonl", cwd=tmp_path)
     assert out.returncode == 1, out.stderr
     assert out.stderr == ("error: cannot write metrics file small/m.jsonl: No space left on device (ENOSPC); free "
                           "some space or choose another --metrics, then continue with --resume (the checkpoints are "

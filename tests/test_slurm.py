@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from helpers import only_run, phalanx_cmd, run_cli
+from helpers import only_run, phalanx_cmd, run_in_process
 from phalanx.errors import PhalanxError
 from phalanx.launcher.env import (SLURM_DEFAULT_PORT, expand_hostlist, expand_tasks_per_node, joined,
                                 slurm_default_port)
@@ -179,7 +179,7 @@ def test_two_slurm_tasks_form_one_job(slurm_run):
 def test_slurm_tasks_compute_what_phalanx_spawned_workers_compute(slurm_run, tmp_path):
     cwd, codes, _ = slurm_run
     assert codes == [0, 0]
-    spawned = run_cli(*TRAIN, "--workers", "2", cwd=tmp_path)
+    spawned = run_in_process(*TRAIN, "--workers", "2", cwd=tmp_path)
     assert spawned.returncode == 0, spawned.stderr[-2000:]
     a = torch.load(cwd / "checkpoints" / "step-00000006.pt", weights_only=True)["model"]
     b = torch.load(only_run(tmp_path) / "step-00000006.pt", weights_only=True)["model"]

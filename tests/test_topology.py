@@ -106,7 +106,7 @@ def test_cli_on_this_machine(tmp_path):
 @pytest.mark.slow
 def test_cli_from_a_saved_file(tmp_path):
     path = LOCAL / "h100-1gpu-ansi.txt"
-    out = run_cli("topology", "--from-file", str(path), cwd=tmp_path)
+    out = run_in_process("topology", "--from-file", str(path), cwd=tmp_path)
     assert out.returncode == 0 and "islands (devices that all reach each other directly): [0]" in out.stdout
     missing = run_in_process("topology", "--from-file", "nope.txt", cwd=tmp_path)
     assert missing.returncode == 2 and "error: cannot read nope.txt" in missing.stderr
