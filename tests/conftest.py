@@ -15,10 +15,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 def _compile_the_package() -> None:
     """Where Python writes no bytecode (PYTHONDONTWRITEBYTECODE, set on the machines this suite runs on), every
-    process the suite starts (a command, its fork server, a torchrun worker, a script) would compile phalanx from its
-    sources, as nothing compiled the editable install: importing its modules takes 0.46-0.63 s of CPU so, 0.22-0.31 s
-    from bytecode (measured on this 2-core machine), in some 200 processes a run. Compiled here once, as pip compiles
-    an installed package (``__pycache__``, ignored by git; a module whose source changed since is compiled again)."""
+    interpreter the suite starts (a command, its fork server, a torchrun worker, a script: 238 a run, counted) would
+    compile phalanx from its sources, as nothing compiled the editable install: importing its modules takes 0.46 to
+    0.63 s of CPU so, 0.22 to 0.31 s from bytecode (measured on this 2-core machine). Compiled here once, as pip
+    compiles an installed package (``__pycache__``, ignored by git; a module whose source changed since is compiled
+    again)."""
     if os.environ.get("PYTHONDONTWRITEBYTECODE") and not os.environ.get("PYTEST_XDIST_WORKER"):
         import compileall
 
@@ -92,4 +93,3 @@ def shaping_allowed():
                             "burst 32kb latency 100ms"], capture_output=True, text=True, timeout=60)
     if probe.returncode != 0:
         pytest.skip(f"network namespaces or traffic control not allowed here: {probe.stderr.strip()}")
-
