@@ -1,7 +1,8 @@
 """Start workers on one machine, or join a job that ``torchrun`` or Slurm's ``srun`` started.
 
 - :mod:`.context`: a worker's place in the job (rank, device, cores) and how it joins the group;
-- :mod:`.local`: starting and watching the workers of a job on one machine (:func:`launch`);
+- :mod:`.local`: starting the workers of a job on one machine (:func:`launch`), and :mod:`.monitor`: watching them
+  until they end;
 - :mod:`.loopback`: a one-machine job's store and groups listen on loopback only;
 - :mod:`.joined`: a worker of a job torchrun or srun started, and how it leaves;
 - :mod:`.stopping`: how the launcher takes a stop request (SIGTERM, SIGINT), wherever it arrived;

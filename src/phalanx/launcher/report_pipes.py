@@ -13,8 +13,37 @@ have theirs, so a rank's pipe reads end-of-file once that rank is gone.
 
 from __future__ import annotations
 
+import dataclasses
 from multiprocessing.connection import Connection
 from typing import Any
+
+from ..kinds import Kind
+
+
+class Sent(Kind):
+    """Which of the three things a worker sends home a report is."""
+
+    RESULT = "result"  #: rank 0's return value
+    ERROR = "error"  #: a PhalanxError of its own (bad input found inside it, or a failure it diagnosed)
+    CRASH = "crash"  #: anything else, with its traceback
+
+
+#: what a worker raised (the reports that name a failure, not a result)
+RAISED = (Sent.CRASH, Sent.ERROR)
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What a worker sends home: its result (rank 0), its own PhalanxError, or a crash's traceback."""
+
+    kind: Sent  #: which of the three it is
+    rank: int
+    #: when (time.time()): when one worker crashes its peers crash next ("connection closed"), and
+    #: the parent must name the first, not whichever it happened to notice
+    at: float = 0.0
+    value: bytes = b""  #: a result: rank 0's return value, saved by torch.save
+    error: str = ""  #: an error: the PhalanxError subclass's name, rebuilt as itself in the parent
+    text: str = ""  #: an error's message or a crash's traceback
 
 
 class ReportPipes:
