@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import PhalanxError
-from .base import Build, Options, Report, Runtime, nonfinite_values, runtime_for
+from .base import Build, Report, Runtime, nonfinite_values, runtime_for
+from .options import Options
 from .layout import Job, Layout, RankPlan, Role, StopRule
 from .registry import STRATEGIES, register, unregister
 

@@ -1,6 +1,6 @@
 """The layout of a job (the parent's side of a strategy): pure, computed before any process starts.
 
-From a :class:`Job` (the devices, the batch, the model), a strategy's :meth:`~phalanx.strategies.base.Options.layout`
+From a :class:`Job` (the devices, the batch, the model), a strategy's :meth:`~phalanx.strategies.options.Options.layout`
 says how many processes, each rank's role, which data shard it reads, which ranks the job may lose, the
 device order, and how the ranks agree to stop. Every check that can be made without processes is made here,
 so bad input never reaches a worker.

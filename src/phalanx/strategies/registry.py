@@ -22,7 +22,7 @@ from typing import Optional, TypeVar
 
 from ..costs.model import COSTS, CostModel
 from ..simulate.registry import RULES, SimulatedRule
-from .base import Options
+from .options import Options
 
 OptionsClass = TypeVar("OptionsClass", bound=type[Options])
 

@@ -37,7 +37,8 @@ from typing import ClassVar
 
 from ...errors import PhalanxError
 from ...options import option
-from ..base import Build, Options, Runtime
+from ..base import Build, Runtime
+from ..options import Options
 from ..layout import Job, Layout, data_parallel
 from ..registry import register
 from .costs import DiLoCoCost

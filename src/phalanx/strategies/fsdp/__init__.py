@@ -52,7 +52,8 @@ from ...errors import PhalanxError
 from ...options import option
 from ...simulate import LOCKSTEP
 from .. import meta_init
-from ..base import Build, Options, Runtime, require_positive
+from ..base import Build, Runtime
+from ..options import Options, require_positive
 from ..layout import Job, Layout, data_parallel
 from ..registry import register
 from . import tensor_parallel

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from ...errors import PhalanxError
 from ...launcher import WorkerContext
-from ..base import Batch, Build, Options, Report, Runtime
+from ..base import Batch, Build, Report, Runtime
+from ..options import Options
 from ..layout import Job, Layout, StopRule, data_parallel
 from ..registry import register
 from ...comm.staleness import StalenessStats

@@ -29,7 +29,8 @@ from .costs import LocalSGDCost
 from .simulated import LOCAL_SGD
 from ...options import option
 from ...errors import PhalanxError
-from ..base import Batch, Build, Options, Runtime, SurvivorState
+from ..base import Batch, Build, Runtime, SurvivorState
+from ..options import Options
 from ..layout import Job, Layout, data_parallel
 from .. import replica_state
 from ..registry import register

@@ -49,7 +49,8 @@ from ...errors import PhalanxError
 from ...options import option
 from ...task.step import calls_model_alone
 from ..balance import Balance, check_counts, check_stages, parse_balance
-from ..base import Build, Options, Runtime, require_positive
+from ..base import Build, Runtime
+from ..options import Options, require_positive
 from ..layout import Job, Layout, RankPlan, Role
 from ..registry import register
 from .costs import PipelineCost

@@ -37,7 +37,8 @@ from ...errors import PhalanxError
 from ...options import option
 from ...launcher.watch import has_raised, launcher_view, say_gone
 from ...task.metrics import Totals, add_up
-from ..base import COUNT_CORRECT, Batch, Build, Options, Report, Runtime
+from ..base import COUNT_CORRECT, Batch, Build, Report, Runtime
+from ..options import Options
 from ..layout import Job, Layout, RankPlan, Role, StopRule
 from ..registry import register
 from ..sync import Sync

@@ -36,7 +36,7 @@ from ...costs.model import Alternative, CostModel
 from ...costs.prediction import Prediction
 
 if TYPE_CHECKING:
-    from ..base import Options
+    from ..options import Options
 
 SIMULATED_UPDATES = 40  #: updates per worker played out (the first quarter is the warm-up)
 SIMULATED_UP_TO = 1024  #: workers played out event by event; more are taken in closed form

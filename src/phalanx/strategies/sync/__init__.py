@@ -30,7 +30,8 @@ from ...options import option
 from ...comm.reduce import COMPRESSIONS, REDUCTIONS, apply_reduction, parse_islands, validate_islands
 from ...topology import order_by_islands, rank_islands
 from ...task.metrics import Totals
-from ..base import COUNT_CORRECT, Batch, Build, Options, Report, Runtime, SurvivorState
+from ..base import COUNT_CORRECT, Batch, Build, Report, Runtime, SurvivorState
+from ..options import Options
 from ..layout import Job, Layout, data_parallel
 from ..registry import register
 from ..replicas import broadcast_buffers, contiguous_buffers, verify_replicas
