@@ -17,7 +17,8 @@ from helpers import only_run, phalanx_cmd, run_and_signal, run_in_process, spawn
 from phalanx import TrainConfig, Trainer
 from phalanx.errors import JobHung
 from phalanx.checkpoint import latest_checkpoint, load_checkpoint
-from phalanx.launcher.watch import Progress, RankState, describe_hang
+from phalanx.launcher.hang_report import RankState, describe_hang
+from phalanx.launcher.watch import Progress
 
 LONG = ["--steps", "4000", "--log-every", "20", "--checkpoint-every", "1000"]
 

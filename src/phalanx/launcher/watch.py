@@ -9,7 +9,7 @@ nothing, so its heartbeat goes stale; one that is busy keeps beating on the same
 
 Parent side, :class:`Watcher`: reads every rank's progress; when no rank the job cannot lose has
 moved for ``hang_timeout`` seconds, it asks for dumps and writes a report that names the stuck
-rank and where it is, e.g.::
+rank and where it is (:mod:`.hang_report`), e.g.::
 
     rank 1 is stuck in step 37, in the training step, not in a collective (process stopped or frozen:
     no heartbeat for 64 s); ranks 0 and 2 wait in gloo:all_reduce (collective 74) of step 37
@@ -20,7 +20,6 @@ holds the signal's name for the loop, which stops at a step boundary every rank 
 
 from __future__ import annotations
 
-import dataclasses
 import faulthandler
 import json
 import os
@@ -29,11 +28,12 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence, overload
+from typing import Any, Callable, Optional, overload
 
 import torch.distributed as dist
 
 from ..errors import Stopped
+from .hang_report import RankState, describe_hang
 from .stop_signals import STOP_SIGNALS, taken_early
 
 PREFIX = "phalanx/"
@@ -255,15 +255,6 @@ def _is_main_block(block: str) -> bool:
 # --------------------------------------------------------------------------- parent side
 
 
-@dataclasses.dataclass
-class RankState:
-    step: int
-    phase: str
-    moved: float
-    beat: float
-    pid: int = 0
-
-
 class Watcher:
     """Reads every rank's progress from the store; names a hang once nothing moved for ``hang_timeout`` s."""
 
@@ -338,76 +329,6 @@ class Watcher:
         return describe_hang(self.read(), dumps, self.world, self.timeout, self.label, self.lockstep)
 
 
-def _waiting_in(dump: Optional[dict]) -> Optional[tuple[str, Any]]:
-    """(collective name, sequence number) this rank waits in, from its flight-recorder view."""
-    if not dump:
-        return None
-    for view in dump.get("collectives", {}).values():
-        if isinstance(view, dict) and view.get("waiting"):
-            return view["name"], view["seq"]
-    return None
-
-
-def _join(names: Sequence[str]) -> str:
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
-
-
-def describe_hang(states: dict[int, RankState], dumps: dict[int, dict], world: int, timeout_s: float,
-                  label: Callable[[int], str], lockstep: bool = True, now: Optional[float] = None) -> str:
-    """The hang report (pure: from what the ranks published). The first line names the stuck rank.
-
-    The stuck ranks are those not waiting in a collective while others wait (or, if every rank
-    waits, the one furthest behind). In a lockstep job the others wait in the stuck rank's current
-    step, which says its step more exactly than its last heartbeat (up to a second old).
-    """
-    now = now or time.time()
-    waiting = {r: _waiting_in(dumps.get(r)) for r in range(world)}
-    in_collective = [r for r in range(world) if waiting[r] is not None]
-    stuck = [r for r in range(world) if waiting[r] is None] or \
-        sorted(in_collective, key=lambda r: (states[r].step if r in states else -1))[:1]
-
-    def alive(r: int) -> bool:
-        return r in dumps and r in states and now - states[r].beat < 3 * timeout_s
-
-    # Alive ranks outside any recorded collective beside stopped or frozen ones wait for those: in a wait no
-    # flight recorder shows (gloo records no point-to-point op: a pipeline's stages).
-    held = [r for r in stuck if alive(r)] if any(not alive(r) for r in stuck) else []
-    stuck = [r for r in stuck if r not in held]
-    waiting_steps = [states[r].step for r in in_collective + held if r in states and r not in stuck]
-    parts = []
-    for r in stuck:
-        state = states.get(r)
-        if state is None:
-            parts.append(f"{label(r)} never reported (it did not start)")
-            continue
-        step = max([state.step] + ([min(waiting_steps)] if lockstep and waiting_steps else []))
-        how = "alive and busy" if alive(r) else \
-            f"process stopped or frozen: no heartbeat for {now - state.beat:.0f} s"
-        collective = waiting[r]
-        where = "not in a collective" if collective is None else f"in {collective[0]} (collective {collective[1]})"
-        parts.append(f"{label(r)} is stuck in step {step}, in {state.phase}, {where} (no progress for "
-                     f"{now - state.moved:.0f} s; {how})")
-    groups: dict[tuple, list[int]] = {}
-    for r in in_collective:
-        collective = waiting[r]
-        if r not in stuck and collective is not None:
-            at = states[r].step if r in states else "?"
-            groups.setdefault((collective[0], collective[1], at), []).append(r)
-    for (name, seq, at), ranks in sorted(groups.items(), key=lambda kv: kv[1]):
-        verb = "waits" if len(ranks) == 1 else "wait"
-        parts.append(f"{_join([label(r) for r in ranks])} {verb} in {name} (collective {seq}) of step {at}")
-    for r in held:
-        parts.append(f"{label(r)} waits in step {states[r].step}, in {states[r].phase}, alive, outside any "
-                     "collective torch records (such as a point-to-point receive or send)")
-    lines = ["; ".join(parts)]
-    for r in stuck:
-        stack = (dumps.get(r) or {}).get("stack") or []
-        if stack:
-            lines.append(f"{label(r)}'s stack, innermost last:")
-            lines += [f"  {frame}" for frame in stack[-6:]]
-    return "\n".join(lines)
-
-
 def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
@@ -417,5 +338,5 @@ def exit_status(signame: str) -> int:
     return 128 + int(getattr(signal, signame))
 
 
-__all__ = ["Progress", "Watcher", "describe_hang", "enable_flight_recorder", "exit_status", "has_raised", "is_gone",
+__all__ = ["Progress", "Watcher", "enable_flight_recorder", "exit_status", "has_raised", "is_gone",
            "launcher_view", "say_gone", "say_raised", "store_client"]
