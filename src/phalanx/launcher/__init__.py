@@ -8,8 +8,8 @@
 - :mod:`.stopping`: how the launcher takes a stop request (SIGTERM, SIGINT), wherever it arrived;
 - the process's life: :mod:`.env` (which launcher started this process: pure, free of torch), :mod:`.startup`
   (the marks of a run's start-up), :mod:`.forkserver`, :mod:`.forkserver_signals`, :mod:`.forkserver_gc` and
-  :mod:`.forkserver_models` (the server every worker forks from), :mod:`.watch` and :mod:`.hang_report` (a hung or dead peer),
-  :mod:`.survivors` (the ranks left after a peer died).
+  :mod:`.forkserver_models` (the server every worker forks from), :mod:`.watch` and :mod:`.hang_report` (a hung
+  or dead peer), :mod:`.survivors` (the ranks left after a peer died).
 """
 
 import importlib

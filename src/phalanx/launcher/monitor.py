@@ -6,7 +6,7 @@ with that rank and its traceback, or the worker's own :class:`PhalanxError` rebu
 late: the CLI still prints one line and exits 2). A rank the job may lose (an asynchronous strategy's worker)
 dies without ending it; a worker that ends at once on a stop signal is a stop request, not a failure
 (:mod:`.stopping`); a job in which no rank it needs moves for ``--hang-timeout`` seconds ends with
-:class:`JobHung` naming who is stuck where (:mod:`.watch`).
+:class:`JobHung` naming who is stuck where (:mod:`.watch`, :mod:`.hang_report`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .watch import Watcher, is_gone, say_gone
 
 
 def monitor(processes: list, results: ReportPipes, tolerate: Optional[Callable[[int], bool]],
-             watcher: Watcher, survivors_save: bool = False) -> list[Report]:
+            watcher: Watcher, survivors_save: bool = False) -> list[Report]:
     """Wait for every worker; drain their reports meanwhile; on a failure or a hang stop the rest and raise.
 
     A rank for which ``tolerate(rank)`` is true may die without ending the job (an asynchronous
