@@ -18,7 +18,7 @@ from phalanx import TrainConfig
 from phalanx.errors import PhalanxError
 from phalanx.task.metrics import PERPLEXITY, SEQUENCE, Totals, add_up, cross_entropy
 from phalanx.task import task_from
-from phalanx.train import checks
+from phalanx.train import checks, step_checks
 from phalanx.checkpoint import load_checkpoint, tensors
 
 sys.path.insert(0, str(REPO / "examples"))
@@ -73,14 +73,14 @@ class Scores(nn.Module):
 @pytest.mark.parametrize("layout", ["last", "second"])
 def test_the_parent_accepts_scores_per_position_with_the_classes_last_or_second(layout):
     task, facts = _task_and_facts()
-    checks.check_model(Scores(layout), facts, task.loss_fn, task.metrics)
+    step_checks.check_model(Scores(layout), facts, task.loss_fn, task.metrics)
 
 
 @pytest.mark.parametrize("layout, shape", [("pooled", "(2, 105)"), ("short", "(2, 15, 105)")])
 def test_scores_that_do_not_fit_targets_per_position_are_one_line_naming_the_shape_to_return(layout, shape):
     task, facts = _task_and_facts()
     with pytest.raises(PhalanxError) as raised:
-        checks.check_model(Scores(layout), facts, task.loss_fn, task.metrics)
+        step_checks.check_model(Scores(layout), facts, task.loss_fn, task.metrics)
     assert str(raised.value) == (f"the model returns {shape} for targets of shape (2, 16): a class per position "
                                  "needs a score per class and position; return (batch, 16, classes) (or "
                                  "(batch, classes, 16))")

@@ -39,7 +39,8 @@ def build_problem(train: TrainConfig, workers: tuple[int, ...], per_node: Option
     from ..estimate.link import describe_link, measure_link
     from ..launcher import available_cores
     from ..devices import resolve_devices
-    from ..train.checks import check_model, data_facts
+    from ..train.checks import data_facts
+    from ..train.step_checks import check_model
 
     task = task or task_from(train)
     cfg = train.resolved(task.model_name)

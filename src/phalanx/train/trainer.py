@@ -1,6 +1,6 @@
 """The parent side of a training run: check everything, lay the job out, start the workers.
 
-Read top to bottom: :meth:`Trainer.fit` builds a :class:`Plan` (every check of ``checks.py``,
+Read top to bottom: :meth:`Trainer.fit` builds a :class:`Plan` (every check of ``checks.py`` and ``step_checks.py``,
 the strategy's layout, the model's recipe; nothing written), creates the checkpoint directory,
 then launches one process per rank of the layout, each running :func:`~phalanx.train.loop.run_worker`.
 
@@ -30,7 +30,7 @@ from ..data.user import cast_to_model
 from ..task import Task, named_optimizer, user_task
 from ..strategies import Job, Layout, meta_init
 from .. import checkpoint as ckpt
-from . import checks, rundir, tensorboard
+from . import checks, rundir, step_checks, tensorboard
 from .config import TrainConfig
 from .loop import run_worker
 from .plan import Plan
@@ -99,8 +99,8 @@ class Trainer:
         model = task.make_model(facts.input_shape, facts.num_classes)
         if task.data is not None:  # float64 numpy inputs meet float32 parameters: cast once, here
             facts = checks.data_facts(cfg, cast_to_model(task.data, model))
-        checks.check_model(model, facts, task.loss_fn, task.metrics, task.step)
-        checks.check_optimizer(task, model, cfg.total_steps)
+        step_checks.check_model(model, facts, task.loss_fn, task.metrics, task.step)
+        step_checks.check_optimizer(task, model, cfg.total_steps)
         devices = worker_devices(cfg)
         job = Job(tuple(devices), cfg.batch_size, cfg.accumulate, processes=launcher_world_size(),
                   gpu_islands=_gpu_islands(devices, cfg), model=model)
