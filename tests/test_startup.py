@@ -99,7 +99,8 @@ NOT_FOR_TRAIN = ("phalanx.compare", "phalanx.estimate", "phalanx.topology.cli", 
     (["train", "--workers", "1"], False), (["train", "--model", "mlp", "--workers=1"], False),
     (["train", "--workers", "1", "--loader-workers", "2"], True),  # (its loader workers fork from the server)
     (["train"], True), (["train", "--workers", "2"], True), (["compare"], True), (["compare", "--simulate"], False),
-    (["train", "--help"], False)])
+    (["estimate"], True),  # (its measuring processes: 15 s -> 10 s for the mlp on 1,2 workers, its server forked)
+    (["topology"], False), (["train", "--help"], False)])
 def test_the_worker_server_starts_early_only_for_a_run_that_will_start_workers(argv, starts, monkeypatch):
     """A run in this one process (``--workers 1``) starts no server: its import of torch (3.5 s of CPU here,
     torch._dynamo included) would be for nobody; the run's CPU went from 8.7 s to 5.3 s, 3 steps of the mlp."""
