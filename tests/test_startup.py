@@ -98,7 +98,8 @@ NOT_FOR_TRAIN = ("phalanx.compare", "phalanx.estimate", "phalanx.topology.cli", 
 @pytest.mark.parametrize("argv, starts", [
     (["train", "--workers", "1"], False), (["train", "--model", "mlp", "--workers=1"], False),
     (["train", "--workers", "1", "--loader-workers", "2"], True),  # (its loader workers fork from the server)
-    (["train"], True), (["train", "--workers", "2"], True), (["compare"], True), (["compare", "--simulate"], False),
+    (["train"], True), (["train", "--workers", "2"], True), (["compare"], True), (["compare", "--simulate"], True),
+    (["compare", "--simulate", "--step-time", "10ms", "--link-bandwidth", "1GB/s", "--link-latency", "5us"], False),
     (["estimate"], True),  # (its measuring processes: 15 s -> 10 s for the mlp on 1,2 workers, its server forked)
     (["topology"], False), (["train", "--help"], False)])
 def test_the_worker_server_starts_early_only_for_a_run_that_will_start_workers(argv, starts, monkeypatch):

@@ -219,14 +219,17 @@ def _start_worker_server(args: argparse.Namespace, fresh: bool) -> None:
     """A command that will start worker processes (train, compare, estimate's measuring processes) starts their fork
     server once its flags are read: a fork of this process, if ``fresh`` (nothing ran torch here before the
     command), that imports the rest while this one plans (see :mod:`phalanx.launcher.forkserver`). Not under
-    torchrun or srun (this process is a worker: nothing to start), nor for a simulated comparison (no process
-    runs), nor for a run in this one process (``train --workers 1`` without loader workers, as typed: a --config
-    file may ask for more, and then the server starts when the workers do)."""
+    torchrun or srun (this process is a worker: nothing to start), nor for a simulated comparison given its step
+    time and link (``--step-time``, ``--link-bandwidth``: no process runs), nor for a run in this one process
+    (``train --workers 1`` without loader workers, as typed: a --config file may ask for more, and then the server
+    starts when the workers do)."""
     from .launcher.forkserver import start_early
     from .launcher.env import joined
 
     wanted = os.environ.get("PHALANX_START_METHOD", "forkserver") == "forkserver"
-    runs = args.command in ("train", "estimate") or (args.command == "compare" and not args.simulate)
+    # (a simulated comparison measures this machine's step and link in worker processes, unless both are given)
+    measures = args.command == "compare" and (args.step_time is None or args.link_bandwidth is None)
+    runs = args.command in ("train", "estimate") or (args.command == "compare" and (not args.simulate or measures))
     one_process = args.command == "train" and args.workers == 1 and not args.loader_workers
     if wanted and runs and not one_process and joined() is None:
         if fresh:  # (the server forks from this process: with the user's code imported, so is every worker)
