@@ -228,8 +228,8 @@ def _start_worker_server(args: argparse.Namespace, fresh: bool) -> None:
 
     wanted = os.environ.get("PHALANX_START_METHOD", "forkserver") == "forkserver"
     # (a simulated comparison measures this machine's step and link in worker processes, unless both are given)
-    measures = args.command == "compare" and (args.step_time is None or args.link_bandwidth is None)
-    runs = args.command in ("train", "estimate") or (args.command == "compare" and (not args.simulate or measures))
+    simulated_only = args.command == "compare" and args.simulate and None not in (args.step_time, args.link_bandwidth)
+    runs = args.command in ("train", "estimate", "compare") and not simulated_only
     one_process = args.command == "train" and args.workers == 1 and not args.loader_workers
     if wanted and runs and not one_process and joined() is None:
         if fresh:  # (the server forks from this process: with the user's code imported, so is every worker)
@@ -251,7 +251,8 @@ def _code_modules(args: argparse.Namespace) -> list[str]:
     from .task.import_paths import is_import_path
 
     specs = [spec for name in CODE_FLAGS for spec in str(getattr(args, name, None) or "").split(",")]
-    return [spec.partition(":")[0] for spec in specs if is_import_path(spec) and spec.partition(":")[0]]
+    modules = [spec.partition(":")[0] for spec in specs if is_import_path(spec)]
+    return [module for module in modules if module]
 
 
 def _in_a_running_job() -> bool:

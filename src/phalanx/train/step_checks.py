@@ -116,7 +116,7 @@ def _shape(out: Any) -> Any:
 def _check_class_scores(out: Any, y: torch.Tensor, num_classes: int) -> None:
     """A classifier returns (batch, classes) scores; for a target per position (targets (batch, T)) a score
     per class and position, the classes last (batch, T, classes) or second (batch, classes, T)."""
-    shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    shape = _shape(out)
     if y.dim() > 1:
         last = isinstance(out, torch.Tensor) and out.dim() == y.dim() + 1 and tuple(out.shape[:-1]) == tuple(y.shape)
         second = isinstance(out, torch.Tensor) and out.dim() == y.dim() + 1 and \
@@ -140,9 +140,8 @@ def _check_class_scores(out: Any, y: torch.Tensor, num_classes: int) -> None:
 def _check_regression_outputs(out: Any, y: torch.Tensor) -> None:
     """A regression returns one value per target: shaped like the targets ((batch, 1) also for (batch,))."""
     if not isinstance(out, torch.Tensor) or out.numel() != y.numel():
-        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise PhalanxError(f"the model returns {shape} for targets of shape {tuple(y.shape)}: float targets make a "
-                           f"regression, so return one value per target (shape {tuple(y.shape)}, or "
+        raise PhalanxError(f"the model returns {_shape(out)} for targets of shape {tuple(y.shape)}: float targets "
+                           f"make a regression, so return one value per target (shape {tuple(y.shape)}, or "
                            f"{(len(y), 1)}); for classes give integer targets")
 
 
