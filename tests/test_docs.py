@@ -8,6 +8,7 @@ page fails here (the fix: ``python3 -m phalanx.options_doc > docs/flags.md``).
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -95,8 +96,9 @@ def test_the_readme_is_a_front_door_with_the_commands_ci_runs():
 CITATION = re.compile(r"(?:tests/)?(test_\w+\.py)(?::\d+)?|::(test_\w+)")
 
 
+@functools.cache
 def _tests_by_file() -> dict[str, set[str]]:
-    """Each test file's functions and classes, read without importing it."""
+    """Each test file's functions and classes, read without importing it (once for every page)."""
     names = {}
     for path in (ROOT / "tests").glob("test_*.py"):
         tree = ast.parse(path.read_text())
@@ -117,7 +119,6 @@ def _citations(page: Path):
                 yield number, cited_file, name
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
 def test_every_test_a_page_cites_exists(page):
     tests = _tests_by_file()
