@@ -1,8 +1,9 @@
 """One run per checkpoint directory: refused, overwritten, continued, restarted, complete (real phalanx runs).
 
 Runs go through the command's own ``main()`` in this process (the same flags, checks, messages and exit
-status, without an interpreter's start-up each); the runs in torchrun's worker environment, whose process is
-the worker itself, go through the installed command.
+status, without an interpreter's start-up each). The attempt that trains in torchrun's worker environment, whose
+process is the worker itself, goes through the installed command; the restarts after it, which end before
+training (complete, or another job's), run here too.
 """
 
 import json
@@ -171,13 +172,13 @@ def test_under_torchrun_a_restarted_attempt_continues_only_its_own_run(tmp_path,
     # node's worker failed; each agent counts only its own failures).
     for attempt in ("1", "0"):
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
-        out = run_cli(*again, cwd=tmp_path)
+        out = run_in_process(*again, cwd=tmp_path)
         assert out.returncode == 0, out.stderr
         assert out.stdout.splitlines()[0] == "already complete at step 20: checkpoint checkpoints/step-00000020.pt"
         assert out.stderr == "" and _snapshot(ck) == before
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")  # another job whose first attempt never claimed the directory
-    out = run_cli("train", "--model", "mlp", "--steps", "20", cwd=tmp_path)
+    out = run_in_process("train", "--model", "mlp", "--steps", "20", cwd=tmp_path)
     assert out.returncode == 2 and "holds the checkpoints of another run" in out.stderr, out.stderr
     assert _snapshot(ck) == before
 
@@ -271,3 +272,4 @@ def test_a_new_run_is_numbered_after_every_run_in_runs_whatever_its_strategy(tmp
         (tmp_path / "runs" / name).mkdir(parents=True)
     (tmp_path / "runs" / "fsdp-9").touch()  # a file, not a run's directory
     assert next_number(tmp_path / "runs") == 4
+
