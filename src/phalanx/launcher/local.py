@@ -38,7 +38,7 @@ from .env import joined
 from .joined import collect_before_exit, run_joined
 from .monitor import monitor, terminate
 from .report_pipes import Report, ReportPipes, Sent
-from .stop_signals import record_until_ready
+from .stop_signals import record_until_ready, signal_self_at_start
 from .stopping import signals_to
 
 
@@ -58,10 +58,11 @@ def _spawned_worker(
     loader_modules: Optional[list[str]] = None,
 ) -> None:
     resume_collector()  # forked from the server, which imported with the collector off (startup.py)
-    record_until_ready(local_rank)  # a stop signal from here on ends it once its handlers are in (stop_signals.py)
+    record_until_ready()  # a stop signal from here on ends it once its handlers are in (stop_signals.py)
     home = results.own(local_rank)
     if parents is not None:
         parents.adopt()
+    signal_self_at_start(local_rank)
     if shown:  # the parent shows phalanx's messages on its streams (the command line): so does its worker
         show_on_streams()
     if loader_modules is not None:  # (with the parent's environment and streams, before any thread of this worker's)

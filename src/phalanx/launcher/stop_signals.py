@@ -51,16 +51,14 @@ def _record_early(signum: int, frame: object) -> None:
         _early = signum
 
 
-def record_until_ready(rank: int) -> None:
-    """In worker ``rank``, first thing: where no fork server's handler is inherited (a spawned worker), record a
-    stop signal from here on as a forked worker does from its first instruction; then
-    :data:`SIGNAL_AT_START`'s signal, if it names this rank."""
+def record_until_ready() -> None:
+    """In a worker, first thing: where no fork server's handler is inherited (a spawned worker), record a stop
+    signal from here on as a forked worker does from its first instruction."""
     global _server_pid
     if _server_pid is None and threading.current_thread() is threading.main_thread():
         _server_pid = 0
         for sig in STOP_SIGNALS:
             signal.signal(sig, _record_early)
-    signal_self_at_start(rank)
 
 
 def taken_early() -> Optional[int]:
@@ -68,13 +66,15 @@ def taken_early() -> Optional[int]:
     return _early
 
 
-#: ``RANK:SIGNAL`` (e.g. ``1:SIGTERM``): worker RANK sends itself SIGNAL as the first thing it does, before its
-#: own handlers, so that a test can stop a worker the moment it appears without racing its start-up.
+#: ``RANK:SIGNAL`` (e.g. ``1:SIGTERM``): worker RANK sends itself SIGNAL the moment it appears, before its own
+#: handlers, so that a test can stop a worker there without racing its start-up.
 SIGNAL_AT_START = "PHALANX_SIGNAL_AT_START"
 
 
 def signal_self_at_start(rank: int) -> None:
-    """In a worker, first thing: :data:`SIGNAL_AT_START`'s signal, if it names this rank."""
+    """In worker ``rank``, as soon as it has the parent's environment (a forked worker's is the fork server's until
+    then, which a later job's parent may have changed) and before its own handlers: :data:`SIGNAL_AT_START`'s
+    signal, if it names this rank."""
     asked_for = os.environ.get(SIGNAL_AT_START, "")
     if asked_for.partition(":")[0] == str(rank):
         os.kill(os.getpid(), getattr(signal, asked_for.partition(":")[2]))
