@@ -130,6 +130,16 @@ def test_the_blocks_are_the_ones_transformers_declares_and_a_cache_input_is_turn
     assert args[1] is None and kwargs == {"mask": "m", "use_cache": False}
 
 
+def test_a_model_that_recomputes_by_its_own_switch_is_told_that_training_uses_no_cache():
+    """Else transformers turns the cache off itself at each process's first training step, with a warning on the
+    job's output from each (``use_cache=True`` is incompatible with gradient checkpointing)."""
+    for make in (llama, gpt2, t5):
+        model = make()
+        assert model.config.use_cache  # (transformers' default)
+        checkpoint_blocks(model, model_units(model))
+        assert model.config.use_cache is False, make.__name__
+
+
 def meta_perplexity(kind: str, meta: bool, steps: int = 20) -> float:
     """Test perplexity after ``steps`` AdamW steps in this process, the model built eagerly or on the meta device
     and materialised as fsdp's runtime does (reset_parameters, then the model's own _init_weights)."""

@@ -12,7 +12,8 @@ Where the model declares how it recomputes (transformers' ``supports_gradient_ch
 ``activation_checkpointing_enable()`` (``gradient_checkpointing_enable()`` before transformers 5) is called
 with ``use_reentrant=False``, as Hugging Face's Trainer and Accelerate call it: it checkpoints the layers the
 model names (each layer's ``forward``, so fsdp's hooks stay outside) and turns the key/value cache off while
-it does, which a recomputation otherwise appends to a second time (a 128-long key against a 64-long mask).
+it does, which a recomputation otherwise appends to a second time (a 128-long key against a 64-long mask); its
+config's ``use_cache`` is set off too, so that the model does not warn of it in every process.
 Elsewhere the rule above; a block's keyword inputs (masks, position embeddings) reach it unchanged, and its
 cache keywords (``use_cache``, ``past_key_values``, ``layer_past``, ``cache``) are turned off in training, as
 transformers' ``GradientCheckpointingLayer`` does, so the recomputation computes exactly what the forward did.
@@ -118,13 +119,18 @@ def _enabler_name(module: nn.Module) -> str:
 
 def _enable_declared(module: nn.Module) -> None:
     """The model's own switch, non-reentrant (its keyword inputs pass through; the default's, from transformers
-    4.35 on, said explicitly as Accelerate does). It also turns the cache off while it recomputes."""
+    4.35 on, said explicitly as Accelerate does). The model turns its cache off while it recomputes, and warns
+    that it does in every process at its first training step, unless its config already says so: it is said
+    here (``use_cache``, which no training step reads)."""
     enable = getattr(module, _enabler_name(module))
     kwargs = {"use_reentrant": False}
     if enable.__name__ == "activation_checkpointing_enable":
         enable(activation_checkpointing_kwargs=kwargs)
     else:
         enable(gradient_checkpointing_kwargs=kwargs)
+    config = getattr(module, "config", None)
+    if getattr(config, "use_cache", None):
+        config.use_cache = False
 
 
 #: a block's inputs that keep or extend a key/value cache (transformers' names across its models), and what
