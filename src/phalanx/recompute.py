@@ -129,7 +129,7 @@ def _enable_declared(module: nn.Module) -> None:
     else:
         enable(gradient_checkpointing_kwargs=kwargs)
     config = getattr(module, "config", None)
-    if getattr(config, "use_cache", None):
+    if config is not None and getattr(config, "use_cache", None):
         config.use_cache = False
 
 
