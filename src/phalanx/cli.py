@@ -232,12 +232,14 @@ def _start_worker_server(args: argparse.Namespace, fresh: bool) -> None:
     runs = args.command in ("train", "estimate", "compare") and not simulated_only
     one_process = args.command == "train" and args.workers == 1 and not args.loader_workers
     if wanted and runs and not one_process and joined() is None:
-        if fresh:  # (the server forks from this process: with the user's code imported, so is every worker)
-            from .task.import_paths import import_early
+        from .task.import_paths import import_early, is_import_path
 
+        if fresh:  # (the server forks from this process: with the user's code imported, so is every worker)
             for module in _code_modules(args):
                 import_early(module)
-        start_early(fork=fresh)
+        # (the parent tries a user's optimizer and scheduler factories once: see train/step_checks.py)
+        factories = [str(getattr(args, name, None) or "") for name in ("optimizer", "lr_scheduler")]
+        start_early(fork=fresh, builds_an_optimizer=any(is_import_path(spec) for spec in factories))
 
 
 #: the flags that may name the user's code as MODULE:CALLABLE (a metric's among names separated by commas)

@@ -54,7 +54,8 @@ MODEL_LIBRARIES = {"transformers": "transformers.modeling_utils"}
 MODELS = "phalanx.launcher.forkserver_models"
 
 #: What the command line imports in any case, imported before the server forks from it; the server imports
-#: the rest (torch._dynamo: only a worker constructs an optimizer) while the parent plans.
+#: the rest (torch._dynamo, which constructing a ``torch.optim`` optimizer imports: the parent constructs one
+#: only to check a user's factory, see :func:`start_early`) while the parent plans.
 SHARED = [name for name in PRELOAD if name not in (GUARD, PAUSE_MODULE, "torch._dynamo")]
 
 _used = False  #: whether a worker was started from the server (else it is stopped at exit: see start_early)
@@ -88,16 +89,19 @@ def start_method() -> str:
     return "forkserver"
 
 
-def start_early(fork: bool) -> None:
+def start_early(fork: bool, builds_an_optimizer: bool = False) -> None:
     """Start the server now, from the command line: with ``fork`` (a process that has run nothing of torch's yet
     and has no other thread), import :data:`SHARED` and fork the server from this process, so that the server's
-    other imports overlap the parent's planning; else as a new interpreter. If no worker is ever started from it
-    (a single-process run, input refused), it is stopped at exit rather than left importing for nobody."""
+    other imports overlap the parent's planning; else as a new interpreter. ``builds_an_optimizer``: this process
+    will construct one (to check the user's optimizer or scheduler factory), which imports torch._dynamo, so it
+    imports that first too, once for both. If no worker is ever started from it (a single-process run, input
+    refused), it is stopped at exit rather than left importing for nobody."""
     modules = preload()
     multiprocessing.set_forkserver_preload(modules)
+    shared = SHARED + ["torch._dynamo"] if builds_an_optimizer else SHARED
     try:
         start_resource_tracker()
-        if not (fork and not _cuda_is_initialized() and _fork_server(SHARED, modules)):
+        if not (fork and not _cuda_is_initialized() and _fork_server(shared, modules)):
             forkserver.ensure_running()
     except OSError:
         return  # (no fork server here: workers will be started however start_method says)
