@@ -276,10 +276,10 @@ def test_a_signal_to_one_worker_before_its_first_step_stops_the_job_blaming_no_o
     ids=["SIGTERM", "SIGINT", "SIGHUP", "SIGINT-spawned"])
 def test_a_signal_to_a_worker_the_moment_it_appears_stops_the_job_in_one_line(strategy, rank, signal_, method,
                                                                             tmp_path, monkeypatch):
-    # The worker sends itself the signal as the first thing it does (PHALANX_SIGNAL_AT_START), before any handler
-    # of its own: it had the fork server's dispositions then. SIGTERM was ignored and lost (the job trained to
-    # exit 0), SIGINT raised a KeyboardInterrupt in its start-up (exited with status 1), and its peer, blocked in
-    # the rendezvous, never ran its own handler (a hang report after 120 s).
+    # The worker sends itself the signal as soon as it has the parent's environment (PHALANX_SIGNAL_AT_START),
+    # before any handler of its own: it had the fork server's dispositions then. SIGTERM was ignored and lost (the
+    # job trained to exit 0), SIGINT raised a KeyboardInterrupt in its start-up (exited with status 1), and its
+    # peer, blocked in the rendezvous, never ran its own handler (a hang report after 120 s).
     # Only a worker is signalled: the command's main() runs in this process but for the first case (its workers,
     # forked from this process's server, start as the command's do; see helpers.run_in_process). Run in this
     # order in one process, each job's workers read the signal from its own environment, not the server's (the

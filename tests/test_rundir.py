@@ -272,4 +272,3 @@ def test_a_new_run_is_numbered_after_every_run_in_runs_whatever_its_strategy(tmp
         (tmp_path / "runs" / name).mkdir(parents=True)
     (tmp_path / "runs" / "fsdp-9").touch()  # a file, not a run's directory
     assert next_number(tmp_path / "runs") == 4
-

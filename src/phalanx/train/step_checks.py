@@ -147,7 +147,9 @@ def _check_regression_outputs(out: Any, y: torch.Tensor) -> None:
 
 def check_optimizer(task: Task, model: nn.Module, steps: int = 1) -> None:
     """A user's optimizer and LR scheduler factories, tried once on the model in the parent: a failure is one
-    line, before any worker starts (the workers call them again on their own replicas)."""
+    line, before any worker starts (the workers call them again on their own replicas). The optimizer constructed
+    here imports torch._dynamo, which a command given such a factory imports before its fork server forks
+    (``cli._start_worker_server``)."""
     if task.make_optimizer is not None:
         first_line_of_failure(lambda: task.optimizer(model),
                                f"the optimizer factory {label(task.make_optimizer)} fails on the model",
