@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from datetime import timedelta
 from typing import Any, Optional, Sequence
 
@@ -105,6 +106,7 @@ def init_worker(
     if world_size == 1:
         return WorkerContext(rank, 1, local_rank, device, None, progress=progress)
     backend = backend_for([device])
+    bars_without_semaphores()
     enable_flight_recorder()  # so that a hang report can say which collective each rank waits in
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
     if store is not None:
@@ -116,6 +118,16 @@ def init_worker(
     dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
     store = store if store is not None else dist.distributed_c10d._get_default_store()
     return WorkerContext(rank, world_size, local_rank, device, backend, store=store, progress=progress)
+
+
+def bars_without_semaphores() -> None:
+    """A thread lock as tqdm's lock in this worker. tqdm's default lock holds a multiprocessing lock too, a named
+    semaphore that a worker ending with ``os._exit`` never unlinks: inductor shows a bar while it compiles, and every
+    ``--compile`` run ended with "resource_tracker: There appear to be 2 leaked semaphore objects". A worker has no
+    process of its own drawing bars to share the lock with."""
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def shutdown() -> None:
