@@ -171,6 +171,27 @@ def test_a_command_that_will_try_the_users_optimizer_imports_torch_dynamo_before
     assert ("torch._dynamo" in imports[0]) == builds and set(forkserver.SHARED) <= set(imports[0])
 
 
+@pytest.mark.parametrize("typed, traces, compiles", [
+    (["train"], False, False), (["train", "--strategy", "pipeline"], True, False),
+    (["train", "--compile"], False, True), (["compare", "--strategies", "sync,pipeline"], True, False),
+    (["estimate", "--strategy", "pipeline"], False, False)])
+def test_a_command_whose_workers_will_trace_or_compile_has_the_server_import_that_once_for_them(typed, traces, compiles,
+                                                                                               monkeypatch, tmp_path):
+    """A pipeline's workers may trace the model with torch.export (0.3 s of CPU a worker here) and --compile's
+    compile with inductor (1.5 s): the server imports it for them all (estimate prices a pipeline by its blocks)."""
+    import phalanx.cli as cli
+    import phalanx.launcher.forkserver as forkserver
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PHALANX_START_METHOD", raising=False)
+    monkeypatch.delitem(sys.modules, forkserver.TRACING, raising=False)  # (this process may have traced already)
+    servers = []
+    monkeypatch.setattr(forkserver, "_fork_server", lambda shared, preload: servers.append(preload) or True)
+    cli._start_worker_server(cli.build_parser(only=typed[0]).parse_args([*typed, "--workers", "2"]), fresh=True)
+    assert (forkserver.TRACING in servers[0], forkserver.COMPILING in servers[0]) == (traces, compiles)
+    assert set(forkserver.PRELOAD) <= set(servers[0])
+
+
 def test_a_command_whose_users_module_opened_a_cuda_context_starts_the_server_as_a_new_interpreter(monkeypatch):
     """A worker forked from a process holding a CUDA context cannot use CUDA (the user's module, imported before the
     server forks, may have made one: a tensor put on the GPU at its top level)."""

@@ -239,7 +239,10 @@ def _start_worker_server(args: argparse.Namespace, fresh: bool) -> None:
                 import_early(module)
         # (the parent tries a user's optimizer and scheduler factories once: see train/step_checks.py)
         factories = [str(getattr(args, name, None) or "") for name in ("optimizer", "lr_scheduler")]
-        start_early(fork=fresh, builds_an_optimizer=any(is_import_path(spec) for spec in factories))
+        strategies = str(getattr(args, "strategy", None) or getattr(args, "strategies", None) or "").split(",")
+        start_early(fork=fresh, builds_an_optimizer=any(is_import_path(spec) for spec in factories),
+                    traces=args.command != "estimate" and "pipeline" in strategies,  # (estimate prices blocks only)
+                    compiles=bool(getattr(args, "compile", False)))
 
 
 #: the flags that may name the user's code as MODULE:CALLABLE (a metric's among names separated by commas)

@@ -66,14 +66,25 @@ _used = False  #: whether a worker was started from the server (else it is stopp
 METHODS = ("forkserver", "spawn")
 
 
-def preload() -> list[str]:
-    """What a server started now imports: :data:`PRELOAD`, and each of :data:`MODEL_LIBRARIES` this process has
-    imported (a script's or a notebook's ``fit()`` on a model it built), so a job's workers fork with it imported."""
-    return PRELOAD + ([MODELS] if any(package in sys.modules for package in MODEL_LIBRARIES) else [])
+#: What a run of some kind imports in each worker, seconds of CPU a worker on a 2-core machine, imported by the server
+#: once for them all where the run is known to be of that kind when the server starts: a model split by tracing runs
+#: torch.export (0.3 s), and ``--compile`` inductor (1.5 s, and as much of each worker's start-up).
+TRACING, COMPILING = "torch.export._trace", "torch._inductor.compile_fx"
 
 
-def start_method() -> str:
-    """``"forkserver"`` (started now if it is not yet), or ``"spawn"`` when asked."""
+def preload(traces: bool = False, compiles: bool = False) -> list[str]:
+    """What a server started now imports: :data:`PRELOAD`; each of :data:`MODEL_LIBRARIES` this process has imported
+    (a script's or a notebook's ``fit()`` on a model it built), so a job's workers fork with it imported; torch.export
+    for a run that ``traces`` (a pipeline's, or one whose parent rehearsed a traced split: it is imported here), and
+    inductor for a run that ``compiles``."""
+    libraries = [MODELS] if any(package in sys.modules for package in MODEL_LIBRARIES) else []
+    tracing = [TRACING] if traces or TRACING in sys.modules else []
+    return PRELOAD + libraries + tracing + ([COMPILING] if compiles else [])
+
+
+def start_method(compiles: bool = False) -> str:
+    """``"forkserver"`` (started now if it is not yet, importing inductor too for a job that ``compiles``), or
+    ``"spawn"`` when asked."""
     global _used
     asked = os.environ.get("PHALANX_START_METHOD", "forkserver")
     if asked not in METHODS:
@@ -82,21 +93,22 @@ def start_method() -> str:
     start_resource_tracker()
     if asked == "spawn":
         return "spawn"
-    multiprocessing.set_forkserver_preload(preload())  # (read when the server starts)
+    multiprocessing.set_forkserver_preload(preload(compiles=compiles))  # (read when the server starts)
     with shaped_link.outside():  # (the server outlives a shaped link's job: not in its namespace)
         forkserver.ensure_running()
     _used = True
     return "forkserver"
 
 
-def start_early(fork: bool, builds_an_optimizer: bool = False) -> None:
+def start_early(fork: bool, builds_an_optimizer: bool = False, traces: bool = False, compiles: bool = False) -> None:
     """Start the server now, from the command line: with ``fork`` (a process that has run nothing of torch's yet
     and has no other thread), import :data:`SHARED` and fork the server from this process, so that the server's
     other imports overlap the parent's planning; else as a new interpreter. ``builds_an_optimizer``: this process
     will construct one (to check the user's optimizer or scheduler factory), which imports torch._dynamo, so it
-    imports that first too, once for both. If no worker is ever started from it (a single-process run, input
-    refused), it is stopped at exit rather than left importing for nobody."""
-    modules = preload()
+    imports that first too, once for both. ``traces`` and ``compiles``: the run may split its model by tracing (a
+    pipeline), or compiles it (see :func:`preload`). If no worker is ever started from it (a single-process run,
+    input refused), it is stopped at exit rather than left importing for nobody."""
+    modules = preload(traces, compiles)
     multiprocessing.set_forkserver_preload(modules)
     shared = SHARED + ["torch._dynamo"] if builds_an_optimizer else SHARED
     try:

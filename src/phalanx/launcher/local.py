@@ -179,6 +179,7 @@ def launch(
     lockstep: bool = True,
     survivors_save: bool = False,
     loader_modules: Optional[list[str]] = None,
+    compiles: bool = False,
 ) -> Any:
     """Run ``fn(ctx, *args)`` on one worker per entry of ``devices`` (``torch.device`` or its name); return rank 0's
     result.
@@ -194,6 +195,7 @@ def launch(
     without a word leaves the others time to save what they hold (:mod:`.survivors`) before they are ended.
     Where each worker will read a Dataset with DataLoader workers (``loader_modules``: the modules defining it),
     each forks their fork server from itself as it starts (:func:`~phalanx.launcher.forkserver.fork_loader_server`).
+    ``compiles``: the workers will compile (``--compile``), so a fork server started now imports inductor for them all.
     """
     places = [torch.device(d) for d in devices]  # ("cpu" or "cuda:1" as typed, or a torch.device)
     job = joined()
@@ -208,7 +210,7 @@ def launch(
             return fn(ctx, *args)
 
     store = loopback.store(addr, len(places), timeout_s)  # on addr only (torch's own: on every interface)
-    method = start_method()
+    method = start_method(compiles)
     results = ReportPipes(mp.get_context(method), len(places))
     procs = mp.start_processes(
         _spawned_worker,

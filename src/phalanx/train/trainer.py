@@ -186,7 +186,8 @@ class Trainer:
                               addr=cfg.master_addr, timeout_s=max(cfg.timeout_s, 2 * cfg.hang_timeout_s),
                               tolerate=plan.layout.expendable, hang_timeout_s=cfg.hang_timeout_s,
                               label=plan.layout.label, lockstep=plan.layout.lockstep,
-                              survivors_save=cfg.options.survivors_save, loader_modules=_loader_modules(self.task.data))
+                              survivors_save=cfg.options.survivors_save, loader_modules=_loader_modules(self.task.data),
+                              compiles=cfg.compile)
             except (WorkerFailed, JobHung) as e:
                 newest = ckpt.latest_checkpoint(cfg.run_dir)
                 if restarts >= cfg.max_restarts:
