@@ -81,7 +81,8 @@ def _fit(tmp_path, name, workers=2, **overrides):
 
 @pytest.mark.slow
 def test_bf16_trains_the_default_model_and_keeps_fp32_weights(tmp_path):
-    summary = _fit(tmp_path, "bf16", precision="bf16", steps=200)
+    # (100 steps reach 0.98 to 0.99 on seeds 0, 1 and 2)
+    summary = _fit(tmp_path, "bf16", precision="bf16", steps=100)
     assert summary["test_accuracy"] >= 0.95
     state = torch.load(summary["checkpoint"], weights_only=True)
     assert all(t.dtype == torch.float32 for t in state["model"].values())
