@@ -25,7 +25,7 @@ def _summary(directory):
                                    ["--strategy", "hogwild"], ["--strategy", "local-sgd", "--sync-every", "4"]],
                          ids=["ps", "ssp", "hogwild", "local-sgd"])
 def test_each_strategy_trains_digits(tmp_path, flags):
-    out = run_in_process("train", *flags, "--steps", "250", cwd=tmp_path)
+    out = run_in_process("train", *flags, "--steps", "150", cwd=tmp_path)  # (0.975 to 0.981 measured)
     assert out.returncode == 0, out.stderr[-3000:]
     accuracy = float(re.search(r"test accuracy (\d\.\d+)", out.stdout).group(1))
     assert accuracy >= 0.93
@@ -34,7 +34,7 @@ def test_each_strategy_trains_digits(tmp_path, flags):
                          r".*\((bound \d+ steps?|unbounded)\)$", out.stdout, re.M)
         assert "staleness_histogram" in _summary(only_run(tmp_path))
     state = load_checkpoint(latest_checkpoint(only_run(tmp_path)))
-    assert state["step"] == 250
+    assert state["step"] == 150
 
 
 def _params(tmp_path, name, strategy, model=None, **kw):
