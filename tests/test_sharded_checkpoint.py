@@ -3,8 +3,8 @@
 - the directory holds one shard file per rank, DCP's index and phalanx's small state; no file holds
   the whole model; retention removes whole directories;
 - a run resumed from one on 2 workers, on 3 (DCP reshards) and in sync (read whole) ends where the
-  uninterrupted fsdp run ends (the checkpoints of both compared, read whole: the method of
-  test_fsdp.py's exact-resume test);
+  uninterrupted fsdp run ends (the checkpoints of both compared, read whole: parameters, Adam's state and
+  the decayed learning rate);
 - ``phalanx evaluate`` and ``--init-from`` read it, in one process, without a process group;
 - a kill while the shards are being written leaves the previous checkpoint loadable; a corrupted
   shard is refused in one line;
@@ -29,7 +29,7 @@ from phalanx.task.models import cnn
 from phalanx.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint, read_run,
                                 remove_stale_temporaries, tensors)
 
-TOL = dict(rtol=1e-5, atol=1e-6)  # float32, as test_fsdp.py's resume test
+TOL = dict(rtol=1e-5, atol=1e-6)  # float32
 
 
 def _train(root, name: str, **overrides) -> dict:
@@ -102,6 +102,7 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_ends(runs, tmp_path, str
     shutil.copytree(runs["root"] / "half", tmp_path / "half")
     resumed = _train(tmp_path, "half", resume=str(tmp_path / "half"), strategy=strategy, workers=workers,
                      keep_global_batch=True)
+    assert runs["straight"]["state"]["optimizer"]["param_groups"][0]["lr"] == 0.01 / 16  # (halved every 2 steps)
     assert_same(resumed["state"], runs["straight"]["state"], f"fsdp(2) -> {strategy}({workers})")
     kind = ".dcp" if strategy == "fsdp" else ".pt"
     assert latest_checkpoint(tmp_path / "half").name == f"step-00000008{kind}"
