@@ -210,9 +210,9 @@ def load():
 
 @pytest.mark.slow
 def test_sigterm_to_the_process_group_with_loader_workers_stops_at_one_step_and_saves_it(tmp_path):
-    # sync, with the fork server in the group as above. The ranks' DataLoader workers are in the group too: torch's worker dies of a SIGTERM its parent did not
-    # send, and their fork server died of it, so the ranks' next batch failed ("DataLoader worker exited
-    # unexpectedly") before they could stop and save.
+    # sync, with the fork server in the group as above. The ranks' DataLoader workers are in the group too:
+    # torch's worker dies of a SIGTERM its parent did not send, and their fork server died of it, so the ranks'
+    # next batch failed ("DataLoader worker exited unexpectedly") before they could stop and save.
     (tmp_path / "lazydigits.py").write_text(LAZY_DIGITS)
     # (at step 60, its third epoch: each epoch's loader workers read the digits again)
     code, out, err = _ctrl_c(tmp_path, ["train", "--data", "lazydigits:load", "--loader-workers", "2", *LONG],
