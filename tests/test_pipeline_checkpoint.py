@@ -135,15 +135,12 @@ def _gpt_run(root, name: str, steps: int, **overrides) -> dict:
 
 @pytest.mark.slow
 def test_the_traced_gpt_with_tied_weights_saves_them_once_and_resumes_exactly(tmp_path):
-    import shutil
-
     straight = _gpt_run(tmp_path, "straight", 4)
-    _gpt_run(tmp_path, "resumed", 2)
-    shutil.copytree(tmp_path / "resumed", tmp_path / "fsdp")
-    resumed = _gpt_run(tmp_path, "resumed", 4, resume=str(tmp_path / "resumed"))
+    half = str(tmp_path / "straight" / "step-00000002.dcp")  # (its checkpoint halfway, resumed in new directories)
+    resumed = _gpt_run(tmp_path, "resumed", 4, resume=half)
     assert_same(resumed, straight, "gpt pipeline(2) resumed")
     # fsdp fills the tied weight's second key from its first (2 workers of 4 windows: the same global batch).
-    in_fsdp = _gpt_run(tmp_path, "fsdp", 4, resume=str(tmp_path / "fsdp"), strategy="fsdp", keep_global_batch=True)
+    in_fsdp = _gpt_run(tmp_path, "fsdp", 4, resume=half, strategy="fsdp", keep_global_batch=True)
     assert_same(in_fsdp, straight, "gpt pipeline(2) -> fsdp(2)")
     # The tied embedding is on both stages, and in the checkpoint once: one file holds it, under its first key
     # (lm_head.weight, its second, is given back on reading), and one of each of its moments.
