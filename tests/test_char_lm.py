@@ -24,9 +24,10 @@ from phalanx.checkpoint import load_checkpoint, tensors
 sys.path.insert(0, str(REPO / "examples"))
 import char_lm  # noqa: E402  (the example, importable here and in the spawned workers)
 
-#: The cheap run the end-to-end tests share: windows of 32 bytes, hidden 64, 300 steps of 32 windows.
-CHEAP = ["--seq-len", "32", "--hidden", "64", "--steps", "300", "--batch-size", "32", "--chunks", "2"]
-#: What the cheap run must reach: it ends near 7.8, the unigram baseline is about 23 (Python 3.11)
+#: The cheap run the end-to-end tests share: windows of 32 bytes, hidden 64, 200 steps of 32 windows.
+CHEAP = ["--seq-len", "32", "--hidden", "64", "--steps", "200", "--batch-size", "32", "--chunks", "2"]
+#: What the cheap run must reach: it ends at 9.19 (accuracy 0.43; 150 steps: 10.25), the unigram baseline is about
+#: 23 (Python 3.11)
 TARGET = 10.0
 
 
