@@ -109,7 +109,7 @@ def test_the_worker_server_starts_early_only_for_a_run_that_will_start_workers(a
     import phalanx.launcher.forkserver as forkserver
 
     started = []
-    monkeypatch.setattr(forkserver, "start_early", lambda fork, builds_an_optimizer: started.append(argv))
+    monkeypatch.setattr(forkserver, "start_early", lambda fork, **what_it_will_run: started.append(argv))
     monkeypatch.delenv("PHALANX_START_METHOD", raising=False)
     try:
         args = cli.build_parser(only=argv[0]).parse_args(argv)
