@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from helpers import phalanx_cmd, run_cli, run_in_process, run_main
+from helpers import phalanx_cmd, run_in_process, run_main
 from phalanx import SSP, Backup, LocalSGD, PhalanxError, TrainConfig
 from phalanx.compare.options import CompareOptions
 from phalanx.compare.setup import setup_from
@@ -127,7 +127,7 @@ def test_an_empty_out_folder_is_refused_not_ignored(capsys, tmp_path, monkeypatc
     assert not os.listdir(tmp_path)
 
 
-# ---- one small comparison through the installed command ----
+# ---- one small comparison (the command's main(): the installed command runs in the interrupted comparison below) ----
 
 TARGET = 0.5
 
@@ -135,7 +135,7 @@ TARGET = 0.5
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory):
     root = tmp_path_factory.mktemp("compare")
-    out = run_cli("compare", "--strategies", "sync,ps", "--scenarios", "slow:1:2", "--repeats", "1",
+    out = run_in_process("compare", "--strategies", "sync,ps", "--scenarios", "slow:1:2", "--repeats", "1",
                   "--workers", "2", "--max-steps", "60", "--eval-every", "5", "--target", str(TARGET),
                   "--out", "report", cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]

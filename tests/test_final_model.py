@@ -39,9 +39,10 @@ CASES = {
 }
 COMMON = ["--devices", "cpu", "--workers", "2", "--steps", "30", "--batch-size", "16", "--log-every", "10",
           "--checkpoint-every", "10", "--checkpoint-dir", "run"]
-#: The cases run through the installed console scripts, as a user runs them; the others by the commands'
-#: own ``main()`` in this process (``helpers.run_in_process``: the same flags, messages and exit status,
-#: workers forked from a warm fork server): about a second a case instead of 10-20 s on 2 busy cores.
+#: The cases whose training runs through the installed console script, as a user runs it (evaluate's runs in
+#: test_checkpoint_use.py); the rest, and every evaluation, by the commands' own ``main()`` in this process
+#: (``helpers.run_in_process``: the same flags, messages and exit status, workers forked from a warm fork server):
+#: about a second a case instead of 10-20 s on 2 busy cores.
 INSTALLED = {"ps"}
 FINAL = re.compile(r"^test (?P<figures>.+) after (?P<steps>\d+) steps$", re.M)
 
@@ -72,7 +73,7 @@ def test_the_printed_test_metrics_are_the_final_checkpoints(tmp_path, case):
     # the checkpoint of the last step (fsdp's: sharded, a directory)
     assert re.search(rf"step-{steps:08d}\.(pt|dcp)$", checkpoint), out.stdout
 
-    out = run("evaluate", "--checkpoint", checkpoint, "--json", cwd=tmp_path)
+    out = run_in_process("evaluate", "--checkpoint", checkpoint, "--json", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     evaluated = json.loads(out.stdout.strip().splitlines()[-1])
     assert evaluated["step"] == steps
