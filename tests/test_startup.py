@@ -66,8 +66,9 @@ def test_a_process_that_built_a_hugging_face_model_starts_a_server_that_imported
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "job.py"], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stdout + out.stderr[-2000:]
-    from phalanx.launcher.forkserver import MODELS, PRELOAD, preload
+    from phalanx.launcher.forkserver import MODELS, PRELOAD, TRACING, preload
 
+    monkeypatch.delitem(sys.modules, TRACING, raising=False)  # (a test here may have traced a pipeline before)
     monkeypatch.setitem(sys.modules, "transformers", sys.modules.get("transformers"))
     assert preload() == PRELOAD + [MODELS]
     monkeypatch.delitem(sys.modules, "transformers")
