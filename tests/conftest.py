@@ -42,16 +42,15 @@ def pytest_collection_finish(session):
 
 
 #: The files whose tests take longest, longest first: the wall seconds of their tests on this 2-core machine under the
-#: whole suite (test_exit.py 329 s down to test_fsdp_blocks.py 60 s; the rest take less). xdist hands out whole files
-#: (--dist loadfile, --no-loadscope-reorder) in the order collected: these start first and the short files fill in at
-#: the end, where by default files went out by their number of tests and test_torchrun_elastic.py (2 tests, 72 s)
-#: started last and ran alone for a minute.
-LONGEST_FIRST = ("test_exit.py", "test_faults.py", "test_estimate.py", "test_async.py", "test_gpt_example.py",
-                 "test_any_model.py", "test_fsdp.py", "test_rundir.py", "test_pipeline_models.py", "test_recipes.py",
-                 "test_cli.py", "test_pipeline_cli.py", "test_flags.py", "test_hf_models.py",
-                 "test_sharded_checkpoint.py", "test_compare.py", "test_simulate.py", "test_link.py",
-                 "test_examples.py", "test_task.py", "test_torchrun_elastic.py", "test_loader_workers.py",
-                 "test_pipeline_checkpoint.py", "test_reliability.py", "test_fsdp_blocks.py")
+#: whole suite at -n 4 (test_exit.py 223 s down to test_hf_models.py 39 s; the rest take less). xdist hands out whole
+#: files (--dist loadfile, --no-loadscope-reorder) in the order collected: these start first and the short files fill in
+#: at the end (by default xdist orders files by their number of tests, and test_torchrun_elastic.py, 2 tests and 77 s,
+#: would start last and run alone for a minute).
+LONGEST_FIRST = ("test_exit.py", "test_faults.py", "test_async.py", "test_estimate.py", "test_recipes.py",
+                 "test_gpt_example.py", "test_pipeline_models.py", "test_torchrun_elastic.py", "test_pipeline_cli.py",
+                 "test_examples.py", "test_startup.py", "test_fsdp.py", "test_any_model.py", "test_rundir.py",
+                 "test_pipeline_checkpoint.py", "test_cli.py", "test_flags.py", "test_sharded_checkpoint.py",
+                 "test_pipeline_dp.py", "test_hot_path.py", "test_pipeline_hf.py", "test_hf_models.py")
 
 
 def pytest_collection_modifyitems(config, items):
