@@ -121,10 +121,10 @@ def init_worker(
 
 
 def bars_without_semaphores() -> None:
-    """A thread lock as tqdm's lock in this worker. tqdm's default lock holds a multiprocessing lock too, a named
-    semaphore that a worker ending with ``os._exit`` never unlinks: inductor shows a bar while it compiles, and every
-    ``--compile`` run ended with "resource_tracker: There appear to be 2 leaked semaphore objects". A worker has no
-    process of its own drawing bars to share the lock with."""
+    """A thread lock as tqdm's lock in this process (a worker; the process drawing a run's progress bar). tqdm's
+    default lock holds a multiprocessing lock too, a named semaphore that a worker ending with ``os._exit`` never
+    unlinks: inductor shows a bar while it compiles, and every ``--compile`` run ended with "resource_tracker: There
+    appear to be 2 leaked semaphore objects". Neither has a process of its own drawing bars to share the lock with."""
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())

@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import json
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import IO, Any, Optional
@@ -15,6 +14,7 @@ from tqdm import tqdm
 
 from ..errors import StorageError
 from ..files import open_private, private_dir, replace_private
+from ..launcher.context import bars_without_semaphores
 
 
 def step_line(step: int, loss: float, examples_per_sec: float, sec_per_batch: float) -> str:
@@ -76,10 +76,7 @@ class Reporter:
         self.quiet = progress in ("none", "silent")
         self.silent = progress == "silent"  # not even the result: a run inside phalanx compare, which reports it
         if use_bar:
-            # One bar in one process: a thread lock is all it needs. tqdm's default also makes a
-            # multiprocessing lock, a semaphore that a worker ending with os._exit never unlinks
-            # ("resource_tracker: There appear to be 1 leaked semaphore objects").
-            tqdm.set_lock(threading.RLock())
+            bars_without_semaphores()  # one bar in one process: a thread lock is all it needs
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, leave=False)
 
     def say(self, line: str) -> None:
