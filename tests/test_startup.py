@@ -158,18 +158,10 @@ def test_a_command_that_will_try_the_users_optimizer_imports_torch_dynamo_before
     """The parent tries a user's optimizer or scheduler factory on the model, and constructing any torch.optim
     optimizer imports torch._dynamo (1.4 s of CPU here): imported before the fork, it is imported once for both
     (the GPT example's run took 8.1 s of CPU, median of 6, and now 6.4 s)."""
-    import phalanx.cli as cli
     import phalanx.launcher.forkserver as forkserver
-    import phalanx.task.import_paths as import_paths
 
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(import_paths, "_failed", {})
-    monkeypatch.delenv("PHALANX_START_METHOD", raising=False)
-    imports = []
-    monkeypatch.setattr(forkserver, "_fork_server", lambda shared, preload: imports.append(shared) or True)
-    args = cli.build_parser(only="train").parse_args(["train", "--workers", "2", *flags])
-    cli._start_worker_server(args, fresh=True)
-    assert ("torch._dynamo" in imports[0]) == builds and set(forkserver.SHARED) <= set(imports[0])
+    shared, _ = _server_forked_by(["train", *flags], monkeypatch, tmp_path)
+    assert ("torch._dynamo" in shared) == builds and set(forkserver.SHARED) <= set(shared)
 
 
 @pytest.mark.parametrize("typed, traces, compiles", [
@@ -180,17 +172,28 @@ def test_a_command_whose_workers_will_trace_or_compile_has_the_server_import_tha
                                                                                                monkeypatch, tmp_path):
     """A pipeline's workers may trace the model with torch.export (0.3 s of CPU a worker here) and --compile's
     compile with inductor (1.5 s): the server imports it for them all (estimate prices a pipeline by its blocks)."""
-    import phalanx.cli as cli
     import phalanx.launcher.forkserver as forkserver
 
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("PHALANX_START_METHOD", raising=False)
     monkeypatch.delitem(sys.modules, forkserver.TRACING, raising=False)  # (this process may have traced already)
-    servers = []
-    monkeypatch.setattr(forkserver, "_fork_server", lambda shared, preload: servers.append(preload) or True)
+    _, preload = _server_forked_by(typed, monkeypatch, tmp_path)
+    assert (forkserver.TRACING in preload, forkserver.COMPILING in preload) == (traces, compiles)
+    assert set(forkserver.PRELOAD) <= set(preload)
+
+
+def _server_forked_by(typed: list[str], monkeypatch, tmp_path) -> tuple[list[str], list[str]]:
+    """What the command ``typed`` (on 2 workers) would import before its fork server forks, and what the server would
+    import after (the fork itself stood in for)."""
+    import phalanx.cli as cli
+    import phalanx.launcher.forkserver as forkserver
+    import phalanx.task.import_paths as import_paths
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(import_paths, "_failed", {})
+    monkeypatch.delenv("PHALANX_START_METHOD", raising=False)
+    forks = []
+    monkeypatch.setattr(forkserver, "_fork_server", lambda shared, preload: forks.append((shared, preload)) or True)
     cli._start_worker_server(cli.build_parser(only=typed[0]).parse_args([*typed, "--workers", "2"]), fresh=True)
-    assert (forkserver.TRACING in servers[0], forkserver.COMPILING in servers[0]) == (traces, compiles)
-    assert set(forkserver.PRELOAD) <= set(servers[0])
+    return forks[0]
 
 
 def test_a_command_whose_users_module_opened_a_cuda_context_starts_the_server_as_a_new_interpreter(monkeypatch):
