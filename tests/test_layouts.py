@@ -45,6 +45,33 @@ def test_parameter_server_layout_adds_a_server_that_reads_no_data_and_workers_th
     assert layout.expendable(1) and not layout.expendable(0)
 
 
+@pytest.mark.parametrize("options", [Sync(), ParameterServer(), FSDP(tensor_parallel=2)], ids=lambda o: o.name)
+def test_a_layout_of_a_million_workers_makes_no_rank_until_one_is_read(options):
+    """What ``phalanx estimate --workers 1000000`` asks of a layout: its size and whether it accepts the workers.
+    Its ranks are made when read (8 bytes a device is all it holds per rank: 4 s and 250 MB when each was made);
+    read, they are what a small layout's are, and it pickles to workers and compares as the tuple of its ranks."""
+    import pickle
+    import tracemalloc
+
+    n = 1_000_000
+    job = Job(cpus(n), batch_size=8)
+    tracemalloc.start()
+    try:
+        layout = options.layout(job)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 24 * n  # the devices: one tuple of references, and the server's copy of it (ps)
+    last = layout.ranks[-1]
+    assert layout.world_size == len(layout.ranks) == n + (options.name == "ps")
+    assert last.label == f"worker {layout.world_size - 1}" and layout.label(layout.world_size - 1) == last.label
+    small = options.layout(Job(cpus(4), batch_size=8))
+    assert small.ranks == tuple(small.ranks) and list(small.ranks[1:3]) == [small.ranks[1], small.ranks[2]]
+    assert pickle.loads(pickle.dumps(small)) == small and hash(small) == hash(pickle.loads(pickle.dumps(small)))
+    with pytest.raises(IndexError):
+        small.ranks[len(small.ranks)]
+
+
 def test_kinds_are_their_words_and_a_word_that_is_none_is_refused():
     """A strategy of the user's may spell a kind as a word: it becomes the member; any other word is refused."""
     plan = RankPlan("server", "the server", None, None)

@@ -9,7 +9,10 @@ so bad input never reaches a worker.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import functools
+import operator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Optional, Union, overload
 
 import torch
 from torch import nn
@@ -63,11 +66,55 @@ class RankPlan:
         object.__setattr__(self, "role", Role.of(self.role, "a rank's role"))
 
 
+class Ranks(Sequence[RankPlan]):
+    """A layout's ranks made by a rule, each when it is read (``make(r)``): a layout of a million workers, which
+    an estimate asks about, costs nothing to make rather than seconds. Equal to the tuple of its ranks."""
+
+    def __init__(self, size: int, make: Callable[[int], RankPlan]):
+        self.size, self.make = size, make  # (``make`` pickles, as a Layout is sent to every worker)
+
+    def __len__(self) -> int:
+        return self.size
+
+    @overload
+    def __getitem__(self, index: int) -> RankPlan: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[RankPlan, ...]: ...
+
+    def __getitem__(self, index: Union[int, slice]) -> Union[RankPlan, tuple[RankPlan, ...]]:
+        if isinstance(index, slice):
+            return tuple(map(self.make, range(*index.indices(self.size))))
+        r = operator.index(index)
+        r = r + self.size if r < 0 else r
+        if not 0 <= r < self.size:
+            raise IndexError(f"rank {index} of {self.size}")
+        return self.make(r)
+
+    def __iter__(self) -> Iterator[RankPlan]:
+        return map(self.make, range(self.size))
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Sequence) and len(other) == self.size
+                and all(map(operator.eq, self, other)))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"Ranks({self.size}, {self.make!r})"
+
+
+def worker(group: int, groups: int, r: int) -> RankPlan:
+    """Rank r as a worker of data group r // ``group`` of ``groups``: it reads that shard and evaluates that part."""
+    return RankPlan(Role.WORKER, f"worker {r}", r // group, (r // group, groups))
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Every process of the job, decided in the parent."""
 
-    ranks: tuple[RankPlan, ...]
+    ranks: Sequence[RankPlan]  #: a tuple, or :class:`Ranks` made by a rule
     devices: tuple[torch.device, ...]  #: one per rank, in rank order (on this machine)
     shards: int  #: data shards per global step: the global batch is batch size x shards
     lockstep: bool  #: every rank takes every global step together (collectives are safe)
@@ -98,5 +145,4 @@ class Layout:
 def data_parallel(job: Job, lockstep: bool = True) -> Layout:
     """The layout of every data-parallel strategy: rank r is worker r and reads shard r."""
     n = job.processes or job.workers
-    ranks = tuple(RankPlan(Role.WORKER, f"worker {r}", r, (r, n)) for r in range(n))
-    return Layout(ranks, tuple(job.devices), n, lockstep)
+    return Layout(Ranks(n, functools.partial(worker, 1, n)), tuple(job.devices), n, lockstep)

@@ -20,6 +20,7 @@ A rank holds 1/N of the heads: an attention keeping its head count as an attribu
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Optional
 
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from ...errors import PhalanxError
-from ..layout import Job, Layout, RankPlan, Role
+from ..layout import Job, Layout, Ranks, worker
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -45,8 +46,7 @@ def layout(job: Job, n: int) -> Layout:
     workers = job.processes or job.workers
     check_degree(n, workers)
     groups = workers // n
-    ranks = tuple(RankPlan(Role.WORKER, f"worker {r}", r // n, (r // n, groups)) for r in range(workers))
-    return Layout(ranks, tuple(job.devices), groups, True)
+    return Layout(Ranks(workers, functools.partial(worker, n, groups)), tuple(job.devices), groups, True)
 
 
 def model_plan(model: nn.Module, units: list[tuple[str, nn.Module]], n: int) -> dict[str, dict[str, str]]:

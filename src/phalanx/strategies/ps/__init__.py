@@ -39,13 +39,20 @@ from ...launcher.watch import has_raised, launcher_view, say_gone
 from ...task.metrics import Totals, add_up
 from ..base import COUNT_CORRECT, Batch, Build, Report, Runtime
 from ..options import Options
-from ..layout import Job, Layout, RankPlan, Role, StopRule
+from ..layout import Job, Layout, RankPlan, Ranks, Role, StopRule
 from ..registry import register
 from ..sync import Sync
 from .aggregate import Asynchronous, Rounds, Rule
 from .protocol import SERVER
 from .server import Server
 from .worker import WorkerRuntime
+
+
+def rank_plan(r: int) -> RankPlan:
+    """Rank 0 is the server; rank r > 0 is worker r, which reads shard r - 1 and may die with the job going on."""
+    if r == 0:
+        return RankPlan(Role.SERVER, "the parameter server (rank 0)", None, (0, 1))
+    return RankPlan(Role.WORKER, f"worker {r}", r - 1, None, expendable=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,12 +82,9 @@ class ParameterServer(Options):
                 f"{workers} worker there is no one to wait for or to run ahead of; use --workers 2 or more, or "
                 "--strategy sync"
             )
-        server = RankPlan(Role.SERVER, "the parameter server (rank 0)", None, (0, 1))
-        ranks = (server,) + tuple(RankPlan(Role.WORKER, f"worker {r}", r - 1, None, expendable=True)
-                                  for r in range(1, processes))
         # The server shares the first worker's device: it holds one copy of the model and applies updates.
-        return Layout(ranks, (job.devices[0],) + tuple(job.devices), workers, lockstep=False, stop_rule=StopRule.SERVER,
-                      hub=SERVER)
+        return Layout(Ranks(processes, rank_plan), (job.devices[0],) + tuple(job.devices), workers, lockstep=False,
+                      stop_rule=StopRule.SERVER, hub=SERVER)
 
     def describe(self) -> str:
         return "ps (asynchronous parameter server)"
