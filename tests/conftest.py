@@ -1,10 +1,8 @@
 import gc
-import getpass
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 # Before torch loads OpenMP (its libgomp reads this once): idle OpenMP threads sleep at once instead of spinning.
@@ -64,18 +62,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _temporary_files_in_pytests_folder(tmp_path_factory):
-    """What the suite's processes leave in the temporary directory (the log folder torchrun's agent makes and never
-    removes, the multiprocessing folder of a command killed by SIGKILL: about a dozen a run) lands in pytest's own
-    temporary folder, which pytest prunes to its last three runs, rather than in /tmp for good. Inductor's cache
-    (``--compile``) stays where it is, shared by the test processes and kept between runs as a user's is."""
-    inductor = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"  # (its default)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor))
-    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp", numbered=False))
-    tempfile.tempdir = None  # (read from TMPDIR again at its next use)
 
 
 @pytest.fixture(autouse=True)
