@@ -119,9 +119,9 @@ class LazyExamples:
                     raise PhalanxError(batch.message)
                 yield batch
         finally:  # end the worker processes now, not whenever the iterator is collected
-            getattr(stream, "_shutdown_workers", lambda: None)()
-            # Free its queues' named semaphores now: a rank that fails leaves with os._exit (no finalizers),
-            # and its traceback holds this frame (the resource tracker would report them "leaked").
+            end_workers(stream)
+            # Free its queues' named semaphores now: a rank leaves with os._exit (no finalizers), and a
+            # failing one's traceback holds this frame (the resource tracker would report them "leaked").
             del stream
             gc.collect()  # the iterator and the DataLoader hold each other
 
@@ -168,6 +168,22 @@ class LazyExamples:
             raise PhalanxError(f"{self.name} ({type(self.dataset).__name__}) cannot be sent to the loader worker "
                                f"processes ({first}): define the Dataset class at module level and keep file "
                                "paths, not open files, in it") from None
+
+
+def end_workers(stream: Any) -> None:
+    """End a DataLoader iterator's worker processes, and wait for its queues' feeder threads to end too.
+
+    torch closes the queues without waiting for their threads (``cancel_join_thread``: a thread writing to a
+    dead worker's full pipe would never end). Each thread holds its queue's lock and semaphore (named POSIX
+    semaphores) until it has flushed the close: where the rank went on to ``os._exit`` first, as a rank
+    stopping at a step does, they were never unlinked, or unlinked but never unregistered, and the resource
+    tracker warned of "leaked semaphore objects" as the job ended. The threads end at once once their
+    workers have (at most torch's own 5 s wait for one that does not)."""
+    getattr(stream, "_shutdown_workers", lambda: None)()
+    for q in [*getattr(stream, "_index_queues", ()), getattr(stream, "_worker_result_queue", None)]:
+        feeder = getattr(q, "_thread", None)  # (None: nothing was ever put on it in this process)
+        if feeder is not None:
+            feeder.join(timeout=5)
 
 
 class Unreadable(NamedTuple):
