@@ -2,6 +2,8 @@
 of the model under torch's fake process group, a pipeline's split graph run stage after stage, each on the example
 batch; what would crash in a worker is one line naming the feature and the fix, before any worker starts."""
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,7 +46,7 @@ class Net(nn.Module):
 
 def test_a_tensor_parallel_plan_that_cannot_run_is_refused_in_the_parent_in_one_line():
     example = (torch.randint(0, 10, (2, 6)), torch.randint(0, 10, (2, 6)))
-    step = DefaultStep(F.cross_entropy)
+    step, hook = DefaultStep(F.cross_entropy), sys.excepthook
     with pytest.raises(PhalanxError) as caught:
         FSDP(tensor_parallel=2).rehearse(Net(), example, step)
     message = str(caught.value)
@@ -52,6 +54,8 @@ def test_a_tensor_parallel_plan_that_cannot_run_is_refused_in_the_parent_in_one_
     assert "view(B, T, -1, head_dim)" in message and "\n" not in message
     FSDP(tensor_parallel=1).rehearse(Net(), example, step)  # (nothing split: nothing to rehearse)
     assert not torch.distributed.is_initialized()  # the fake group is gone again
+    # ... and torch's hook with it, which wrote a user's later traceback as "[rank0]: Traceback ..."
+    assert sys.excepthook is hook
 
 
 @pytest.mark.slow

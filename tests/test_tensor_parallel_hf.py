@@ -1,9 +1,11 @@
 """fsdp's ``--tensor-parallel 2`` on the transformers people bring (issue 41, item 1), built from small configs:
 Llama (grouped-query attention: 4 query heads, 2 key/value heads; the plan its config declares), GPT-2 (fused q,k,v
 and transposed ``Conv1D`` projections, by structure), BERT (q, k, v in one module, the output projection in the
-next, by structure) and T5 (its relative position bias split by heads with them). fsdp x tensor parallel 2 on 4
-gloo workers ends where fsdp on 4 workers ends, which is where one process ends on the whole batch
-(tests/test_fsdp.py): that process is the reference (float64, AdamW, clipping; one spawn trains all four models)."""
+next, by structure), T5 (its relative position bias split by heads with them), Qwen3 (per-head q and k norms kept
+whole, their gradients summed over the tp ranks) and Phi-3 (fused q,k,v and gate-up projections, their outputs
+gathered: the plan it declares). fsdp x tensor parallel 2 on 4 gloo workers ends where fsdp on 4 workers ends, which
+is where one process ends on the whole batch (tests/test_fsdp.py): that process is the reference (float64, AdamW,
+clipping; one spawn trains every model)."""
 
 import pytest
 import torch
@@ -47,7 +49,21 @@ def t5():
         decoder_start_token_id=0))
 
 
-MODELS = {"llama": llama, "gpt2": gpt2, "bert": bert, "t5": t5}
+def qwen3():  # per-head q and k norms, kept whole on every tp rank (replicated_with_grad_allreduce)
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=LENGTH))
+
+
+def phi3():  # fused q,k,v and fused gate and up, their outputs gathered (colwise_gather_output, rowwise_split_input)
+    torch.manual_seed(0)
+    return transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=LENGTH, pad_token_id=0, bos_token_id=0, eos_token_id=0))
+
+
+MODELS = {"llama": llama, "gpt2": gpt2, "bert": bert, "t5": t5, "qwen3": qwen3, "phi3": phi3}
 
 
 def batch(name: str, part: int, parts: int) -> dict:
@@ -134,6 +150,23 @@ def test_llamas_declared_plan_is_used_and_its_key_value_heads_counted():
     assert first["mlp.down_proj"] == "row-wise" and "model.embed_tokens" not in first
     with pytest.raises(PhalanxError, match=r"LlamaForCausalLM has 3 key/value heads, which do not split between 2"):
         plan(llama(hidden_size=48, num_attention_heads=6, num_key_value_heads=3))
+
+
+def test_the_splits_transformers_declares_beyond_colwise_and_rowwise_are_planned_and_the_others_refused():
+    first = plan(qwen3())["model.layers.0"]
+    assert first["self_attn.q_norm"] == first["self_attn.k_norm"] == "whole (gradient summed over the tp ranks)"
+    assert first["self_attn.q_proj"] == "column-wise" and first["self_attn.o_proj"] == "row-wise"
+    assert plan(phi3())["model.layers.1"] == {
+        "self_attn.qkv_proj": "column-wise (output gathered)", "self_attn.o_proj": "row-wise (input split here)",
+        "mlp.gate_up_proj": "column-wise (output gathered)", "mlp.down_proj": "row-wise (input split here)"}
+    moe = llama()
+    moe._tp_plan = {**moe._tp_plan, "model.layers.*.mlp.gate_proj": "packed_colwise"}  # (as an MoE's experts declare)
+    with pytest.raises(PhalanxError) as refused:
+        plan(moe)
+    assert str(refused.value) == (
+        "--tensor-parallel: LlamaForCausalLM declares 'model.layers.*.mlp.gate_proj': 'packed_colwise', a split "
+        "phalanx does not apply inside a block (it applies colwise, rowwise, colwise_gather_output, "
+        "rowwise_split_input and replicated_with_grad_allreduce); drop --tensor-parallel")
 
 
 def test_gpt2_and_bert_are_planned_by_structure():

@@ -9,6 +9,7 @@ communication (the engine's one-stage schedule runs in a group of its own rank).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import time
@@ -17,6 +18,7 @@ from typing import Callable
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from ..comm.own_group import own_group
 from ..data import batch as trees
 
 #: timed repeats (after one warm-up) of the per-block timings and the passes over the gradient bytes:
@@ -148,10 +150,8 @@ def engine_seconds(ctx, model, x, y, micro_batches, loss_fn) -> dict:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with contextlib.nullcontext() if dist.is_initialized() else own_group("gloo", store=dist.HashStore(), rank=0,
+                                                                            world_size=1):
         groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
         out = {}
         for m in micro_batches:
@@ -164,9 +164,6 @@ def engine_seconds(ctx, model, x, y, micro_batches, loss_fn) -> dict:
             added = [engine - by_hand for engine, by_hand in (_schedule_and_by_hand(*pair) for _ in range(repeats))]
             out[m] = max(0.0, statistics.median(added) / m)
         return out
-    finally:
-        if own:
-            dist.destroy_process_group()
 
 
 def _schedule_and_by_hand(schedule, stage_model, x, y, m: int, loss_fn, device) -> tuple[float, float]:

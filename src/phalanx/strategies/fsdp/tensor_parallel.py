@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import nn
 
+from ...comm.own_group import own_group
 from ...errors import PhalanxError
 from ..layout import Job, Layout, Ranks, worker
 
@@ -131,11 +132,10 @@ def rehearse(model: nn.Module, blocks: Optional[tuple[str, ...]], n: int, exampl
 
     if dist.is_initialized() or sum(p.numel() for p in model.parameters()) > REHEARSAL_LIMIT:
         return
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
     quiet = logging.root.manager.disable
     logging.disable(max(quiet, logging.ERROR))  # (DTensor logs a failed shape check before raising it)
     try:
-        with torch.random.fork_rng():
+        with own_group("fake", store=FakeStore(), rank=0, world_size=n), torch.random.fork_rng():
             twin = copy.deepcopy(model).train()
             units = shard_units(twin, blocks)
             plan = model_plan(twin, units, n)
@@ -153,4 +153,3 @@ def rehearse(model: nn.Module, blocks: Optional[tuple[str, ...]], n: int, exampl
                            "--tensor-parallel") from None
     finally:
         logging.disable(quiet)
-        dist.destroy_process_group()

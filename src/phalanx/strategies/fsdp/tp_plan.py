@@ -2,9 +2,11 @@
 
 Declared: a transformers model's tensor-parallel plan (``model.tp_plan``, built from the config's
 ``base_model_tp_plan``: ``"layers.*.self_attn.q_proj": "colwise"``, ...), as ``from_pretrained(tp_plan="auto")``
-and Accelerate apply it. phalanx applies its entries inside fsdp's units (the blocks); the layers outside them
-(embeddings, the head) stay whole on every tp rank and are sharded by fsdp, as with the structural rule. The heads
-it splits, query and key/value (grouped-query attention: fewer key/value heads), must divide by N.
+and Accelerate apply it. phalanx applies its entries inside fsdp's units (the blocks): ``colwise`` and ``rowwise``,
+``colwise_gather_output`` and ``rowwise_split_input`` (Phi-3, GLM-4, OLMo-2), ``replicated_with_grad_allreduce``
+(Qwen3's and Gemma 3's q and k norms); the layers outside them (embeddings, the head) stay whole on every tp rank and
+are sharded by fsdp, as with the structural rule. The heads it splits, query and key/value (grouped-query attention:
+fewer key/value heads), must divide by N.
 
 Structural, where nothing is declared, block by block, in the order the block registers its layers:
 
@@ -34,7 +36,17 @@ HEAD_ATTRIBUTES = ("n_head", "num_heads", "n_heads", "num_attention_heads")
 #: ... and its key/value head count, where it has fewer (grouped-query attention)
 KV_ATTRIBUTES = ("num_key_value_heads", "n_kv_heads", "num_kv_heads")
 COLWISE, ROWWISE, FUSED = "column-wise", "row-wise", "fused q,k,v (whole, split by heads)"
-DECLARED = {"colwise": COLWISE, "rowwise": ROWWISE}
+#: declared only: a column-wise split whose output is gathered whole (the code after it slices or chunks the whole
+#: width: Phi-3's fused q,k,v, GLM-4's fused gate and up, OLMo-2's q and k normed over every head), the row-wise split
+#: that follows it (its input whole, each rank taking its part), and a layer kept whole on every tp rank that sees only
+#: this rank's heads (Qwen3's and Gemma 3's per-head q and k norms: its gradient summed over the tp ranks)
+GATHERED, FROM_WHOLE = "column-wise (output gathered)", "row-wise (input split here)"
+REPLICATED = "whole (gradient summed over the tp ranks)"
+#: transformers' names of the splits (``base_model_tp_plan``) that apply inside a block, and the kinds they are
+DECLARED = {"colwise": COLWISE, "rowwise": ROWWISE, "colwise_gather_output": GATHERED,
+            "rowwise_split_input": FROM_WHOLE, "replicated_with_grad_allreduce": REPLICATED}
+#: the kinds that give each rank its share of an attention's heads (see ``tp_styles.localise``)
+BY_HEADS = (COLWISE, ROWWISE, FUSED)
 
 Plan = dict[str, str]  # {submodule path within the block: COLWISE, ROWWISE or FUSED}
 
@@ -91,9 +103,10 @@ def declared_plan(model: nn.Module, units: list[tuple[str, nn.Module]], n: int) 
             for pattern, key, style in patterns:
                 if path and pattern.match(f"{name}.{path}"):
                     if style not in DECLARED:
+                        *others, last = DECLARED
                         raise PhalanxError(f"--tensor-parallel: {type(model).__name__} declares '{key}': '{style}', a "
                                            f"split phalanx does not apply inside a block (it applies "
-                                           f"{' and '.join(DECLARED)}); drop --tensor-parallel")
+                                           f"{', '.join(others)} and {last}); drop --tensor-parallel")
                     plan[path] = DECLARED[style]
         plans[name] = plan
     if not any(plans.values()):
@@ -101,7 +114,8 @@ def declared_plan(model: nn.Module, units: list[tuple[str, nn.Module]], n: int) 
     _check_config_heads(model, n)
     for name, unit in units:
         for path, kind in plans[name].items():
-            _check_width(unit.get_submodule(path), kind, f"{name}.{path}", n)
+            if kind != REPLICATED:
+                _check_width(unit.get_submodule(path), kind, f"{name}.{path}", n)
     return plans
 
 
@@ -121,7 +135,7 @@ def _check_width(module: nn.Module, kind: str, path: str, n: int) -> None:
     if shape is None:
         raise PhalanxError(f"--tensor-parallel: '{path}' ({type(module).__name__}) is not a projection (nn.Linear or "
                            "Conv1D) to split; drop --tensor-parallel")
-    width = shape[1] if kind != ROWWISE else shape[0]
+    width = shape[0] if kind in (ROWWISE, FROM_WHOLE) else shape[1]
     if width % n:
         raise PhalanxError(f"--tensor-parallel {n}: '{path}' has {width} features to split, not divisible by {n}; "
                            f"give a --tensor-parallel that divides {width}")

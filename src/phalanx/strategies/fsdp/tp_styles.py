@@ -15,14 +15,16 @@ them (as torchtitan's and transformers' tensor parallelism set ``n_heads`` / ``n
 from __future__ import annotations
 
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from .tp_plan import COLWISE, FUSED, HEAD_ATTRIBUTES, KV_ATTRIBUTES, ROWWISE, transposed
+from .tp_plan import (BY_HEADS, COLWISE, FROM_WHOLE, FUSED, GATHERED, HEAD_ATTRIBUTES, KV_ATTRIBUTES, REPLICATED,
+                      ROWWISE, transposed)
 
 #: widths an attention reshapes by, made this rank's share with its heads (BERT, T5, GPT-2)
 WIDTH_ATTRIBUTES = ("all_head_size", "inner_dim", "split_size")
@@ -81,16 +83,26 @@ def _keep_heads(mesh, module: nn.Module, _inputs, output: torch.Tensor) -> torch
     return _KeepHeads.apply(output, mesh.get_local_rank(), mesh.size(), mesh.get_group())
 
 
+def _style(kind: str) -> ParallelStyle:
+    """torch's style for a planned layer. A layer kept whole (:data:`REPLICATED`, a per-head norm) is torch's
+    SequenceParallel over the heads' dim: its parameters replicated DTensors, its input this rank's heads, so its
+    gradient is a partial sum that DTensor adds up over the tp ranks."""
+    styles: dict[str, Callable[[], ParallelStyle]] = {
+        COLWISE: Colwise, ROWWISE: Rowwise, GATHERED: partial(Colwise, output_layouts=Replicate()),
+        FROM_WHOLE: partial(Rowwise, input_layouts=Replicate()),
+        REPLICATED: partial(SequenceParallel, sequence_dim=-2, use_local_output=True)}
+    return styles[kind]()
+
+
 def apply(block: nn.Module, plan: dict[str, str], mesh) -> None:
     """Split the block's planned layers over the tp mesh, in place; its attentions then count their local heads."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    styles = {COLWISE: Colwise, ROWWISE: Rowwise}
-    parallelize_module(block, mesh, {path: styles[kind]() for path, kind in plan.items() if kind != FUSED})
+    parallelize_module(block, mesh, {path: _style(kind) for path, kind in plan.items() if kind != FUSED})
     for path, kind in plan.items():
         if kind == FUSED:
             block.get_submodule(path).register_forward_hook(partial(_keep_heads, mesh))
-    split = set(plan)
+    split = {path for path, kind in plan.items() if kind in BY_HEADS}  # (a gathered output keeps every head)
     for path, module in block.named_modules():
         prefix = f"{path}." if path else ""
         if any(p.startswith(prefix) for p in split) and any(hasattr(module, a) for a in HEAD_ATTRIBUTES):
