@@ -48,7 +48,7 @@ DECLARED = {"colwise": COLWISE, "rowwise": ROWWISE, "colwise_gather_output": GAT
 #: the kinds that give each rank its share of an attention's heads (see ``tp_styles.localise``)
 BY_HEADS = (COLWISE, ROWWISE, FUSED)
 
-Plan = dict[str, str]  # {submodule path within the block: COLWISE, ROWWISE or FUSED}
+Plan = dict[str, str]  # {submodule path within the block: one of the kinds above}
 
 
 def widths(module: nn.Module) -> Optional[tuple[int, int]]:
