@@ -27,6 +27,7 @@ import select
 import signal
 import sys
 import threading
+import time
 from typing import Any, Iterable, Iterator, NamedTuple, Optional
 
 import numpy as np
@@ -178,12 +179,13 @@ def end_workers(stream: Any) -> None:
     semaphores) until it has flushed the close: where the rank went on to ``os._exit`` first, as a rank
     stopping at a step does, they were never unlinked, or unlinked but never unregistered, and the resource
     tracker warned of "leaked semaphore objects" as the job ended. The threads end at once once their
-    workers have (at most torch's own 5 s wait for one that does not)."""
+    workers have; one stuck on a dead worker's pipe is given torch's own 5 s, all of them together."""
     getattr(stream, "_shutdown_workers", lambda: None)()
+    deadline = time.monotonic() + 5
     for q in [*getattr(stream, "_index_queues", ()), getattr(stream, "_worker_result_queue", None)]:
         feeder = getattr(q, "_thread", None)  # (None: nothing was ever put on it in this process)
         if feeder is not None:
-            feeder.join(timeout=5)
+            feeder.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 class Unreadable(NamedTuple):
