@@ -68,6 +68,31 @@ def test_dict_outputs_and_positional_only_call():
         torch.testing.assert_close(g, _grads(twin)[name])
 
 
+def test_a_hugging_face_output_keeps_its_type_and_its_loss_is_one_per_tower():
+    """A transformers model returns a ModelOutput (``out.loss``, ``out.logits``); the towers' were gathered into a
+    plain dict, so ``out.loss`` failed. As with nn.DataParallel: the same type, the loss one value per tower."""
+    outputs = pytest.importorskip("transformers.modeling_outputs")
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(5, 3)
+
+        def forward(self, x, labels):
+            logits = self.head(x)
+            return outputs.CausalLMOutput(loss=nn.functional.cross_entropy(logits, labels), logits=logits)
+
+    torch.manual_seed(0)
+    model = LM()
+    x, labels = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    with pytest.warns(UserWarning, match="towers returned scalars"):
+        out = make_parallel(model, 2)(x, labels=labels)
+    assert type(out) is outputs.CausalLMOutput
+    torch.testing.assert_close(out.logits, model(x, labels).logits)
+    halves = [model(x[i:i + 4], labels[i:i + 4]).loss for i in (0, 4)]
+    torch.testing.assert_close(out.loss, torch.stack(halves))
+
+
 def test_uneven_split_sizes_and_fewer_rows_than_devices():
     seen = []
 

@@ -237,8 +237,19 @@ def gather(outputs: list[Any], device: torch.device) -> Any:
     if isinstance(first, (list, tuple)):
         return type(first)(gather(list(parts), device) for parts in zip(*outputs))
     if isinstance(first, dict):
-        return {k: gather([o[k] for o in outputs], device) for k in first}
+        return _same_mapping(first, {k: gather([o[k] for o in outputs], device) for k in first})
     return first  # not a tensor: every tower computed the same thing
+
+
+def _same_mapping(first: dict, items: dict) -> dict:
+    """``items`` in the towers' own mapping type, where it can be made from them (a Hugging Face ``ModelOutput``
+    keeps its attributes, ``out.loss`` and ``out.logits``, as ``nn.DataParallel`` keeps them); else a dict."""
+    if type(first) is dict:
+        return items
+    try:
+        return type(first)(**items) if all(isinstance(k, str) for k in items) else type(first)(items)
+    except TypeError:
+        return items
 
 
 def _strip_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
