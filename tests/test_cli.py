@@ -63,6 +63,33 @@ def test_a_run_from_a_config_file_with_flags_over_it_is_saved_and_repeats(tmp_pa
     assert config_from_args(args).resolved().to_toml() == text  # --config of the saved run is this run
 
 
+@pytest.mark.slow
+def test_a_saved_run_given_back_runs_again_in_a_directory_of_its_own(tmp_path):
+    """The paths phalanx chose are not the run: --config of its saved file is the same run again in the next
+    runs/ directory (not a refusal over the first one's checkpoints), and a --checkpoint-dir typed over it takes
+    the metrics file along."""
+    first = run_in_process("train", "--model", "mlp", "--steps", "5", "--workers", "1", "--progress", "none",
+                           cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    saved = tmp_path / "runs" / "sync-1" / "config.toml"
+    text = saved.read_text()
+    assert not [line for line in text.splitlines() if line.startswith(("checkpoint_dir", "metrics"))], text
+    again = run_in_process("train", "--config", str(saved), "--progress", "none", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "runs" / "sync-2" / "config.toml").read_text() == text
+    assert final_line(again.stdout) == final_line(first.stdout)  # the same run, the same numbers
+    moved = run_in_process("train", "--config", str(saved), "--checkpoint-dir", "mine", cwd=tmp_path)
+    assert moved.returncode == 0, moved.stderr
+    assert final_line(moved.stdout) == final_line(first.stdout)
+    assert (tmp_path / "mine" / "metrics.jsonl").is_file()
+    kept = (tmp_path / "mine" / "config.toml").read_text().splitlines()
+    assert sorted(kept) == sorted(text.splitlines() + ['checkpoint_dir = "mine"'])  # the path the user typed
+
+
+def final_line(printed: str) -> str:
+    return next(line for line in printed.splitlines() if line.startswith("test accuracy"))
+
+
 BAD_INPUTS = [
     (["--devices", "tpu"], "unknown device 'tpu'"),
     (["--model", "resnet9000"], "unknown model 'resnet9000': choose one of cnn, mlp, cifar10, lstm"),

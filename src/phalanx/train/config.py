@@ -185,6 +185,9 @@ class TrainConfig:
     _resolved: bool = dataclasses.field(default=False, repr=False)
     #: set by resolved(): the SETTINGS the user gave (on --resume they win over the checkpoint's)
     _given: tuple = dataclasses.field(default=(), repr=False)
+    #: the paths named for the user (the metrics file beside --checkpoint-dir; rundir.placed()'s run directory): a
+    #: saved run leaves them out
+    _placed: tuple = dataclasses.field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -198,6 +201,7 @@ class TrainConfig:
         check_recompute(self)
         if self.metrics is None and self.checkpoint_dir is not None:  # else named with the run's directory
             self.metrics = f"{self.checkpoint_dir}/metrics.jsonl"
+            self._placed += ("metrics",)
 
     # ---- fields as a run reads them: each takes what a user may give (a name, None for "the default"), and
     # __post_init__, resolved() or rundir.placed() leaves it in one form; these read that form, typed ----
@@ -275,9 +279,11 @@ class TrainConfig:
                                           "(flags typed with it override its values)")
 
     def _saved(self, name: str) -> bool:
-        """Whether a saved run writes ``name``: never an action; a setting's own option only where it
-        applies (momentum under sgd), so that reading the file back refuses nothing."""
-        if name in NOT_SAVED or (name in OWN_SCHEDULE and self.lr_scheduler is not None):
+        """Whether a saved run writes ``name``: never an action, nor a path phalanx chose (its ``--config`` then
+        places a new run, rather than meet this one's checkpoints, and ``--checkpoint-dir`` alone moves the metrics
+        with it); a setting's own option only where it applies (momentum under sgd), so that reading the file back
+        refuses nothing."""
+        if name in NOT_SAVED or name in self._placed or (name in OWN_SCHEDULE and self.lr_scheduler is not None):
             return False
         setting, applies_to, _ = ONLY_FOR.get(name, (None, (), None))
         return setting is None or getattr(self, setting) in applies_to

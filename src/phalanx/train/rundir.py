@@ -82,7 +82,8 @@ def placed(cfg: TrainConfig) -> TrainConfig:
     (n counts every run in ``runs/``, so the numbers say which started last, and a name says what ran;
     a timestamp would say neither at a glance, and two runs in one second would share it); a resume
     continues in the directory that holds its checkpoint (a run never writes into another's); under
-    torchrun or srun the directory is ``checkpoints`` (see ``JOINED_DEFAULT``).
+    torchrun or srun the directory is ``checkpoints`` (see ``JOINED_DEFAULT``). The paths named here rather than
+    by the user are recorded (``_placed``): the run's saved ``config.toml`` leaves them out.
     """
     directory, resume = cfg.checkpoint_dir, cfg.resume
     if directory is None:
@@ -97,7 +98,9 @@ def placed(cfg: TrainConfig) -> TrainConfig:
     if resume == NEWEST:
         resume = directory
     metrics = cfg.metrics if cfg.metrics is not None else f"{directory}/metrics.jsonl"
-    return dataclasses.replace(cfg, checkpoint_dir=directory, resume=resume, metrics=metrics)
+    chosen = tuple(name for name in ("checkpoint_dir", "metrics") if getattr(cfg, name) is None)
+    return dataclasses.replace(cfg, checkpoint_dir=directory, resume=resume, metrics=metrics,
+                               _placed=cfg._placed + chosen)
 
 
 def next_number(runs: Path) -> int:
