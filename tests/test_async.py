@@ -28,7 +28,7 @@ def test_each_strategy_trains_digits(tmp_path, flags):
     out = run_in_process("train", *flags, "--steps", "150", cwd=tmp_path)  # (0.975 to 0.981 measured)
     assert out.returncode == 0, out.stderr[-3000:]
     accuracy = float(re.search(r"test accuracy (\d\.\d+)", out.stdout).group(1))
-    assert accuracy >= 0.93
+    assert accuracy >= 0.93, out.stdout[-3000:]  # (its staleness line: how far behind the workers ran)
     if flags[1] in ("ps", "ssp", "hogwild"):
         assert re.search(r"^staleness: mean \d+\.\d, p95 \d+, max \d+ updates behind"
                          r".*\((bound \d+ steps?|unbounded)\)$", out.stdout, re.M)
