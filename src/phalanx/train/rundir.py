@@ -97,10 +97,8 @@ def placed(cfg: TrainConfig) -> TrainConfig:
             directory = str(Path(RUNS) / f"{cfg.options.name}-{next_number(Path(RUNS))}")
     if resume == NEWEST:
         resume = directory
-    metrics = cfg.metrics if cfg.metrics is not None else f"{directory}/metrics.jsonl"
-    chosen = tuple(name for name in ("checkpoint_dir", "metrics") if getattr(cfg, name) is None)
-    return dataclasses.replace(cfg, checkpoint_dir=directory, resume=resume, metrics=metrics,
-                               _placed=cfg._placed + chosen)
+    chosen = ("checkpoint_dir",) if cfg.checkpoint_dir is None else ()  # (the metrics beside it: __post_init__)
+    return dataclasses.replace(cfg, checkpoint_dir=directory, resume=resume, _placed=cfg._placed + chosen)
 
 
 def next_number(runs: Path) -> int:
